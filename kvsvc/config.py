@@ -1,0 +1,279 @@
+"""Validated configuration: the ``kv_events_config_file`` JSON (§8) and the service settings.
+
+Both are checked before any thread starts; every failure raises :class:`~kvsvc.errors.ConfigError`
+naming the field (``streams[2].endpoint``, ``max_streams``, ``--port``). Unknown keys, wrong types
+(no string-to-number coercion) and out-of-range values are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any, List, Optional
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MAX_U64 = 2**64 - 1
+
+
+def _check_tcp_endpoint(value: str) -> str:
+    """``tcp://host:port`` with a connectable host (not ``*`` / ``0.0.0.0``) and port 1-65535 (§8)."""
+    if not value.startswith("tcp://"):
+        raise ValueError("must be tcp://host:port")
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {value!r}") from exc
+    host = parts.hostname
+    if not host or port is None:
+        raise ValueError(f"must be tcp://host:port, got {value!r}")
+    if host in ("*", "0.0.0.0", "::") or "*" in parts.netloc:
+        raise ValueError(f"host must be connectable, not {host!r}")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} out of range 1-65535")
+    if parts.path or parts.query or parts.fragment:
+        raise ValueError(f"must be tcp://host:port with nothing after the port, got {value!r}")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StreamConfig(_Strict):
+    """One static stream: one (instance, DP rank) KV-event channel (§8 ``streams[]``)."""
+
+    instance_name: Annotated[StrictStr, Field(min_length=1)]
+    """Instance identity, normally its HTTP ``host:port`` as registered."""
+    dp_rank: Annotated[StrictInt, Field(ge=0, le=65535)] = 0
+    """DP rank of this stream; must equal the rank carried by its batches (§2)."""
+    block_size: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 128
+    """Tokens per block; must equal ``block_size`` of its ``BlockStored`` events (§5)."""
+    endpoint: StrictStr
+    """Live event endpoint ``tcp://host:port`` (§1)."""
+    replay_endpoint: StrictStr
+    """Snapshot (replay) endpoint ``tcp://host:port`` (§7)."""
+    topic: StrictStr = ""
+    """ZMQ topic, equal to the engine's exactly (§1)."""
+    hash_seed: Annotated[StrictInt, Field(ge=0, le=MAX_U64)] = 1024
+    """XXH3 seed of the content keys (§4); internal to kvsvc."""
+
+    _endpoint_rule = field_validator("endpoint", "replay_endpoint")(_check_tcp_endpoint)
+
+
+class DiscoveryConfig(_Strict):
+    """Discovery rule block (§8, §9)."""
+
+    enabled: StrictBool = True
+    block_size: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 128
+    topic: StrictStr = ""
+    event_port_offset: Annotated[StrictInt, Field(ge=0, le=65535)] = 10000
+    replay_port_offset: Annotated[StrictInt, Field(ge=0, le=65535)] = 30000
+    refresh_interval_ms: Annotated[StrictInt, Field(ge=50, le=60000)] = 1000
+    hash_seed: Annotated[StrictInt, Field(ge=0, le=MAX_U64)] = 1024
+
+
+class KvEventsConfig(_Strict):
+    """The ``kv_events_config_file`` document (§8)."""
+
+    discovery: Optional[DiscoveryConfig] = None
+    streams: List[StreamConfig] = Field(default_factory=list)
+    max_streams: Annotated[StrictInt, Field(ge=1, le=128)] = 128
+    """Streams kept; beyond it whole instances are skipped in name order."""
+    max_blocks_per_stream: Annotated[StrictInt, Field(ge=1)] = 262144
+    """Indexed blocks plus EXCLUDED/ORPHAN markers per stream (§5)."""
+    max_message_bytes: Annotated[StrictInt, Field(ge=1024)] = 8 * 1024 * 1024
+    """One live message or one snapshot reply message, all frames (§1, §7)."""
+    max_buffered_bytes: Annotated[StrictInt, Field(ge=1024)] = 16 * 1024 * 1024
+    """Live deltas buffered during one recovery, wire bytes plus record overhead (§6)."""
+    replay_timeout_ms: Annotated[StrictInt, Field(ge=1)] = 2000
+    """Deadline of one complete snapshot reply (§7)."""
+    resync_interval_ms: Annotated[StrictInt, Field(ge=1000)] = 30000
+    """Period of the background calibration snapshot of a synchronized stream (§6)."""
+
+    @model_validator(mode="after")
+    def _sources_and_uniqueness(self) -> "KvEventsConfig":
+        if self.streams and self.discovery is not None and self.discovery.enabled:
+            raise ValueError("streams: non-empty streams and enabled discovery are mutually exclusive")
+        seen_pairs: dict[tuple[str, int], int] = {}
+        seen_endpoints: dict[str, str] = {}
+        for i, s in enumerate(self.streams):
+            pair = (s.instance_name, s.dp_rank)
+            if pair in seen_pairs:
+                raise ValueError(
+                    f"streams[{i}]: duplicate instance_name/dp_rank {pair[0]!r}/{pair[1]} "
+                    f"(also streams[{seen_pairs[pair]}])"
+                )
+            seen_pairs[pair] = i
+            for name in ("endpoint", "replay_endpoint"):
+                ep = getattr(s, name)
+                if ep in seen_endpoints:
+                    raise ValueError(
+                        f"streams[{i}].{name}: endpoint {ep} already used by {seen_endpoints[ep]}"
+                    )
+                seen_endpoints[ep] = f"streams[{i}].{name}"
+        return self
+
+    def kept_streams(self) -> List[StreamConfig]:
+        """Static streams after ``max_streams`` (§8): whole instances in name order, never part of
+        an instance's DP ranks. Skipped instances are logged once here."""
+        by_name: dict[str, list[StreamConfig]] = {}
+        for s in self.streams:
+            by_name.setdefault(s.instance_name, []).append(s)
+        kept: list[StreamConfig] = []
+        for name in sorted(by_name):
+            group = sorted(by_name[name], key=lambda s: s.dp_rank)
+            if len(kept) + len(group) > self.max_streams:
+                log.warning("max_streams=%d reached: instance %s (%d streams) skipped",
+                            self.max_streams, name, len(group))
+                continue
+            kept.extend(group)
+        return kept
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith("function-"):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def translate_validation_error(exc: ValidationError, prefix: str = "") -> ConfigError:
+    """Turn the first pydantic error into a :class:`ConfigError` naming the field."""
+    err = exc.errors(include_url=False)[0]
+    msg = str(err.get("msg", "invalid"))
+    field = _field_path(tuple(err.get("loc", ())))
+    # Model-level validators put the field in the message ("streams[1].endpoint: ...").
+    if not field and ": " in msg:
+        head, _, rest = msg.removeprefix("Value error, ").partition(": ")
+        field, msg = head, rest
+    msg = msg.removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown key"
+    if prefix:
+        field = f"{prefix}{field}"
+    return ConfigError(field, msg)
+
+
+def parse_kv_events_config(data: Any) -> KvEventsConfig:
+    """Validate a decoded ``kv_events_config_file`` document (§8).
+
+    :param data: the JSON value (must be an object).
+    :raises ConfigError: naming the first offending field.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError("kv_events_config_file", "top level must be a JSON object")
+    try:
+        return KvEventsConfig.model_validate(data)
+    except ValidationError as exc:
+        raise translate_validation_error(exc) from exc
+
+
+def load_kv_events_config(path: str | os.PathLike[str]) -> KvEventsConfig:
+    """Read and validate the ``kv_events_config_file`` (§8).
+
+    :raises ConfigError: unreadable file, invalid JSON, or an invalid field.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("kv_events_config_file", f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("kv_events_config_file", f"{path} is not valid JSON: {exc}") from exc
+    return parse_kv_events_config(data)
+
+
+class ServiceSettings(BaseSettings):
+    """Service settings, named after xllm-service's flags. Sources, highest first: command-line
+    flags (passed as keyword arguments), ``KVSVC_<NAME>`` environment variables, defaults.
+    The internal token can come from ``KVSVC_INTERNAL_API_TOKEN`` or a file named by
+    ``--internal_api_token_file`` / ``KVSVC_INTERNAL_API_TOKEN_FILE`` so it never needs argv."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSVC_", extra="forbid", frozen=True)
+
+    host: str = "0.0.0.0"
+    """HTTP bind address."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8888
+    """HTTP port."""
+    kv_events_config_file: str = ""
+    """Path of the §8 JSON; empty disables the index."""
+    internal_api_token: Optional[SecretStr] = None
+    """Required ``X-Internal-Token`` of ``/v1/internal/*`` when set (§10)."""
+    internal_api_token_file: str = ""
+    """File holding the internal token (first line, stripped); exclusive with the token itself."""
+    max_query_tokens: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 1 << 20
+    """Largest ``token_ids`` list accepted by the query endpoint (§10)."""
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _token_sources(self) -> "ServiceSettings":
+        if self.internal_api_token is not None and self.internal_api_token_file:
+            raise ValueError("internal_api_token_file: give either the token or the token file, not both")
+        return self
+
+    def token(self) -> Optional[str]:
+        """The internal API token, reading ``internal_api_token_file`` if set.
+
+        :raises ConfigError: the token file cannot be read or is empty.
+        """
+        if self.internal_api_token is not None:
+            value = self.internal_api_token.get_secret_value()
+            return value or None
+        if self.internal_api_token_file:
+            try:
+                value = Path(self.internal_api_token_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError("internal_api_token_file",
+                                  f"cannot read {self.internal_api_token_file}: {exc.strerror}") from exc
+            if not value:
+                raise ConfigError("internal_api_token_file", "file is empty")
+            return value
+        return None
+
+    def kv_events_config(self) -> Optional[KvEventsConfig]:
+        """The validated §8 config, or ``None`` when the index is disabled (empty path).
+
+        :raises ConfigError: see :func:`load_kv_events_config`.
+        """
+        if not self.kv_events_config_file:
+            return None
+        return load_kv_events_config(self.kv_events_config_file)
+
+
+def load_service_settings(**overrides: Any) -> ServiceSettings:
+    """Build :class:`ServiceSettings` from flags (``overrides``, ``None`` values ignored) and env.
+
+    :raises ConfigError: naming the field (``--port`` style names for flags).
+    """
+    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ServiceSettings(**kwargs)
+    except ValidationError as exc:
+        raise translate_validation_error(exc, prefix="--") from exc

@@ -1,0 +1,91 @@
+"""Stream identity, state and per-stream query answers (§6, §10), shared by the subscriber,
+the directory and the HTTP layer."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+
+class StreamState(str, enum.Enum):
+    """§6 states. ``UNSYNCHRONIZED`` carries an error reason; only ``SYNCHRONIZED`` serves hits."""
+
+    UNSYNCHRONIZED = "unsynchronized"
+    RECOVERING = "recovering"
+    SYNCHRONIZED = "synchronized"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class StreamId:
+    """One (instance, DP rank) KV-event channel."""
+
+    instance_name: str
+    dp_rank: int
+
+    def __str__(self) -> str:
+        return f"{self.instance_name}/dp{self.dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMatch:
+    """One stream's answer to a prefix query (§10).
+
+    :param sequence: last applied live seq, ``None`` before the first one.
+    :param device_hit_tokens: tokens of the contiguous reusable prefix found on Device.
+    :param host_only_hit_tokens: tokens of the same prefix found only on Host.
+    :param device_blocks: resident Device blocks of the stream (whole index).
+    :param host_blocks: resident Host blocks (a block on both tiers counts in both).
+    :param error: ``None`` or why the stream is not synchronized.
+    """
+
+    instance_name: str
+    dp_rank: int
+    synchronized: bool
+    sequence: Optional[int]
+    device_hit_tokens: int
+    host_only_hit_tokens: int
+    device_blocks: int
+    host_blocks: int
+    error: Optional[str]
+
+    @property
+    def reusable_prefix_tokens(self) -> int:
+        """``device_hit_tokens + host_only_hit_tokens`` (§10)."""
+        return self.device_hit_tokens + self.host_only_hit_tokens
+
+    def to_json(self) -> dict:
+        """The §10 JSON object of this match."""
+        return {
+            "instance_name": self.instance_name,
+            "dp_rank": self.dp_rank,
+            "synchronized": self.synchronized,
+            "sequence": self.sequence,
+            "device_hit_tokens": self.device_hit_tokens,
+            "host_only_hit_tokens": self.host_only_hit_tokens,
+            "reusable_prefix_tokens": self.reusable_prefix_tokens,
+            "device_blocks": self.device_blocks,
+            "host_blocks": self.host_blocks,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """A stream's state for ``/ready``, logs and (later) metrics, read under the stream lock.
+
+    :param synchronized_once: True once the stream has been synchronized at least once.
+    :param recoveries: completed recoveries (snapshot swaps and AllBlocksCleared baselines).
+    :param resync_differences: blocks that differed at periodic resyncs (silently lost events).
+    """
+
+    stream: StreamId
+    state: StreamState
+    error: Optional[str]
+    sequence: Optional[int]
+    device_blocks: int
+    host_blocks: int
+    entries: int
+    synchronized_once: bool
+    recoveries: int
+    resync_differences: int

@@ -1,0 +1,34 @@
+"""Shared fixtures: a ZMQ context per test and a leak check that fails a test which leaves a
+thread running (every thread a test starts must be stopped by its owner's ``close()``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+
+@pytest.fixture
+def zmq_ctx():
+    """A fresh ZMQ context, terminated after the test (sockets left open would hang term, so
+    linger is 0 and term is bounded by closing every socket the context still has)."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+    """Fail the test if it leaves new threads alive (waits up to 5 s for them to finish)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        leaked = [t for t in threading.enumerate()
+                  if t not in before and t.is_alive() and not t.name.startswith("pydevd")]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not leaked, f"threads left running: {[t.name for t in leaked]}"
