@@ -1,0 +1,242 @@
+"""The Flask application: the KV-cache query API, liveness and readiness (§10).
+
+``create_app(settings)`` builds the app and a :class:`Service` (directory, settings, token) kept
+in ``app.extensions["kvsvc"]``; nothing starts there. Whoever serves the app starts the service
+after any fork (gunicorn: ``post_worker_init``, see :mod:`kvsvc.server`) and closes it at exit.
+
+Endpoints:
+
+- ``POST /v1/internal/kv-cache/query`` ``{"token_ids": [int, ...]}`` -> ``{"matches": [...]}``
+  (one :meth:`~kvsvc.streams.state.StreamMatch.to_json` per stream; ``[]`` with the index
+  disabled). ``/v1/internal/*`` needs ``X-Internal-Token`` when a token is configured (401).
+- ``GET /health``: liveness, always ``{"status": "ok"}``.
+- ``GET /ready``: 200 once the service runs and every stream has been synchronized at least
+  once, else 503; the body lists every stream's state.
+
+Every error answer is JSON ``{"error": "..."}`` (400, 401, 404, 405, 413, 500), never HTML.
+:class:`~kvsvc.errors.RequestError` carries the 4xx status of bad input.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from typing import Any, Optional
+
+import flask
+from flask import current_app, request
+from werkzeug.exceptions import HTTPException
+
+from .config import KvEventsConfig, ServiceSettings
+from .directory import Directory
+from .errors import LifecycleError, RequestError
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "kvsvc"
+QUERY_PATH = "/v1/internal/kv-cache/query"
+INTERNAL_PREFIX = "/v1/internal/"
+TOKEN_HEADER = "X-Internal-Token"
+MAX_TOKEN_ID = 2**31 - 1
+
+#: Bytes of JSON one token id can take in a body: ``2147483647`` plus ``", "``.
+_BYTES_PER_TOKEN = 12
+#: Room for the object around the list and for pretty-printing whitespace.
+_BODY_SLACK_BYTES = 64 * 1024
+
+
+def max_content_length(max_query_tokens: int) -> int:
+    """Largest query body accepted, bytes: a body with ``max_query_tokens`` of the longest ids,
+    comma-space separated, fits with room to spare; anything larger gets 413 before it is read.
+
+    :param max_query_tokens: the ``max_query_tokens`` setting (§10).
+    """
+    return max_query_tokens * _BYTES_PER_TOKEN + _BODY_SLACK_BYTES
+
+
+class Service:
+    """Everything one app serves from: settings, the internal token and the directory.
+
+    :param settings: validated service settings.
+    :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
+    :param token: the internal API token, ``None`` when none is required.
+    """
+
+    def __init__(self, settings: ServiceSettings, kv_config: Optional[KvEventsConfig],
+                 token: Optional[str]) -> None:
+        self.settings = settings
+        self.token = token
+        self.directory: Optional[Directory] = Directory(kv_config) if kv_config is not None else None
+        self._lock = threading.Lock()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`close`."""
+        with self._lock:
+            return self._running
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the directory's stream threads (none with the index disabled).
+
+        :param timeout_s: bound of each stream's start, seconds.
+        :raises LifecycleError: already running, or a stream did not start in time.
+        """
+        with self._lock:
+            if self._running:
+                raise LifecycleError("service already started")
+        if self.directory is None:
+            log.warning("kv_events_config_file is empty: KV index disabled, every query "
+                        "answers no matches (hit ratio 0)")
+        else:
+            self.directory.start(timeout_s=timeout_s)
+        with self._lock:
+            self._running = True
+        log.info("service started (%d streams, token %s)",
+                 len(self.directory) if self.directory is not None else 0,
+                 "required" if self.token else "not required")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the directory's threads. Idempotent.
+
+        :raises LifecycleError: a stream thread did not stop in time.
+        """
+        with self._lock:
+            if not self._running:
+                return
+            self._running = False
+        if self.directory is not None:
+            self.directory.close(timeout_s=timeout_s)
+        log.info("service closed")
+
+
+def service() -> Service:
+    """The :class:`Service` of the current app (inside a request or app context)."""
+    return current_app.extensions[EXTENSION]
+
+
+def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = None) -> flask.Flask:
+    """Build the Flask app and its (not started) :class:`Service`.
+
+    :param settings: service settings.
+    :param kv_config: the §8 config; ``None`` loads ``settings.kv_events_config_file`` when set,
+        and an empty path disables the index.
+    :raises ConfigError: the §8 file or the token file is invalid or unreadable.
+    """
+    if kv_config is None:
+        kv_config = settings.kv_events_config()
+    app = flask.Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = max_content_length(settings.max_query_tokens)
+    app.json.sort_keys = False
+    app.extensions[EXTENSION] = Service(settings, kv_config, settings.token())
+    app.before_request(_check_internal_token)
+    app.register_error_handler(RequestError, _request_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _internal_error)
+    app.add_url_rule(QUERY_PATH, "kv_cache_query", _query, methods=["POST"])
+    app.add_url_rule("/health", "health", _health, methods=["GET"])
+    app.add_url_rule("/ready", "ready", _ready, methods=["GET"])
+    return app
+
+
+# -- request handling ----------------------------------------------------------------------------
+
+def _check_internal_token() -> None:
+    """§10: every ``/v1/internal/*`` request carries the configured token (constant time)."""
+    if not request.path.startswith(INTERNAL_PREFIX):
+        return
+    expected = service().token
+    if expected is None:
+        return
+    given = request.headers.get(TOKEN_HEADER)
+    if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                                expected.encode("utf-8")):
+        raise RequestError(401, f"missing or wrong {TOKEN_HEADER}")
+
+
+def parse_token_ids(body: bytes, max_tokens: int) -> list[int]:
+    """Validate a query body (§10) and return its token ids.
+
+    Cheap for long prompts: one ``json.loads``, one pass collecting element types, one
+    ``min``/``max``.
+
+    :param body: raw request body, UTF-8 JSON ``{"token_ids": [int, ...]}``.
+    :param max_tokens: most token ids accepted.
+    :raises RequestError: 400 naming what is wrong.
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise RequestError(400, "body is not valid JSON") from exc
+    if not isinstance(doc, dict):
+        raise RequestError(400, "body must be a JSON object")
+    if "token_ids" not in doc:
+        raise RequestError(400, "token_ids: missing")
+    token_ids = doc["token_ids"]
+    if not isinstance(token_ids, list):
+        raise RequestError(400, "token_ids: must be a list of integers")
+    if len(token_ids) > max_tokens:
+        raise RequestError(400, f"token_ids: {len(token_ids)} tokens, more than "
+                                f"max_query_tokens={max_tokens}")
+    if not token_ids:
+        return token_ids
+    # type() is not isinstance(): bool is an int subclass but never a token id.
+    if set(map(type, token_ids)) != {int}:
+        raise RequestError(400, "token_ids: every element must be an integer")
+    if min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID:
+        raise RequestError(400, f"token_ids: every element must be in [0, {MAX_TOKEN_ID}]")
+    return token_ids
+
+
+def _query() -> flask.Response:
+    svc = service()
+    token_ids = parse_token_ids(request.get_data(cache=False), svc.settings.max_query_tokens)
+    if svc.directory is None:
+        return flask.jsonify(matches=[])
+    matches = svc.directory.query(token_ids)
+    return flask.jsonify(matches=[m.to_json() for m in matches])
+
+
+def _health() -> flask.Response:
+    return flask.jsonify(status="ok")
+
+
+def _ready() -> tuple[flask.Response, int]:
+    svc = service()
+    statuses = svc.directory.statuses() if svc.directory is not None else []
+    ready = svc.running and all(st.synchronized_once for st in statuses)
+    body: dict[str, Any] = {
+        "ready": ready,
+        "running": svc.running,
+        "index_enabled": svc.directory is not None,
+        "streams": [{
+            "instance_name": st.stream.instance_name,
+            "dp_rank": st.stream.dp_rank,
+            "state": st.state.value,
+            "synchronized_once": st.synchronized_once,
+            "sequence": st.sequence,
+            "error": st.error,
+        } for st in statuses],
+    }
+    return flask.jsonify(body), 200 if ready else 503
+
+
+# -- JSON errors ---------------------------------------------------------------------------------
+
+def _request_error(exc: RequestError) -> tuple[flask.Response, int]:
+    return flask.jsonify(error=exc.message), exc.status
+
+
+def _http_error(exc: HTTPException) -> flask.Response:
+    # Keep werkzeug's response (status, and headers such as Allow on 405); replace the HTML.
+    response = exc.get_response()
+    response.set_data(json.dumps({"error": exc.description or exc.name}))
+    response.content_type = "application/json"
+    return response
+
+
+def _internal_error(exc: Exception) -> tuple[flask.Response, int]:
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return flask.jsonify(error="internal server error"), 500

@@ -1,0 +1,213 @@
+"""The ``kvsvc`` command (also ``python -m kvsvc``).
+
+Subcommands:
+
+- ``serve``: validate the settings and the §8 file, export them as ``KVSVC_*`` variables and
+  replace this process with gunicorn (``python -m gunicorn -c config/gunicorn.conf.py
+  wsgi:app``) running in the foreground; Ctrl-C / SIGTERM stop it.
+- ``check-config``: validate a §8 file and print a summary.
+- ``sim``, ``demo``: the engine simulator and the demo, imported only when used.
+
+Exit codes: 0 success, 2 invalid configuration or usage (the offending field named on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from .config import KvEventsConfig, ServiceSettings, load_kv_events_config, load_service_settings
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+
+#: The source checkout holding ``wsgi.py`` and ``config/gunicorn.conf.py``.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+GUNICORN_CONF = PROJECT_ROOT / "config" / "gunicorn.conf.py"
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+#: Subcommands implemented elsewhere, imported on use: name -> (module, help).
+_LAZY_COMMANDS = {
+    "sim": ("kvsvc.sim.cli", "run a simulated engine publishing KV events"),
+    "demo": ("kvsvc.demo", "run the end-to-end demo"),
+}
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
+                       description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.")
+    p.add_argument("--host", help="HTTP bind address (KVSVC_HOST, default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="HTTP port (KVSVC_PORT, default 8888)")
+    p.add_argument("--kv_events_config_file",
+                   help="§8 JSON file; empty disables the index (KVSVC_KV_EVENTS_CONFIG_FILE)")
+    p.add_argument("--internal_api_token_file",
+                   help="file holding the X-Internal-Token value (KVSVC_INTERNAL_API_TOKEN_FILE)")
+    p.add_argument("--internal_api_token",
+                   help="token value; visible in `ps` to every local user: prefer "
+                        "KVSVC_INTERNAL_API_TOKEN or --internal_api_token_file")
+    p.add_argument("--max_query_tokens", type=int,
+                   help="largest token_ids list of a query (KVSVC_MAX_QUERY_TOKENS)")
+    p.add_argument("--log_level", choices=_LOG_LEVELS, help="log level (KVSVC_LOG_LEVEL)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_check_config(sub: Any) -> None:
+    p = sub.add_parser("check-config", help="validate a kv_events_config_file and summarise it")
+    p.add_argument("--kv_events_config_file", required=True, help="§8 JSON file")
+    p.set_defaults(func=cmd_check_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser (``sim``/``demo`` are listed; their own flags load on use)."""
+    parser = argparse.ArgumentParser(
+        prog="kvsvc", description="kvsvc: KV-cache-aware router and KV-event directory.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_check_config(sub)
+    for name, (_, help_text) in _LAZY_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _config_error(exc: ConfigError) -> int:
+    print(f"kvsvc: invalid configuration: {exc.field or 'config'}: {exc.message}",
+          file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
+    """Settings of ``serve`` from flags over ``KVSVC_*`` env, with the §8 file and the token
+    checked too, so that a bad config fails here and not inside a gunicorn worker.
+
+    :raises ConfigError: naming the field (``--port``, ``streams[0].endpoint``, ...).
+    """
+    settings = load_service_settings(
+        host=args.host, port=args.port, kv_events_config_file=args.kv_events_config_file,
+        internal_api_token=args.internal_api_token,
+        internal_api_token_file=args.internal_api_token_file,
+        max_query_tokens=args.max_query_tokens, log_level=args.log_level)
+    if settings.log_level.lower() not in _LOG_LEVELS:
+        raise ConfigError("--log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
+    settings.kv_events_config()
+    settings.token()
+    return settings
+
+
+def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[str, str]:
+    """The gunicorn process's environment: ``base`` without any ``KVSVC_*`` variable, plus the
+    resolved settings as ``KVSVC_*`` (paths made absolute: gunicorn runs in the project root).
+    The token travels in the environment or as a file path, never in argv.
+
+    :param settings: validated settings.
+    :param base: the current environment.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("KVSVC_")}
+    cfg = settings.kv_events_config_file
+    env.update({
+        "KVSVC_HOST": settings.host,
+        "KVSVC_PORT": str(settings.port),
+        "KVSVC_KV_EVENTS_CONFIG_FILE": os.path.abspath(cfg) if cfg else "",
+        "KVSVC_MAX_QUERY_TOKENS": str(settings.max_query_tokens),
+        "KVSVC_LOG_LEVEL": settings.log_level.lower(),
+    })
+    if settings.internal_api_token is not None:
+        env["KVSVC_INTERNAL_API_TOKEN"] = settings.internal_api_token.get_secret_value()
+    elif settings.internal_api_token_file:
+        env["KVSVC_INTERNAL_API_TOKEN_FILE"] = os.path.abspath(settings.internal_api_token_file)
+    return env
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvsvc serve``: validate, then exec gunicorn in the foreground (does not return on
+    success).
+
+    :returns: ``EXIT_CONFIG`` on invalid configuration or a missing gunicorn config.
+    """
+    try:
+        settings = resolve_serve_settings(args)
+    except ConfigError as exc:
+        return _config_error(exc)
+    if not GUNICORN_CONF.is_file() or not (PROJECT_ROOT / "wsgi.py").is_file():
+        print(f"kvsvc: {GUNICORN_CONF} or wsgi.py not found: `kvsvc serve` runs from the "
+              "source checkout (pip install -e .)", file=sys.stderr)
+        return EXIT_CONFIG
+    env = serve_environment(settings, dict(os.environ))
+    argv = [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "wsgi:app"]
+    # Replace this process: gunicorn's arbiter then owns the terminal's signals directly
+    # (SIGINT/SIGTERM stop it and its worker), and no parent is left to forward them.
+    os.chdir(PROJECT_ROOT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)
+    return EXIT_OK  # not reached
+
+
+def summarize(path: str, config: KvEventsConfig) -> list[str]:
+    """Human-readable lines describing a validated §8 config."""
+    kept = config.kept_streams()
+    lines = [f"kv_events_config_file: {path}: valid"]
+    if config.discovery is not None and config.discovery.enabled:
+        d = config.discovery
+        lines.append(f"discovery: enabled (block_size={d.block_size}, topic={d.topic!r}, "
+                     f"event_port_offset={d.event_port_offset}, "
+                     f"replay_port_offset={d.replay_port_offset}, "
+                     f"refresh_interval_ms={d.refresh_interval_ms})")
+    instances = sorted({s.instance_name for s in kept})
+    lines.append(f"streams: {len(config.streams)} configured, {len(kept)} kept "
+                 f"(max_streams={config.max_streams}), {len(instances)} instances")
+    for s in kept:
+        lines.append(f"  {s.instance_name}/dp{s.dp_rank}: block_size={s.block_size} "
+                     f"hash_seed={s.hash_seed} endpoint={s.endpoint} "
+                     f"replay_endpoint={s.replay_endpoint} topic={s.topic!r}")
+    lines.append(f"limits: max_blocks_per_stream={config.max_blocks_per_stream} "
+                 f"max_message_bytes={config.max_message_bytes} "
+                 f"max_buffered_bytes={config.max_buffered_bytes} "
+                 f"replay_timeout_ms={config.replay_timeout_ms} "
+                 f"resync_interval_ms={config.resync_interval_ms}")
+    return lines
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """``kvsvc check-config``: 0 and a summary on stdout, or 2 and the field on stderr."""
+    try:
+        config = load_kv_events_config(args.kv_events_config_file)
+    except ConfigError as exc:
+        return _config_error(exc)
+    print("\n".join(summarize(args.kv_events_config_file, config)))
+    return EXIT_OK
+
+
+def _run_lazy(name: str, argv: Sequence[str]) -> int:
+    module_name, help_text = _LAZY_COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"kvsvc {name}: not available in this build ({exc})", file=sys.stderr)
+        return EXIT_CONFIG
+    parser = argparse.ArgumentParser(prog=f"kvsvc {name}", description=help_text)
+    add_arguments: Callable[[argparse.ArgumentParser], None] = module.add_arguments
+    add_arguments(parser)
+    return int(module.run(parser.parse_args(list(argv))))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``kvsvc`` / ``python -m kvsvc``.
+
+    :param argv: arguments without the program name (``sys.argv[1:]`` when ``None``).
+    :returns: the process exit code.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _LAZY_COMMANDS:
+        return _run_lazy(argv[0], argv[1:])
+    logging.basicConfig(level=logging.WARNING, format="kvsvc: %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,293 @@
+"""The KV-event directory: every configured stream's subscriber, queried together (§10).
+
+The directory owns one :class:`~kvsvc.streams.subscriber.StreamSubscriber` per kept stream
+(§8 ``max_streams``). Its stream set is an immutable :class:`_View` swapped under a lock
+(copy-on-write), so discovery (§9) can add and remove streams at run time while request threads
+keep reading the view they took, without a lock held during a query. Request threads never touch
+ZMQ (§6): :meth:`Directory.query` only hashes tokens and reads each stream's in-memory index.
+
+Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not start or stop in time,
+:class:`~kvsvc.errors.ConfigError` for a duplicate stream, ``ValueError`` for bad token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
+
+import zmq
+
+from .config import KvEventsConfig, StreamConfig
+from .errors import ConfigError, LifecycleError
+from .index.keys import chain_keys, pack_tokens
+from .streams.state import StreamId, StreamMatch, StreamState, StreamStatus
+from .streams.subscriber import StreamSubscriber
+
+log = logging.getLogger(__name__)
+
+#: (block_size, hash_seed): streams sharing it share the content keys of a prompt (§4).
+Geometry = tuple[int, int]
+
+#: ``error`` of a stream whose directory has not been started (no thread, no index yet).
+NOT_STARTED = "not started"
+
+
+@dataclass(frozen=True)
+class _View:
+    """One immutable generation of the stream set (copy-on-write: never changed, replaced).
+
+    :param configs: stream id -> its configuration, read-only.
+    :param subscribers: stream id -> subscriber, read-only; empty until the directory has a ZMQ
+        context (an owned context is only created in :meth:`Directory.start`).
+    :param ordered: stream ids sorted by (instance_name, dp_rank), the §10 answer order.
+    :param geometries: distinct (block_size, hash_seed) pairs, first-seen order.
+    """
+
+    configs: Mapping[StreamId, StreamConfig]
+    subscribers: Mapping[StreamId, StreamSubscriber]
+    ordered: tuple[StreamId, ...]
+    geometries: tuple[Geometry, ...]
+
+    @classmethod
+    def of(cls, configs: dict[StreamId, StreamConfig],
+           subscribers: dict[StreamId, StreamSubscriber]) -> "_View":
+        """Build a view from fresh dicts (the caller must not change them afterwards)."""
+        ordered = tuple(sorted(configs))
+        geometries = tuple(dict.fromkeys(
+            (configs[sid].block_size, configs[sid].hash_seed) for sid in ordered))
+        return cls(MappingProxyType(configs), MappingProxyType(subscribers), ordered, geometries)
+
+
+def _stream_id(cfg: StreamConfig) -> StreamId:
+    return StreamId(cfg.instance_name, cfg.dp_rank)
+
+
+class Directory:
+    """All streams of one service, started and stopped together, queried in one call (§10).
+
+    :param config: the validated §8 config; its ``kept_streams()`` are the initial streams and
+        its limits apply to every stream.
+    :param context: ZMQ context for the stream sockets. Given: the subscribers are constructed
+        here (nothing started). ``None``: the directory creates its own context in
+        :meth:`start` (after a gunicorn fork, never before: a ZMQ context does not survive
+        ``fork``), constructs the subscribers then, and destroys the context in :meth:`close`.
+        Until then each stream answers unsynchronized with error ``"not started"``.
+    """
+
+    def __init__(self, config: KvEventsConfig, context: Optional[zmq.Context] = None) -> None:
+        self._limits = config
+        self._context = context
+        self._owns_context = context is None
+        # Guards the _view swap and _started only; queries take the view and work outside it.
+        self._lock = threading.Lock()
+        self._started = False
+        # §8 validation rejects duplicate (instance_name, dp_rank) pairs already.
+        configs = {_stream_id(cfg): cfg for cfg in config.kept_streams()}
+        subscribers = ({} if context is None else
+                       {sid: self._subscriber(cfg, context) for sid, cfg in configs.items()})
+        self._view = _View.of(configs, subscribers)
+
+    def _subscriber(self, cfg: StreamConfig, context: zmq.Context) -> StreamSubscriber:
+        return StreamSubscriber(cfg, self._limits, context)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start every stream's thread (each connects and requests a snapshot at once, §6).
+
+        :param timeout_s: bound of each stream's start, seconds.
+        :raises LifecycleError: already started, or a stream did not start in time; then the
+            streams already started are closed again (and an owned context destroyed) first.
+        """
+        with self._lock:
+            if self._started:
+                raise LifecycleError("directory already started")
+            if self._owns_context:
+                self._context = zmq.Context()
+                self._view = _View.of(
+                    dict(self._view.configs),
+                    {sid: self._subscriber(cfg, self._context)
+                     for sid, cfg in self._view.configs.items()})
+            view = self._view
+            self._started = True
+        started: list[StreamSubscriber] = []
+        try:
+            for sid in view.ordered:
+                sub = view.subscribers[sid]
+                sub.start(timeout_s=timeout_s)
+                started.append(sub)
+        except BaseException:
+            log.error("directory start failed after %d of %d streams; closing those",
+                      len(started), len(view.ordered))
+            for sub in reversed(started):
+                self._close_quietly(sub, timeout_s)
+            self._stop()
+            raise
+        log.info("directory started: %d streams, %d key geometries",
+                 len(view.ordered), len(view.geometries))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every stream (each joined within ``timeout_s``) and destroy an owned context.
+
+        Idempotent; closing a directory that is not running does nothing.
+
+        :raises LifecycleError: a stream thread did not stop in time (the others are closed
+            first).
+        """
+        with self._lock:
+            if not self._started:
+                return
+            view = self._view
+        failure: Optional[LifecycleError] = None
+        for sid in view.ordered:
+            try:
+                view.subscribers[sid].close(timeout_s=timeout_s)
+            except LifecycleError as exc:
+                log.error("stream %s did not stop within %.1f s", sid, timeout_s)
+                failure = failure or exc
+        self._stop()
+        log.info("directory closed: %d streams", len(view.ordered))
+        if failure is not None:
+            raise failure
+
+    def _stop(self) -> None:
+        """Mark stopped; with an owned context, drop the subscribers and destroy the context
+        (every socket was closed by its stream thread; linger 0 covers one that timed out)."""
+        with self._lock:
+            self._started = False
+            if self._owns_context and self._context is not None:
+                self._view = _View.of(dict(self._view.configs), {})
+                self._context.destroy(linger=0)
+                self._context = None
+
+    @staticmethod
+    def _close_quietly(sub: StreamSubscriber, timeout_s: float) -> None:
+        try:
+            sub.close(timeout_s=timeout_s)
+        except LifecycleError:
+            log.error("stream %s did not stop within %.1f s", sub.stream_id, timeout_s)
+
+    # -- run-time changes (discovery, §9) --------------------------------------------------------
+
+    def add_stream(self, cfg: StreamConfig, timeout_s: float = 5.0) -> StreamId:
+        """Add one stream, started at once when the directory runs. It answers 0 hits until its
+        first snapshot (§6, §9).
+
+        :param cfg: the stream's configuration (limits are the directory's).
+        :param timeout_s: start bound, seconds.
+        :returns: the new stream's id.
+        :raises ConfigError: a stream with the same (instance_name, dp_rank) exists.
+        :raises LifecycleError: the stream did not start in time (it is not added).
+        """
+        sid = _stream_id(cfg)
+        with self._lock:
+            if sid in self._view.configs:
+                raise ConfigError("streams", f"stream {sid} already exists")
+            context, started = self._context, self._started
+        sub = self._subscriber(cfg, context) if context is not None else None
+        if sub is not None and started:
+            # Outside the lock: start() waits for a thread, and queries must never wait on it.
+            sub.start(timeout_s=timeout_s)
+        with self._lock:
+            # Re-check: another add of the same id, or a start()/close(), may have run meanwhile.
+            clash = sid in self._view.configs
+            if not clash and self._context is context and self._started == started:
+                configs = dict(self._view.configs)
+                configs[sid] = cfg
+                subscribers = dict(self._view.subscribers)
+                if sub is not None:
+                    subscribers[sid] = sub
+                self._view = _View.of(configs, subscribers)
+                added = True
+            else:
+                added = False
+        if not added:
+            if sub is not None and started:
+                self._close_quietly(sub, timeout_s)
+            if clash:
+                raise ConfigError("streams", f"stream {sid} already exists")
+            raise LifecycleError(f"directory started or stopped while adding stream {sid}")
+        log.info("stream %s added (block_size=%d, running=%s)", sid, cfg.block_size, started)
+        return sid
+
+    def remove_stream(self, stream_id: StreamId, timeout_s: float = 5.0) -> bool:
+        """Remove one stream; queries stop listing it at once, then its thread is closed.
+
+        :param stream_id: the stream to remove.
+        :param timeout_s: close bound, seconds.
+        :returns: False when no such stream exists.
+        :raises LifecycleError: its thread did not stop in time (it is removed regardless).
+        """
+        with self._lock:
+            view = self._view
+            if stream_id not in view.configs:
+                return False
+            configs = dict(view.configs)
+            del configs[stream_id]
+            subscribers = dict(view.subscribers)
+            sub = subscribers.pop(stream_id, None)
+            self._view = _View.of(configs, subscribers)
+            started = self._started
+        log.info("stream %s removed", stream_id)
+        if sub is not None and started:
+            sub.close(timeout_s=timeout_s)
+        return True
+
+    # -- request path ---------------------------------------------------------------------------
+
+    def stream_ids(self) -> list[StreamId]:
+        """Current stream ids in answer order (instance_name, dp_rank)."""
+        return list(self._current().ordered)
+
+    def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
+        """Each stream's reusable prefix of ``token_ids`` (§10), ordered by (instance_name,
+        dp_rank).
+
+        Tokens are packed once and content keys (§4) computed once per distinct (block_size,
+        hash_seed), reusing the packed bytes; only full blocks count. An unsynchronized stream
+        answers 0 hits with its error (§6). An empty list gives every stream's status with zero
+        hits.
+
+        :param token_ids: token ids, ints in ``[0, 2**31 - 1]``.
+        :raises ValueError: a token id is not such an int.
+        """
+        view = self._current()
+        packed = pack_tokens(token_ids)
+        keys = {(bs, seed): chain_keys(packed, bs, seed) for bs, seed in view.geometries}
+        out: list[StreamMatch] = []
+        for sid in view.ordered:
+            sub = view.subscribers.get(sid)
+            if sub is None:
+                out.append(StreamMatch(sid.instance_name, sid.dp_rank, False, None,
+                                       0, 0, 0, 0, NOT_STARTED))
+            else:
+                cfg = view.configs[sid]
+                out.append(sub.match(keys[(cfg.block_size, cfg.hash_seed)]))
+        return out
+
+    def statuses(self) -> list[StreamStatus]:
+        """Every stream's status, ordered by (instance_name, dp_rank)."""
+        view = self._current()
+        out: list[StreamStatus] = []
+        for sid in view.ordered:
+            sub = view.subscribers.get(sid)
+            out.append(sub.status() if sub is not None else StreamStatus(
+                stream=sid, state=StreamState.UNSYNCHRONIZED, error=NOT_STARTED, sequence=None,
+                device_blocks=0, host_blocks=0, entries=0, synchronized_once=False,
+                recoveries=0, resync_differences=0))
+        return out
+
+    def ready(self) -> bool:
+        """True when every stream has been synchronized at least once (True with no streams)."""
+        return all(st.synchronized_once for st in self.statuses())
+
+    def __len__(self) -> int:
+        return len(self._current().ordered)
+
+    def _current(self) -> _View:
+        # One reference read under the lock; the view itself is immutable.
+        with self._lock:
+            return self._view

@@ -1,0 +1,107 @@
+"""gunicorn integration: settings derived from ``KVSVC_*`` env and the worker hooks.
+
+``config/gunicorn.conf.py`` imports this module and exposes :func:`gunicorn_settings` as module
+names plus the hooks. One ``gthread`` worker (the ``sync`` worker kills requests running past
+``timeout``), ``preload_app`` off, so the app (``wsgi:app``) and its
+:class:`~kvsvc.app.Service` are built inside the worker process and the service's ZMQ context
+and threads are only created after the fork: :func:`post_worker_init` starts the service,
+:func:`worker_exit` closes it (§6: stream threads are owned and joined).
+
+The arbiter's systemd READY=1 only means "socket bound"; readiness of the index is ``/ready``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .app import EXTENSION, Service
+from .config import load_service_settings
+
+log = logging.getLogger(__name__)
+
+#: Threads of the one gthread worker: concurrent requests served.
+WORKER_THREADS = 16
+#: Seconds a worker gets to finish requests and close its streams on SIGTERM.
+GRACEFUL_TIMEOUT_S = 10
+#: Seconds each stream thread gets to start (post_worker_init) and to stop (worker_exit).
+STREAM_TIMEOUT_S = 5.0
+
+_LEVELS = {"debug", "info", "warning", "error", "critical"}
+
+
+def bind_address(host: str, port: int) -> str:
+    """gunicorn ``bind`` string; IPv6 literals get brackets.
+
+    :param host: address to listen on, e.g. ``0.0.0.0``, ``127.0.0.1`` or ``::``.
+    :param port: TCP port.
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """``logging.config.dictConfig`` document: kvsvc and gunicorn errors to stderr at ``level``,
+    access lines (gunicorn's access log is off unless enabled) to stdout, no duplicates."""
+    level = level.upper()
+    fmt = "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"generic": {"format": fmt, "class": "logging.Formatter"}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "generic",
+                       "stream": "ext://sys.stderr"},
+            "stdout": {"class": "logging.StreamHandler", "formatter": "generic",
+                       "stream": "ext://sys.stdout"},
+        },
+        "root": {"level": level, "handlers": ["stderr"]},
+        "loggers": {
+            "gunicorn.error": {"level": level, "handlers": ["stderr"], "propagate": False},
+            "gunicorn.access": {"level": "INFO", "handlers": ["stdout"], "propagate": False},
+        },
+    }
+
+
+def gunicorn_settings() -> dict[str, Any]:
+    """gunicorn settings from the ``KVSVC_*`` environment (what ``kvsvc serve`` exports).
+
+    :returns: setting name -> value, for the gunicorn config module's namespace.
+    :raises ConfigError: an invalid ``KVSVC_*`` value, naming the field.
+    """
+    settings = load_service_settings()
+    level = settings.log_level.lower() if settings.log_level.lower() in _LEVELS else "info"
+    return {
+        "bind": [bind_address(settings.host, settings.port)],
+        "workers": 1,
+        "worker_class": "gthread",
+        "threads": WORKER_THREADS,
+        "preload_app": False,
+        "graceful_timeout": GRACEFUL_TIMEOUT_S,
+        "timeout": 30,
+        "loglevel": level,
+        "logconfig_dict": log_config(level),
+        "proc_name": "kvsvc",
+    }
+
+
+def _service(worker: Any) -> Service:
+    return worker.wsgi.extensions[EXTENSION]
+
+
+def post_worker_init(worker: Any) -> None:
+    """gunicorn hook, in the worker after the app is loaded: start the service's streams.
+
+    :raises LifecycleError: a stream did not start; gunicorn then reports the worker failed to
+        boot and the arbiter stops.
+    """
+    log.info("worker %s: starting service", worker.pid)
+    _service(worker).start(timeout_s=STREAM_TIMEOUT_S)
+
+
+def worker_exit(server: Any, worker: Any) -> None:
+    """gunicorn hook, in the worker as it exits: close the service (joins stream threads)."""
+    wsgi = getattr(worker, "wsgi", None)
+    if wsgi is None or EXTENSION not in getattr(wsgi, "extensions", {}):
+        return  # the app never loaded; nothing was started
+    log.info("worker %s: closing service", worker.pid)
+    _service(worker).close(timeout_s=STREAM_TIMEOUT_S)

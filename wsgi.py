@@ -1,0 +1,9 @@
+"""WSGI entry point for gunicorn (``wsgi:app``): the app built from ``KVSVC_*`` settings.
+
+Nothing starts here; gunicorn's ``post_worker_init`` starts the service (:mod:`kvsvc.server`).
+"""
+
+from kvsvc.app import create_app
+from kvsvc.config import load_service_settings
+
+app = create_app(load_service_settings())
