@@ -15,6 +15,7 @@ timeout = _settings["timeout"]
 loglevel = _settings["loglevel"]
 logconfig_dict = _settings["logconfig_dict"]
 proc_name = _settings["proc_name"]
+control_socket_disable = _settings["control_socket_disable"]
 
 post_worker_init = _server.post_worker_init
 worker_exit = _server.worker_exit

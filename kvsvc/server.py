@@ -81,6 +81,9 @@ def gunicorn_settings() -> dict[str, Any]:
         "loglevel": level,
         "logconfig_dict": log_config(level),
         "proc_name": "kvsvc",
+        # gunicorn >= 25.1 opens a control socket at one fixed per-user path by default; two
+        # services on a host would fight over it, and kvsvc needs no runtime control surface.
+        "control_socket_disable": True,
     }
 
 
