@@ -1,0 +1,108 @@
+"""``kvsvc sim``: run one simulated engine instance in the foreground.
+
+Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
+``port + replay_port_offset + r`` (the §9 port rule, so a service configured by discovery finds
+it). With ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms``
+apart; otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
+
+Exit codes: 0 clean stop, 2 bad arguments, 1 start-up failure (ports taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Optional
+
+from ..errors import ConfigError, LifecycleError
+from ..traces import load_trace, request_tokens
+from .engine import SimEngine
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kvsvc sim`` flags to ``parser``."""
+    parser.add_argument("--name", default="", help="instance name for logs (default host:port)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the instance's (nominal) HTTP port the other ports derive from")
+    parser.add_argument("--dp", type=int, default=1, help="DP ranks (default 1)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
+    parser.add_argument("--device-blocks", type=int, default=4096, help="Device pool per rank")
+    parser.add_argument("--host-blocks", type=int, default=0, help="Host pool per rank (0: none)")
+    parser.add_argument("--topic", default="", help="ZMQ topic (default empty)")
+    parser.add_argument("--event-port-offset", type=int, default=10000)
+    parser.add_argument("--replay-port-offset", type=int, default=30000)
+    parser.add_argument("--trace", default=None,
+                        help="replay this trace (conversation, synthetic or a path) after start")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="replay at most this many trace requests (0: all)")
+    parser.add_argument("--interval-ms", type=float, default=100.0,
+                        help="pause between replayed requests, ms")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int:
+    """Run the engine until SIGINT/SIGTERM (or ``stop`` is set, for embedding and tests).
+
+    :param args: parsed :func:`add_arguments` flags.
+    :param stop: optional external stop switch; signal handlers are installed only when this
+        runs on the main thread.
+    :returns: exit code.
+    """
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    event_port = args.port + args.event_port_offset
+    replay_port = args.port + args.replay_port_offset
+    if args.dp < 1 or args.port < 1 or max(event_port, replay_port) + args.dp - 1 > 65535:
+        log.error("bad --port/--dp/offsets: ports out of range")
+        return EXIT_USAGE
+    requests = []
+    if args.trace:
+        try:
+            requests = load_trace(args.trace)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        if args.requests > 0:
+            requests = requests[:args.requests]
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        engine = SimEngine(args.name or f"{args.host}:{args.port}", event_port, replay_port,
+                           dp_size=args.dp, block_size=args.block_size,
+                           device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                           topic=args.topic, host=args.host)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    try:
+        engine.start()
+    except LifecycleError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
+    try:
+        log.info("sim %s: %d rank(s) running; Ctrl-C to stop", engine.name, args.dp)
+        for i, req in enumerate(requests):
+            if stop.is_set():
+                break
+            res = engine.execute(request_tokens(req, args.block_size))
+            log.info("sim %s: request %d on dp%d: device hit %d, host-only hit %d, stored %d "
+                     "blocks, seq %s", engine.name, i, res.rank, res.device_hit_tokens,
+                     res.host_only_hit_tokens, res.stored_blocks, res.seq)
+            stop.wait(args.interval_ms / 1000.0)
+        stop.wait()
+    finally:
+        engine.close()
+        log.info("sim %s: stopped", engine.name)
+    return EXIT_OK
