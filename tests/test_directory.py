@@ -107,7 +107,7 @@ def test_not_started_streams_answer_unsynchronized_in_name_order(cluster):
 def test_ready_after_every_stream_synchronized_once(cluster):
     cluster.engine("a:1", state=[stored([1], None, [1, 2, 3, 4], B4)])
     late = cluster.engine("b:1")
-    late.hold_replies = True  # b:1 stays unsynchronized until released
+    late.hold_replies()  # b:1 stays unsynchronized until released
     with ExitStack() as stack:
         d = started(Directory(cluster.config(), cluster.ctx), stack)
         wait_for(lambda: d.statuses()[0].synchronized_once, timeout_s=10, what="a:1 synced")
