@@ -1,0 +1,615 @@
+"""The subscriber of one stream: its thread, its sockets and the §6 recovery state machine.
+
+One :class:`StreamSubscriber` per (instance, DP rank). Its thread owns a ``SUB`` (live batches,
+§1), a monitor socket on that ``SUB`` (connect/disconnect events) and, during a snapshot, one
+``DEALER`` per attempt (§7, :mod:`kvsvc.streams.snapshot`), all in one ``zmq.Poller`` loop.
+Request threads only call :meth:`StreamSubscriber.match` and :meth:`StreamSubscriber.status`,
+which read under the stream lock and never touch ZMQ.
+
+States (§6)::
+
+    UNSYNCHRONIZED --attempt starts--> RECOVERING --snapshot + buffered tail--> SYNCHRONIZED
+          ^    ^--------attempt fails, backoff----------'                            |
+          '-------- seq error, decode/index error, disconnect (index discarded) -----'
+
+    RECOVERING / UNSYNCHRONIZED --live batch starting with AllBlocksCleared--> SYNCHRONIZED
+
+The serving index exists only while SYNCHRONIZED; any error discards it under the same lock
+hold that saw it, so a query never sees a partial batch, a stale index or a half-built one.
+Snapshot indexes are built privately and swapped in one assignment under the lock.
+
+Sequence bookkeeping (all on the stream thread):
+
+- ``_expected``: the next live seq the serving index needs; ``None`` after an empty snapshot
+  (watermark unknown): the first live batch is then applied whatever its seq (§7).
+- ``_max_seen``: the highest live seq this ``SUB`` connection has received (reset on
+  disconnect and when a backward jump starts a new epoch). After a swap at watermark W, a
+  batch with seq <= W that is above ``_max_seen`` was published before the snapshot but
+  received after it: a duplicate already covered, dropped silently. Any other seq other than
+  ``_expected`` (a repeat, a backward jump of a restarted engine, a gap) is a sequence error.
+
+Buffer accounting during an attempt (§6): each batch costs its wire bytes plus
+``BUFFER_EVENT_OVERHEAD`` bytes per event, ``BUFFER_HASH_OVERHEAD`` per block hash and
+``BUFFER_TOKEN_OVERHEAD`` per token id (the decoded records kept until the swap).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional, Sequence
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..config import KvEventsConfig, StreamConfig
+from ..errors import (
+    BufferOverflow,
+    DecodeError,
+    LifecycleError,
+    SnapshotError,
+    StreamError,
+)
+from ..events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from ..index.tier_index import TierIndex
+from .decoder import decode_batch
+from .frame import parse_live
+from .snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotResult
+from .state import StreamId, StreamMatch, StreamState, StreamStatus
+
+log = logging.getLogger(__name__)
+
+#: Backoff of failed attempts (§6): 100 ms doubling to at most 5 s.
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+#: Longest poll wait, so that the stop event is seen within about this long.
+POLL_INTERVAL_MS = 100
+#: Live messages handled per poll turn before looking at the other sockets again.
+LIVE_MESSAGES_PER_TURN = 256
+#: Bound on the messages drained from the ``SUB`` just before a snapshot completes.
+DRAIN_LIMIT = 10_000
+#: Buffer record overheads (bytes) added to a buffered batch's wire size (§6).
+BUFFER_EVENT_OVERHEAD = 128
+BUFFER_HASH_OVERHEAD = 40
+BUFFER_TOKEN_OVERHEAD = 4
+
+_NOT_YET = "not synchronized yet: waiting for the first snapshot"
+
+
+def _backoff_s(failures: int) -> float:
+    """Delay before the retry after ``failures`` consecutive failed attempts (>= 1)."""
+    return min(BACKOFF_INITIAL_S * (2 ** min(failures - 1, 16)), BACKOFF_MAX_S)
+
+
+def _record_bytes(batch: Batch, wire_bytes: int) -> int:
+    """Buffer cost of one decoded live batch: wire bytes plus decoded-record overhead."""
+    cost = wire_bytes
+    for ev in batch.events:
+        cost += BUFFER_EVENT_OVERHEAD
+        if type(ev) is BlockStored:
+            cost += BUFFER_HASH_OVERHEAD * len(ev.block_hashes) + BUFFER_TOKEN_OVERHEAD * len(ev.token_ids)
+        elif type(ev) is BlockRemoved:
+            cost += BUFFER_HASH_OVERHEAD * len(ev.block_hashes)
+    return cost
+
+
+class StreamSubscriber:
+    """Subscriber of one stream (§1, §6, §7): thread, sockets, index and state.
+
+    :param stream: the stream's configuration (endpoints, topic, rank, block size, seed).
+    :param limits: the §8 limits (message, buffer, capacity, timeouts).
+    :param context: the ZMQ context; sockets are created on the stream thread.
+
+    :ivar stream_id: the stream's (instance, DP rank).
+    :ivar block_size: tokens per block; callers compute query keys with it.
+    :ivar hash_seed: the §4 seed; callers compute query keys with it.
+    """
+
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context) -> None:
+        self.stream = stream
+        self.limits = limits
+        self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
+        self.block_size = stream.block_size
+        self.hash_seed = stream.hash_seed
+        self._context = context
+        self._topic = stream.topic.encode("utf-8")
+        self._name = str(self.stream_id)
+
+        # Serving state, read by request threads: guarded by _lock.
+        self._lock = threading.Lock()
+        self._index: Optional[TierIndex] = None
+        self._state = StreamState.UNSYNCHRONIZED
+        self._error: Optional[str] = _NOT_YET
+        self._sequence: Optional[int] = None
+        self._synchronized_once = False
+        self._recoveries = 0
+        self._resync_differences = 0
+
+        # Thread control.
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._start_error: Optional[BaseException] = None
+
+        # Counters written by the stream thread only (plain int reads are safe elsewhere).
+        self._topic_mismatches = 0
+        self._live_messages = 0
+        self._duplicates_dropped = 0
+
+        # Owned by the stream thread from start() on.
+        self._sub: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None
+        self._poller: Optional[zmq.Poller] = None
+        self._synced = False                      # mirrors _state is SYNCHRONIZED
+        self._expected: Optional[int] = None      # next live seq the serving index needs
+        self._max_seen: Optional[int] = None      # highest live seq on this connection
+        self._attempt: Optional[SnapshotAttempt] = None
+        self._buffer: list[tuple[int, Batch]] = []
+        self._buffer_bytes = 0
+        self._failures = 0
+        self._next_attempt_at: Optional[float] = None
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the stream thread (daemon, named ``kvsvc-stream-<instance>/dp<rank>``).
+
+        Returns once the thread has connected its sockets and entered its loop; the first
+        snapshot request goes out at once (§6).
+
+        :param timeout_s: how long to wait for the thread to be running, seconds.
+        :raises LifecycleError: already started, socket setup failed, or not running in time.
+        """
+        if self._thread is not None:
+            raise LifecycleError(f"stream {self._name}: already started")
+        self._thread = threading.Thread(target=self._run, name=f"kvsvc-stream-{self._name}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self.close(timeout_s)
+            raise LifecycleError(f"stream {self._name}: thread not running after {timeout_s}s")
+        if self._start_error is not None:
+            self._thread.join(timeout_s)
+            raise LifecycleError(
+                f"stream {self._name}: socket setup failed: {self._start_error}") from self._start_error
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close its sockets (in the thread's ``finally``); idempotent.
+
+        :param timeout_s: join timeout, seconds; a thread still alive after it is logged.
+        """
+        self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.error("stream %s: thread did not stop within %.1fs", self._name, timeout_s)
+
+    def match(self, keys: Sequence[int]) -> StreamMatch:
+        """This stream's answer to a prefix query (§10), read under the stream lock.
+
+        :param keys: content keys of the prompt's full blocks, oldest first, computed with this
+            stream's ``block_size`` and ``hash_seed`` (:func:`kvsvc.index.keys.prompt_keys`).
+        :returns: hits in tokens (blocks * ``block_size``) when synchronized; otherwise zero
+            hits, ``synchronized=False`` and the reason in ``error`` (§6: never a stale hit).
+        """
+        with self._lock:
+            index = self._index
+            if self._state is StreamState.SYNCHRONIZED and index is not None:
+                device, host_only = index.match(keys)
+                return StreamMatch(self.stream_id.instance_name, self.stream_id.dp_rank, True,
+                                   self._sequence, device * self.block_size,
+                                   host_only * self.block_size, index.device_blocks,
+                                   index.host_blocks, None)
+            return StreamMatch(self.stream_id.instance_name, self.stream_id.dp_rank, False,
+                               None, 0, 0, 0, 0, self._error)
+
+    def status(self) -> StreamStatus:
+        """The stream's state, counts and counters (read under the stream lock)."""
+        with self._lock:
+            index = self._index
+            return StreamStatus(
+                stream=self.stream_id, state=self._state, error=self._error,
+                sequence=self._sequence,
+                device_blocks=index.device_blocks if index is not None else 0,
+                host_blocks=index.host_blocks if index is not None else 0,
+                entries=index.entries if index is not None else 0,
+                synchronized_once=self._synchronized_once, recoveries=self._recoveries,
+                resync_differences=self._resync_differences)
+
+    @property
+    def topic_mismatches(self) -> int:
+        """Live messages dropped because their topic frame was not exactly the topic (§1)."""
+        return self._topic_mismatches
+
+    @property
+    def live_messages(self) -> int:
+        """Live messages received with the exact topic (valid or not)."""
+        return self._live_messages
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Batches with seq <= the swap watermark received after the swap (covered by it)."""
+        return self._duplicates_dropped
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        try:
+            try:
+                self._open_sockets()
+            except zmq.ZMQError as exc:
+                self._start_error = exc
+                return
+            finally:
+                self._ready.set()
+            log.info("stream %s: subscribed to %s topic %r (replay %s)", self._name,
+                     self.stream.endpoint, self.stream.topic, self.stream.replay_endpoint)
+            self._next_attempt_at = time.monotonic()  # §6: snapshot at once
+            while not self._stop.is_set():
+                self._turn()
+        except Exception:  # pragma: no cover - a bug; keep the stream visibly broken
+            log.exception("stream %s: thread crashed", self._name)
+            with self._lock:
+                self._index = None
+                self._state = StreamState.UNSYNCHRONIZED
+                self._error = "internal error: stream thread crashed"
+        finally:
+            self._close_sockets()
+
+    def _open_sockets(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        self._sub = sub
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + MAXMSGSIZE_HEADROOM)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.stream.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _close_sockets(self) -> None:
+        if self._attempt is not None:
+            self._attempt.close()
+            self._attempt = None
+        if self._sub is not None:
+            if self._monitor is not None:
+                try:
+                    self._sub.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                self._monitor.close(linger=0)
+            self._sub.close(linger=0)
+
+    def _turn(self) -> None:
+        """One loop turn: start a due attempt, poll, handle what is readable, check deadlines."""
+        now = time.monotonic()
+        if self._attempt is None and self._next_attempt_at is not None and now >= self._next_attempt_at:
+            self._begin_attempt()
+        timeout_s = POLL_INTERVAL_MS / 1000.0
+        if self._attempt is not None:
+            timeout_s = min(timeout_s, self._attempt.deadline - now)
+        elif self._next_attempt_at is not None:
+            timeout_s = min(timeout_s, self._next_attempt_at - now)
+        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
+        # Monitor first: a disconnect must be seen before data of a new connection.
+        if self._monitor in ready:
+            self._on_monitor()
+        if self._sub in ready:
+            for _ in range(LIVE_MESSAGES_PER_TURN):
+                try:
+                    frames = self._sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_live(frames)
+        attempt = self._attempt
+        if attempt is not None and attempt.socket in ready:
+            try:
+                result = attempt.receive()
+            except StreamError as exc:
+                self._attempt_failed(exc)
+            else:
+                if result is not None:
+                    self._finish_attempt(attempt, result)
+        elif attempt is not None:
+            try:
+                attempt.check_deadline(time.monotonic())
+            except StreamError as exc:
+                self._attempt_failed(exc)
+
+    # ------------------------------------------------------------------ monitor
+
+    def _on_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                log.info("stream %s: connected to %s", self._name, self.stream.endpoint)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # A new connection may be a restarted engine counting from 0 again.
+                self._max_seen = None
+                self._stream_error("disconnected")
+
+    # ------------------------------------------------------------------ live batches
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        """One live message (§1, §6)."""
+        if frames[0] != self._topic:
+            # ZMQ subscriptions match prefixes; the topic must be equal exactly (§1).
+            self._topic_mismatches += 1
+            return
+        self._live_messages += 1
+        try:
+            frame = parse_live(frames, self.limits.max_message_bytes)
+        except DecodeError as exc:
+            self._stream_error(str(exc))
+            return
+        seq = frame.seq
+        prev_max = self._max_seen
+        self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
+        try:
+            batch = decode_batch(frame.payload, self.stream.dp_rank)
+        except DecodeError as exc:
+            self._stream_error(f"seq {seq}: {exc}")
+            return
+        if self._synced:
+            self._on_live_synchronized(seq, batch, frame.wire_bytes, prev_max)
+        else:
+            self._on_live_unsynchronized(seq, batch, frame.wire_bytes, prev_max)
+
+    def _on_live_synchronized(self, seq: int, batch: Batch, wire_bytes: int,
+                              prev_max: Optional[int]) -> None:
+        expected = self._expected
+        if expected is None or seq == expected:
+            failure: Optional[StreamError] = None
+            with self._lock:
+                try:
+                    self._index.apply(batch.events)  # type: ignore[union-attr]
+                except StreamError as exc:
+                    failure = exc
+                    self._invalidate_locked(f"seq {seq}: {exc}")
+                else:
+                    self._sequence = seq
+            if failure is not None:
+                self._log_unsynchronized(f"seq {seq}: {failure}")
+                self._restart_recovery()
+                return
+            self._expected = seq + 1
+            if self._attempt is not None:
+                # Background resync: the new index needs this batch too.
+                self._buffer_batch(seq, batch, wire_bytes)
+            return
+        if seq < expected and (prev_max is None or seq > prev_max):
+            # Published before the snapshot we swapped in at watermark >= seq, received after
+            # it: already covered. Never a repeat (seq is above anything seen on this
+            # connection), so it cannot hide an engine restart.
+            self._duplicates_dropped += 1
+            log.debug("stream %s: dropped seq %d covered by the snapshot (next %d)",
+                      self._name, seq, expected)
+            return
+        if seq > expected:
+            reason = f"sequence gap: expected seq {expected}, got {seq}"
+        else:
+            reason = f"sequence went backwards: expected seq {expected}, got {seq}"
+            # A backward jump starts a new epoch (restarted engine): later batches of it must
+            # not be judged against the old engine's numbers.
+            self._max_seen = seq
+        self._invalidate(reason)
+        self._restart_recovery()
+        # The new attempt's snapshot is requested after this batch: buffer it like any other.
+        self._on_live_unsynchronized(seq, batch, wire_bytes, None)
+
+    def _on_live_unsynchronized(self, seq: int, batch: Batch, wire_bytes: int,
+                                prev_max: Optional[int]) -> None:
+        events = batch.events
+        if events and type(events[0]) is AllBlocksCleared and events[0].tier is None:
+            self._baseline_from_cleared(seq, batch)
+            return
+        if prev_max is not None and seq <= prev_max:
+            # A repeat or a restarted engine while recovering: the snapshot in flight may be the
+            # old engine's. Start over in the new epoch.
+            self._max_seen = seq
+            self._stream_error(f"sequence went backwards during recovery: got seq {seq} "
+                               f"after {prev_max}")
+            return
+        if self._attempt is None:
+            # Backoff: nothing to buffer into; the next snapshot is taken after this batch.
+            return
+        self._buffer_batch(seq, batch, wire_bytes)
+
+    def _buffer_batch(self, seq: int, batch: Batch, wire_bytes: int) -> None:
+        self._buffer_bytes += _record_bytes(batch, wire_bytes)
+        if self._buffer_bytes > self.limits.max_buffered_bytes:
+            self._attempt_failed(BufferOverflow(
+                f"buffer overflow: live batches buffered during the snapshot exceed "
+                f"max_buffered_bytes={self.limits.max_buffered_bytes}"))
+            return
+        self._buffer.append((seq, batch))
+
+    def _baseline_from_cleared(self, seq: int, batch: Batch) -> None:
+        """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
+        index = self._new_index()
+        try:
+            index.apply(batch.events)
+        except StreamError as exc:
+            self._stream_error(f"seq {seq}: {exc}")
+            return
+        self._abandon_attempt()
+        self._max_seen = seq
+        self._swap(index, expected=seq + 1, sequence=seq, resync=False,
+                   how=f"AllBlocksCleared batch seq {seq}")
+
+    # ------------------------------------------------------------------ errors
+
+    def _stream_error(self, reason: str) -> None:
+        """An error of the stream: invalidate and recover when synchronized, else fail the
+        attempt in flight (or record the reason while waiting to retry)."""
+        if self._synced:
+            self._invalidate(reason)
+            self._restart_recovery()
+        elif self._attempt is not None:
+            self._attempt_failed(StreamError(reason))
+        else:
+            with self._lock:
+                self._error = reason
+            log.warning("stream %s: %s (retry already scheduled)", self._name, reason)
+
+    def _invalidate_locked(self, reason: str) -> None:
+        """Discard the serving index and forget its sequence; caller holds ``_lock``."""
+        self._index = None
+        self._state = StreamState.UNSYNCHRONIZED
+        self._error = reason
+        self._sequence = None
+        self._synced = False
+        self._expected = None
+
+    def _invalidate(self, reason: str) -> None:
+        with self._lock:
+            self._invalidate_locked(reason)
+        self._log_unsynchronized(reason)
+
+    def _log_unsynchronized(self, reason: str) -> None:
+        log.warning("stream %s: unsynchronized: %s", self._name, reason)
+
+    # ------------------------------------------------------------------ attempts
+
+    def _new_index(self) -> TierIndex:
+        return TierIndex(self.block_size, self.hash_seed, self.limits.max_blocks_per_stream)
+
+    def _restart_recovery(self) -> None:
+        """Abandon any attempt (a resync too) and request a recovery snapshot now (§6)."""
+        self._abandon_attempt()
+        self._next_attempt_at = time.monotonic()
+        self._begin_attempt()
+
+    def _abandon_attempt(self) -> None:
+        if self._attempt is not None:
+            self._poller.unregister(self._attempt.socket)  # type: ignore[union-attr]
+            self._attempt.close()
+            self._attempt = None
+        self._buffer = []
+        self._buffer_bytes = 0
+
+    def _begin_attempt(self) -> None:
+        resync = self._synced
+        start_seq = self._expected if resync and self._expected is not None else 0
+        self._buffer = []
+        self._buffer_bytes = 0
+        try:
+            self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits, start_seq)
+        except SnapshotError as exc:
+            self._attempt_failed(exc)
+            return
+        self._next_attempt_at = None
+        self._poller.register(self._attempt.socket, zmq.POLLIN)  # type: ignore[union-attr]
+        if resync:
+            log.info("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
+        else:
+            with self._lock:
+                self._state = StreamState.RECOVERING
+            log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name, start_seq)
+
+    def _attempt_failed(self, exc: StreamError) -> None:
+        """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed
+        resync leaves the stream synchronized and serving."""
+        self._abandon_attempt()
+        self._failures += 1
+        delay = _backoff_s(self._failures)
+        self._next_attempt_at = time.monotonic() + delay
+        if self._synced:
+            log.warning("stream %s: resync failed: %s; retry in %.1fs", self._name, exc, delay)
+            return
+        with self._lock:
+            self._state = StreamState.UNSYNCHRONIZED
+            self._error = str(exc)
+        log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, exc, delay)
+
+    def _finish_attempt(self, attempt: SnapshotAttempt, result: SnapshotResult) -> None:
+        """The end marker arrived: merge the buffered tail and swap (§6, §7)."""
+        # Take in what already sits in the SUB queue first, so that fewer batches published
+        # before the snapshot arrive after the swap.
+        self._drain()
+        if self._attempt is not attempt:
+            return  # a drained message ended this attempt (error, AllBlocksCleared baseline)
+        resync = self._synced
+        index = result.index
+        if result.empty:
+            # §7: empty state, unknown watermark: the first live batch becomes the baseline.
+            expected: Optional[int] = None
+            sequence: Optional[int] = None
+            how = "empty snapshot, baseline is the next live batch"
+        else:
+            wm = result.watermark
+            expected = 0 if wm is None else wm + 1
+            sequence = wm
+            try:
+                for seq, batch in self._buffer:
+                    if seq < expected:
+                        continue  # covered by the snapshot
+                    if seq != expected:
+                        raise SnapshotError(f"gap after watermark {_wm(wm)}: expected seq "
+                                            f"{expected}, got {seq}")
+                    index.apply(batch.events)
+                    expected = seq + 1
+                    sequence = seq
+            except StreamError as exc:
+                self._attempt_failed(exc if isinstance(exc, SnapshotError)
+                                     else SnapshotError(f"seq {seq} after snapshot: {exc}"))
+                return
+            if resync and self._expected is not None and expected < self._expected:
+                # A consistent engine cannot do this; serving an older state would be stale.
+                self._attempt_failed(SnapshotError(
+                    f"snapshot watermark {_wm(wm)} is behind applied seq {self._expected - 1}"))
+                return
+            how = f"snapshot watermark {_wm(wm)}, {result.messages} messages, tail to seq {_wm(sequence)}"
+        self._abandon_attempt()
+        self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how)
+
+    def _drain(self) -> None:
+        """Handle pending monitor events, then pending live messages (bounded)."""
+        self._on_monitor()
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = self._sub.recv_multipart(flags=zmq.NOBLOCK)  # type: ignore[union-attr]
+            except zmq.Again:
+                return
+            self._on_live(frames)
+
+    def _swap(self, index: TierIndex, *, expected: Optional[int], sequence: Optional[int],
+              resync: bool, how: str) -> None:
+        """Make ``index`` the serving one, atomically (§6)."""
+        difference = 0
+        if resync and self._index is not None:
+            # Only this thread writes the serving index, so reading it unlocked is safe.
+            difference = index.difference(self._index)
+        with self._lock:
+            self._index = index
+            self._state = StreamState.SYNCHRONIZED
+            self._error = None
+            self._sequence = sequence
+            self._synchronized_once = True
+            if resync:
+                self._resync_differences += difference
+            else:
+                self._recoveries += 1
+        self._synced = True
+        self._expected = expected
+        self._failures = 0
+        self._next_attempt_at = time.monotonic() + self.limits.resync_interval_ms / 1000.0
+        if not resync:
+            log.info("stream %s: synchronized (%s): %d device, %d host blocks", self._name, how,
+                     index.device_blocks, index.host_blocks)
+        elif difference:
+            log.warning("stream %s: resync found %d differing blocks (lost events); index "
+                        "replaced (%s)", self._name, difference, how)
+        else:
+            log.debug("stream %s: resync matched (%s)", self._name, how)
+
+
+def _wm(value: Optional[int]) -> str:
+    return "none" if value is None else str(value)

@@ -1,0 +1,270 @@
+"""A minimal KV-event publisher for tests, written from PROTOCOL.md §1, §2 and §7 with raw pyzmq.
+
+:class:`ProtocolPublisher` binds an ``XPUB`` (live batches; an ``XPUB`` is a ``PUB`` that also
+reports subscriptions, §1 allows either, and it lets tests wait for a subscriber on a condition
+instead of sleeping) and a ``ROUTER`` (snapshot requests). The ``ROUTER`` is served by the
+publisher's own thread from a settable snapshot state; the ``XPUB`` is used from the caller's
+thread under a lock.
+
+Event helpers build map-form event dicts (§2); :func:`to_array_event` turns one into the
+tagged-array form.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import ormsgpack
+import zmq
+
+from kvsvc.errors import LifecycleError
+from kvsvc.streams.frame import END_MARKER, encode_live, encode_reply, parse_snapshot_request
+
+_FIELD_ORDER = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": ("medium",),
+}
+
+
+def stored(hashes: Sequence[Any], parent: Any, tokens: Sequence[int], block_size: int,
+           medium: Optional[str] = None, **extra: Any) -> dict:
+    """A map-form ``BlockStored`` event (§2); ``extra`` adds fields such as ``lora_id``."""
+    ev = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+          "token_ids": list(tokens), "block_size": block_size, "lora_id": None, "medium": medium}
+    ev.update(extra)
+    return ev
+
+
+def removed(hashes: Sequence[Any], medium: Optional[str] = None) -> dict:
+    """A map-form ``BlockRemoved`` event (§2)."""
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+
+
+def cleared(medium: Optional[str] = None) -> dict:
+    """A map-form ``AllBlocksCleared`` event (§2); ``medium`` restricts it to one tier."""
+    ev: dict = {"type": "AllBlocksCleared"}
+    if medium is not None:
+        ev["medium"] = medium
+    return ev
+
+
+def to_array_event(ev: dict) -> list:
+    """The tagged-array form ``[type, field1, ...]`` of a map-form event, trailing absent
+    fields omitted (§2)."""
+    order = _FIELD_ORDER[ev["type"]]
+    values = [ev.get(name) for name in order]
+    last = max((i for i, name in enumerate(order) if name in ev), default=-1)
+    return [ev["type"], *values[:last + 1]]
+
+
+def encode_batch(events: Sequence[dict], dp_rank: Optional[int] = 0, *, form: str = "array3",
+                 event_form: str = "map", ts: float = 1.0) -> bytes:
+    """One MessagePack batch (§2).
+
+    :param form: ``"array3"`` ``[ts, events, rank]``, ``"array2"`` ``[ts, events]`` or
+        ``"map"`` ``{"ts", "events", "data_parallel_rank"}``.
+    :param event_form: ``"map"`` or ``"array"`` (tagged arrays).
+    """
+    evs = [to_array_event(e) for e in events] if event_form == "array" else list(events)
+    if form == "array3":
+        obj: Any = [ts, evs, dp_rank]
+    elif form == "array2":
+        obj = [ts, evs]
+    elif form == "map":
+        obj = {"ts": ts, "events": evs, "data_parallel_rank": dp_rank}
+    else:
+        raise ValueError(form)
+    return ormsgpack.packb(obj)
+
+
+class ProtocolPublisher:
+    """A fake engine stream: live ``XPUB`` on ``event_port``, snapshot ``ROUTER`` on
+    ``replay_port``, both on 127.0.0.1.
+
+    Snapshot knobs (read by the publisher thread when it answers, so set them before the
+    request or while replies are held): ``snapshot_events`` (event dicts, sent in
+    messages of ``events_per_message``), ``watermark`` (``None`` = no live batch published
+    yet), ``empty_reply`` (end marker only), ``reply_delay_s``, ``drop_end_marker``,
+    ``reply_budget`` (how many more requests to answer; ``None`` = all, 0 = hold every
+    request until :meth:`release_replies`).
+
+    :ivar requests: ``start_seq`` of every snapshot request received, in order.
+    """
+
+    def __init__(self, ctx: zmq.Context, event_port: int, replay_port: int, topic: bytes = b"",
+                 dp_rank: int = 0) -> None:
+        self.ctx = ctx
+        self.event_port = event_port
+        self.replay_port = replay_port
+        self.endpoint = f"tcp://127.0.0.1:{event_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.topic = topic
+        self.dp_rank = dp_rank
+        self.next_seq = 0
+        self.batch_form = "array3"
+        self.event_form = "map"
+        # Snapshot state.
+        self.snapshot_events: list[dict] = []
+        self.watermark: Optional[int] = None
+        self.empty_reply = False
+        self.events_per_message = 64
+        self.reply_delay_s = 0.0
+        self.drop_end_marker = False
+        self.reply_budget: Optional[int] = None
+        self.requests: list[int] = []
+        self._lock = threading.Lock()
+        self._pub: Optional[zmq.Socket] = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._start_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 5.0) -> "ProtocolPublisher":
+        """Bind the ``XPUB`` (here) and start the ``ROUTER`` thread; returns once it serves.
+
+        :raises LifecycleError: the thread did not start or could not bind in time.
+        """
+        pub = self.ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self.endpoint)
+        self._pub = pub
+        self._thread = threading.Thread(target=self._run, name=f"test-publisher-{self.replay_port}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._start_error is not None:
+            self.close()
+            raise LifecycleError(f"publisher did not start: {self._start_error}")
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, close both sockets; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            assert not self._thread.is_alive(), "publisher thread did not stop"
+        with self._lock:
+            if self._pub is not None:
+                self._pub.close(linger=0)
+                self._pub = None
+
+    def __enter__(self) -> "ProtocolPublisher":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ live channel
+
+    def wait_subscribed(self, timeout_s: float = 5.0) -> None:
+        """Wait until a subscription (of any topic) reaches the ``XPUB``.
+
+        :raises AssertionError: none within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            assert self._pub is not None
+            while time.monotonic() < deadline:
+                if self._pub.poll(20, zmq.POLLIN):
+                    msg = self._pub.recv()
+                    if msg[:1] == b"\x01":
+                        return
+        raise AssertionError("no subscriber reached the publisher")
+
+    def publish(self, events: Sequence[dict], seq: Optional[int] = None, *,
+                topic: Optional[bytes] = None, dp_rank: Any = "default") -> int:
+        """Send one live batch (§1) and return its seq.
+
+        :param seq: explicit seq (the counter continues after it), default the next one.
+        :param topic: override the topic frame.
+        :param dp_rank: override the batch's rank (``None`` for a nil rank).
+        """
+        payload = encode_batch(events, self.dp_rank if dp_rank == "default" else dp_rank,
+                               form=self.batch_form, event_form=self.event_form)
+        with self._lock:
+            if seq is None:
+                seq = self.next_seq
+            self.next_seq = seq + 1
+            self._send(encode_live(self.topic if topic is None else topic, seq, payload))
+        return seq
+
+    def skip(self, n: int = 1) -> None:
+        """Advance the seq counter without sending (a batch lost on the wire)."""
+        with self._lock:
+            self.next_seq += n
+
+    def send_raw(self, frames: Sequence[bytes]) -> None:
+        """Send arbitrary frames on the live socket (malformed input)."""
+        with self._lock:
+            self._send(list(frames))
+
+    def _send(self, frames: list[bytes]) -> None:
+        assert self._pub is not None, "publisher not started"
+        self._pub.send_multipart(frames)
+
+    def set_snapshot(self, events: Sequence[dict], watermark: Optional[int]) -> None:
+        """Set the snapshot state (events and watermark) in one step."""
+        with self._lock:
+            self.snapshot_events = list(events)
+            self.watermark = watermark
+            self.empty_reply = False
+
+    def hold_replies(self) -> None:
+        """Answer no snapshot request until :meth:`release_replies`."""
+        self.reply_budget = 0
+
+    def release_replies(self, budget: Optional[int] = None) -> None:
+        """Answer held and later requests: ``budget`` more of them, or all (``None``)."""
+        self.reply_budget = budget
+
+    # ------------------------------------------------------------------ replay thread
+
+    def _run(self) -> None:
+        router = None
+        try:
+            try:
+                router = self.ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                router.bind(self.replay_endpoint)
+            except zmq.ZMQError as exc:
+                self._start_error = exc
+                return
+            finally:
+                self._ready.set()
+            pending: list[tuple[float, bytes]] = []  # (due time, peer identity)
+            while not self._stop.is_set():
+                if router.poll(10, zmq.POLLIN):
+                    frames = router.recv_multipart()
+                    ident, rest = frames[0], frames[1:]
+                    start_seq = parse_snapshot_request(rest)
+                    self.requests.append(start_seq)
+                    pending.append((time.monotonic() + self.reply_delay_s, ident))
+                now = time.monotonic()
+                while pending and pending[0][0] <= now and self.reply_budget != 0:
+                    _, ident = pending.pop(0)
+                    if self.reply_budget is not None:
+                        self.reply_budget -= 1
+                    self._reply(router, ident)
+        finally:
+            if router is not None:
+                router.close(linger=0)
+
+    def _reply(self, router: zmq.Socket, ident: bytes) -> None:
+        with self._lock:
+            events = list(self.snapshot_events)
+            watermark = self.watermark
+            empty = self.empty_reply
+        if not empty:
+            step = max(1, self.events_per_message)
+            chunks = [events[i:i + step] for i in range(0, len(events), step)] or [[]]
+            for chunk in chunks:
+                payload = encode_batch(chunk, self.dp_rank, form=self.batch_form,
+                                       event_form=self.event_form)
+                router.send_multipart([ident, *encode_reply(watermark, payload)])
+        if not self.drop_end_marker:
+            router.send_multipart([ident, *END_MARKER])

@@ -1,0 +1,439 @@
+"""The stream subscriber and its §6 recovery state machine, against a real publisher on
+127.0.0.1 (tests/publisher.py). Block size 4, seed 1024; block contents are named by small
+integers (:func:`blk`), engine hashes are arbitrary integers chosen per test."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.index.keys import prompt_keys
+from kvsvc.streams.state import StreamState
+from kvsvc.streams.subscriber import StreamSubscriber
+from tests.publisher import ProtocolPublisher, cleared, removed, stored
+from tests.util import free_ports, wait_for
+
+BS = 4
+SEED = 1024
+SYNC = StreamState.SYNCHRONIZED
+
+
+def blk(*contents: int) -> list[int]:
+    """Tokens of consecutive blocks; block content ``c`` is ``[c*100, c*100+1, ...]``."""
+    return [c * 100 + j for c in contents for j in range(BS)]
+
+
+class Harness:
+    """Publishers and subscribers of one test, closed in reverse order."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.objs: list = []
+
+    def publisher(self, ports: Optional[tuple[int, int]] = None, **kw) -> ProtocolPublisher:
+        event_port, replay_port = ports or free_ports(2)
+        pub = ProtocolPublisher(self.ctx, event_port, replay_port, **kw)
+        self.objs.append(pub)
+        return pub.start()
+
+    def subscriber(self, pub: ProtocolPublisher, *, topic: str = "", start: bool = True,
+                   **limits) -> StreamSubscriber:
+        cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
+                           endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                           topic=topic, hash_seed=SEED)
+        sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
+        self.objs.append(sub)
+        if start:
+            sub.start()
+        return sub
+
+    def close(self):
+        for obj in reversed(self.objs):
+            obj.close()
+
+
+@pytest.fixture
+def h(zmq_ctx):
+    harness = Harness(zmq_ctx)
+    yield harness
+    harness.close()
+
+
+def hits(sub: StreamSubscriber, *contents: int) -> tuple[bool, int, int]:
+    """(synchronized, device hit tokens, host-only hit tokens) of the prompt ``blk(*contents)``."""
+    m = sub.match(prompt_keys(blk(*contents), BS, SEED))
+    return m.synchronized, m.device_hit_tokens, m.host_only_hit_tokens
+
+
+def synced_at(sub: StreamSubscriber, seq: Optional[int], timeout_s: float = 5.0):
+    def check():
+        st = sub.status()
+        return st if st.state is SYNC and st.sequence == seq else None
+    return wait_for(check, timeout_s, what=f"synchronized at seq {seq}")
+
+
+def error_contains(sub: StreamSubscriber, text: str, timeout_s: float = 5.0):
+    def check():
+        st = sub.status()
+        return st if st.state is not SYNC and text in (st.error or "") else None
+    return wait_for(check, timeout_s, what=f"error containing {text!r}")
+
+
+def start_synced(h: Harness, snapshot=(), watermark=None, **kw):
+    """Publisher + subscriber synchronized on ``snapshot`` at ``watermark``, subscription up."""
+    pub = h.publisher(**{k: kw.pop(k) for k in ("topic", "dp_rank") if k in kw and k != "topic"})
+    pub.set_snapshot(list(snapshot), watermark)
+    pub.next_seq = 0 if watermark is None else watermark + 1
+    sub = h.subscriber(pub, **kw)
+    pub.wait_subscribed()
+    synced_at(sub, watermark)
+    return pub, sub
+
+
+# ---------------------------------------------------------------------- snapshot basics
+
+def test_late_join_learns_blocks_from_snapshot(h):
+    pub, sub = start_synced(h, [stored([11, 12], None, blk(1, 2), BS),
+                                stored([13], 12, blk(3), BS, medium="cpu")])
+    assert hits(sub, 1, 2, 3) == (True, 8, 4)
+    st = sub.status()
+    assert (st.sequence, st.device_blocks, st.host_blocks, st.entries) == (None, 2, 1, 3)
+    assert (st.recoveries, st.synchronized_once, st.error) == (1, True, None)
+    # Watermark "none published": the next live batch is seq 0.
+    assert pub.publish([stored([14], 13, blk(4), BS)]) == 0
+    synced_at(sub, 0)
+    assert hits(sub, 1, 2, 3, 4) == (True, 12, 4)
+    assert pub.requests == [0]
+
+
+def test_tiered_replicas_and_contiguous_prefix(h):
+    pub, sub = start_synced(h, [stored([1, 2, 3], None, blk(1, 2, 3), BS)], watermark=4)
+    assert hits(sub, 1, 2, 3) == (True, 12, 0)
+    pub.publish([stored([1, 2], None, [], 0, medium="cpu"),          # tokenless Host replicas
+                 stored([4], 3, blk(4), BS, medium="cpu_pinned")])   # Host-only child
+    synced_at(sub, 5)
+    assert hits(sub, 1, 2, 3, 4) == (True, 12, 4)
+    pub.publish([removed([1, 2], "gpu")])   # Device copies evicted, Host copies stay
+    synced_at(sub, 6)
+    assert hits(sub, 1, 2, 3, 4) == (True, 4, 12)
+    pub.publish([removed([2], "cpu")])      # block 2 gone from both tiers: the walk stops there
+    synced_at(sub, 7)
+    assert hits(sub, 1, 2, 3, 4) == (True, 0, 4)
+    assert hits(sub, 1, 9) == (True, 0, 4)  # a different second block: prefix of one
+    assert hits(sub, 9, 2) == (True, 0, 0)
+    st = sub.status()
+    assert (st.device_blocks, st.host_blocks, st.entries) == (1, 2, 3)
+
+
+def test_empty_snapshot_takes_next_live_batch_as_baseline(h):
+    pub = h.publisher()
+    pub.empty_reply = True
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    st = synced_at(sub, None)
+    assert (st.device_blocks, st.entries, st.recoveries) == (0, 0, 1)
+    pub.publish([stored([1], None, blk(1), BS)], seq=41)
+    synced_at(sub, 41)
+    pub.publish([stored([2], 1, blk(2), BS)])
+    synced_at(sub, 42)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+
+
+def test_orphans_in_snapshot_are_not_indexed(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS),
+                                stored([2], 999, blk(2), BS),   # unknown parent: orphan
+                                stored([3], 2, blk(3), BS),     # child of an orphan
+                                stored([4], None, blk(4), BS)], watermark=0)
+    st = sub.status()
+    assert (st.device_blocks, st.entries) == (2, 4)
+    assert hits(sub, 1) == (True, 4, 0)
+    assert hits(sub, 4) == (True, 4, 0)
+    # A live child of an orphan is an orphan too, not an unknown parent.
+    pub.publish([stored([5], 3, blk(5), BS)])
+    st = synced_at(sub, 1)
+    assert (st.device_blocks, st.entries, st.recoveries) == (2, 5, 1)
+
+
+# ---------------------------------------------------------------------- sequence handling
+
+def test_sequence_gap_recovers_exactly(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0)
+    pub.hold_replies()
+    pub.skip()                                        # seq 1 is lost
+    pub.publish([stored([3], 1, blk(3), BS)])         # seq 2
+    st = error_contains(sub, "sequence gap: expected seq 1, got 2")
+    assert st.sequence is None and st.device_blocks == 0
+    assert sub.match(prompt_keys(blk(1), BS, SEED)).to_json() == {
+        "instance_name": "10.0.0.1:8000", "dp_rank": 0, "synchronized": False,
+        "sequence": None, "device_hit_tokens": 0, "host_only_hit_tokens": 0,
+        "reusable_prefix_tokens": 0, "device_blocks": 0, "host_blocks": 0,
+        "error": "sequence gap: expected seq 1, got 2"}
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS),
+                      stored([3], 1, blk(3), BS)], watermark=2)
+    pub.release_replies()
+    st = synced_at(sub, 2)
+    assert (st.device_blocks, st.recoveries) == (3, 2)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+    assert hits(sub, 1, 3) == (True, 8, 0)
+    assert pub.requests == [0, 0]
+
+
+def test_backward_seq_after_engine_restart(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=3)
+    pub.publish([stored([2], 1, blk(2), BS)])   # seq 4
+    synced_at(sub, 4)
+    pub.hold_replies()
+    pub.publish([stored([7], None, blk(7), BS)], seq=0)   # new engine process counts from 0
+    error_contains(sub, "sequence went backwards: expected seq 5, got 0")
+    assert hits(sub, 1) == (False, 0, 0)
+    pub.set_snapshot([stored([7], None, blk(7), BS)], watermark=0)
+    pub.release_replies()
+    st = synced_at(sub, 0)
+    assert (st.device_blocks, st.recoveries) == (1, 2)
+    assert hits(sub, 1) == (True, 0, 0)
+    assert hits(sub, 7) == (True, 4, 0)
+    pub.publish([stored([8], 7, blk(8), BS)])
+    synced_at(sub, 1)
+    assert hits(sub, 7, 8) == (True, 8, 0)
+
+
+def test_snapshot_merges_buffered_batches_around_watermark(h):
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    # Seqs 0..2 are in the snapshot (seq 1 removed block 1 again); 3 and 4 are not.
+    pub.publish([stored([1], None, blk(1), BS)])
+    pub.publish([removed([1])])
+    pub.publish([stored([2], None, blk(2), BS)])
+    pub.publish([stored([3], 2, blk(3), BS)])
+    pub.publish([stored([4], 3, blk(4), BS)])
+    wait_for(lambda: sub.live_messages == 5, what="5 live batches buffered")
+    assert sub.status().state is StreamState.RECOVERING
+    pub.set_snapshot([stored([2], None, blk(2), BS)], watermark=2)
+    pub.release_replies()
+    st = synced_at(sub, 4)
+    assert (st.device_blocks, st.entries, st.recoveries) == (3, 3, 1)
+    assert hits(sub, 2, 3, 4) == (True, 12, 0)
+    assert hits(sub, 1) == (True, 0, 0)
+    assert sub.duplicates_dropped == 0
+
+
+def test_in_flight_duplicates_after_swap_are_dropped_but_repeats_are_not(h):
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    pub.set_snapshot([stored([1, 2, 3, 4], None, blk(1, 2, 3, 4), BS)], watermark=3)
+    pub.release_replies()
+    synced_at(sub, 3)
+    # Batches 2 and 3 were published before the snapshot but arrive after it: covered by it.
+    pub.publish([stored([3], 2, blk(3), BS)], seq=2)
+    pub.publish([stored([4], 3, blk(4), BS)], seq=3)
+    pub.publish([stored([5], 4, blk(5), BS)], seq=4)
+    st = synced_at(sub, 4)
+    assert (sub.duplicates_dropped, st.recoveries, st.device_blocks) == (2, 1, 5)
+    assert hits(sub, 1, 2, 3, 4, 5) == (True, 20, 0)
+    # Seq 3 again is a repeat (not above the highest seq seen): a sequence error.
+    pub.hold_replies()
+    pub.publish([removed([5])], seq=3)
+    error_contains(sub, "sequence went backwards: expected seq 5, got 3")
+    pub.set_snapshot([stored([1, 2, 3, 4], None, blk(1, 2, 3, 4), BS)], watermark=4)
+    pub.release_replies()
+    st = synced_at(sub, 4)
+    assert (sub.duplicates_dropped, st.recoveries, st.device_blocks) == (2, 2, 4)
+
+
+def test_gap_after_watermark_fails_attempt_then_retry(h):
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    pub.publish([stored([1], None, blk(1), BS)])   # 0
+    pub.publish([stored([2], 1, blk(2), BS)])      # 1
+    pub.skip()                                     # 2 lost
+    pub.publish([stored([4], None, blk(4), BS)])   # 3
+    wait_for(lambda: sub.live_messages == 3, what="3 live batches buffered")
+    pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=0)
+    pub.release_replies(1)                         # answer this attempt only
+    st = error_contains(sub, "gap after watermark 0: expected seq 2, got 3")
+    assert st.recoveries == 0 and hits(sub, 1) == (False, 0, 0)
+    wait_for(lambda: len(pub.requests) == 2, what="retry after backoff")
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS),
+                      stored([3], None, blk(3), BS), stored([4], None, blk(4), BS)], watermark=3)
+    pub.release_replies()
+    st = synced_at(sub, 3)
+    assert (st.device_blocks, st.recoveries, pub.requests) == (4, 1, [0, 0])
+
+
+def test_replay_timeout_then_retry_succeeds(h):
+    pub = h.publisher()
+    pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=None)
+    pub.drop_end_marker = True
+    sub = h.subscriber(pub, replay_timeout_ms=150)
+    st = error_contains(sub, "timeout")
+    assert st.error == "snapshot timeout: no complete reply within replay_timeout_ms=150"
+    assert hits(sub, 1) == (False, 0, 0)
+    pub.drop_end_marker = False
+    st = synced_at(sub, None)
+    assert (st.device_blocks, st.recoveries) == (1, 1)
+    assert len(pub.requests) >= 2 and set(pub.requests) == {0}
+
+
+def test_buffer_overflow_fails_attempt(h):
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub, max_buffered_bytes=1024)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    # Each batch: about 100 wire bytes + 128 (event) + 2*40 (hashes) + 8*4 (tokens) > 300.
+    for i in range(4):
+        pub.publish([stored([10 + 2 * i, 11 + 2 * i], None, blk(i, i + 10), BS)])
+    st = error_contains(sub, "buffer overflow")
+    assert st.recoveries == 0
+    pub.set_snapshot([stored([10 + 2 * i, 11 + 2 * i], None, blk(i, i + 10), BS)
+                      for i in range(4)], watermark=3)
+    pub.release_replies()
+    st = synced_at(sub, 3)
+    assert (st.device_blocks, st.recoveries) == (8, 1)
+
+
+# ---------------------------------------------------------------------- errors that recover
+
+@pytest.mark.parametrize("case, expected_error", [
+    ("malformed", "seq 1: payload is not valid MessagePack: invalid type Reserved"),
+    ("two_frames", "live message has 2 frames, expected 3 (topic, seq, payload)"),
+    ("four_frames", "live message has 4 frames, expected 3 (topic, seq, payload)"),
+    ("short_seq", "seq frame is 4 bytes, expected 8"),
+    ("rank", "seq 1: batch dp_rank 1 does not match the stream's rank 0"),
+    ("block_size", "seq 1: BlockStored block_size 8 != configured block_size 4"),
+    ("unknown_parent", "seq 1: BlockStored parent 0x3e7 is unknown"),
+    ("oversize", "message exceeds max_message_bytes (2049 > 2048 bytes)"),
+    ("capacity", "seq 1: index capacity exceeded"),
+])
+def test_stream_errors_invalidate_and_recover(h, case, expected_error):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            max_message_bytes=2048, max_blocks_per_stream=3)
+    assert hits(sub, 1) == (True, 4, 0)
+    pub.hold_replies()
+    seq1 = (1).to_bytes(8, "big")
+    if case == "malformed":
+        pub.send_raw([b"", seq1, b"\xc1"])
+    elif case == "two_frames":
+        pub.send_raw([b"", seq1])
+    elif case == "four_frames":
+        pub.send_raw([b"", seq1, b"\x90", b"\x90"])
+    elif case == "short_seq":
+        pub.send_raw([b"", b"\x00" * 4, b"\x90"])
+    elif case == "rank":
+        pub.publish([stored([2], 1, blk(2), BS)], dp_rank=1)
+    elif case == "block_size":
+        pub.publish([stored([2], 1, blk(2, 3), 8)])
+    elif case == "unknown_parent":
+        pub.publish([stored([2], 999, blk(2), BS)])
+    elif case == "oversize":
+        pub.send_raw([b"", seq1, b"\x90" * (2048 - 8 + 1)])
+    elif case == "capacity":
+        pub.publish([stored([2, 3, 4], 1, blk(2, 3, 4), BS)])
+    st = error_contains(sub, expected_error)
+    assert st.error == expected_error
+    assert (st.sequence, st.device_blocks, st.entries) == (None, 0, 0)
+    assert hits(sub, 1) == (False, 0, 0)
+    pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=1)
+    pub.release_replies()
+    st = synced_at(sub, 1)
+    assert (st.recoveries, st.device_blocks) == (2, 1)
+    assert hits(sub, 1) == (True, 4, 0)
+
+
+def test_all_blocks_cleared_batch_synchronizes_without_snapshot(h):
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    pub.publish([stored([1], None, blk(1), BS)], seq=4)   # buffered, then abandoned
+    pub.publish([cleared(), stored([2], None, blk(2), BS)], seq=5)
+    st = synced_at(sub, 5)
+    assert (st.device_blocks, st.recoveries) == (1, 1)
+    assert hits(sub, 1) == (True, 0, 0)
+    assert hits(sub, 2) == (True, 4, 0)
+    pub.publish([stored([3], 2, blk(3), BS)])
+    synced_at(sub, 6)
+    assert hits(sub, 2, 3) == (True, 8, 0)
+    # The abandoned attempt's late reply has no socket to land on.
+    pub.set_snapshot([], watermark=0)
+    pub.release_replies()
+    wait_for(lambda: pub.reply_budget is None, what="release")
+    pub.publish([removed([3])])
+    st = synced_at(sub, 7)
+    assert (st.device_blocks, st.recoveries, pub.requests) == (1, 1, [0])
+
+
+def test_periodic_resync_catches_silently_dropped_tail_event(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            resync_interval_ms=1000)
+    # Seq 1 stores block 2 but never reaches the subscriber, and nothing follows it.
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
+    pub.skip()
+    st = wait_for(lambda: (s := sub.status()).resync_differences == 1 and s, timeout_s=5,
+                  what="resync")
+    assert (st.state, st.sequence, st.device_blocks, st.recoveries) == (SYNC, 1, 2, 1)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+    assert pub.requests[:2] == [0, 1]   # the resync asks from the next expected seq
+    pub.publish([stored([3], 2, blk(3), BS)])
+    synced_at(sub, 2)
+    assert hits(sub, 1, 2, 3) == (True, 12, 0)
+
+
+def test_disconnect_reported_by_monitor_invalidates(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            replay_timeout_ms=300)
+    ports = (pub.event_port, pub.replay_port)
+    pub.close()
+    st = error_contains(sub, "disconnected")
+    assert hits(sub, 1) == (False, 0, 0)
+    pub2 = h.publisher(ports)
+    pub2.set_snapshot([stored([5], None, blk(5), BS)], watermark=None)
+    pub2.wait_subscribed()
+    st = synced_at(sub, None)
+    assert (st.device_blocks, st.recoveries) == (1, 2)
+    assert hits(sub, 1) == (True, 0, 0)
+    assert hits(sub, 5) == (True, 4, 0)
+    pub2.publish([stored([6], 5, blk(6), BS)])   # the new engine counts from 0
+    synced_at(sub, 0)
+    assert hits(sub, 5, 6) == (True, 8, 0)
+
+
+def test_topic_must_match_exactly(h):
+    pub = h.publisher(topic=b"kv")
+    pub.set_snapshot([], watermark=None)
+    sub = h.subscriber(pub, topic="kv")
+    pub.wait_subscribed()
+    synced_at(sub, None)
+    pub.publish([stored([1], None, blk(1), BS)], seq=0, topic=b"kvx")   # prefix match: dropped
+    pub.publish([stored([2], None, blk(2), BS)], seq=0, topic=b"zz")    # filtered by ZMQ
+    pub.publish([stored([3], None, blk(3), BS)], seq=0)
+    synced_at(sub, 0)
+    assert (sub.topic_mismatches, sub.live_messages) == (1, 1)
+    assert (hits(sub, 1), hits(sub, 3)) == ((True, 0, 0), (True, 4, 0))
+
+
+def test_lifecycle(h, zmq_ctx):
+    pub = h.publisher()
+    sub = h.subscriber(pub, start=False)
+    sub.close()                       # before start: a no-op
+    sub2 = h.subscriber(pub)
+    with pytest.raises(Exception, match="already started"):
+        sub2.start()
+    names = [t.name for t in __import__("threading").enumerate()]
+    assert "kvsvc-stream-10.0.0.1:8000/dp0" in names
+    sub2.close()
+    sub2.close()                      # idempotent
+    assert "kvsvc-stream-10.0.0.1:8000/dp0" not in [
+        t.name for t in __import__("threading").enumerate()]
