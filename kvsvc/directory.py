@@ -132,7 +132,8 @@ class Directory:
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every stream (each joined within ``timeout_s``) and destroy an owned context.
 
-        Idempotent; closing a directory that is not running does nothing.
+        Idempotent; closing a directory that is not running does nothing. Afterwards it can be
+        started again. ``start`` and ``close`` must not run concurrently with each other.
 
         :raises LifecycleError: a stream thread did not stop in time (the others are closed
             first).
@@ -140,6 +141,9 @@ class Directory:
         with self._lock:
             if not self._started:
                 return
+            # Not running from here on: a concurrent add_stream() sees this and undoes itself
+            # instead of adding a started stream this close() would miss.
+            self._started = False
             view = self._view
         failure: Optional[LifecycleError] = None
         for sid in view.ordered:
@@ -154,14 +158,21 @@ class Directory:
             raise failure
 
     def _stop(self) -> None:
-        """Mark stopped; with an owned context, drop the subscribers and destroy the context
-        (every socket was closed by its stream thread; linger 0 covers one that timed out)."""
+        """Mark stopped and replace the used subscribers (a thread starts only once) so that
+        the directory can be started again: fresh ones on a given context; none with an owned
+        context, which is destroyed (every socket was closed by its stream thread; linger 0
+        covers a thread whose close timed out)."""
         with self._lock:
             self._started = False
-            if self._owns_context and self._context is not None:
-                self._view = _View.of(dict(self._view.configs), {})
-                self._context.destroy(linger=0)
-                self._context = None
+            configs = dict(self._view.configs)
+            if self._owns_context:
+                self._view = _View.of(configs, {})
+                if self._context is not None:
+                    self._context.destroy(linger=0)
+                    self._context = None
+            else:
+                self._view = _View.of(configs, {sid: self._subscriber(cfg, self._context)
+                                                for sid, cfg in configs.items()})
 
     @staticmethod
     def _close_quietly(sub: StreamSubscriber, timeout_s: float) -> None:

@@ -295,3 +295,15 @@ def test_add_stream_before_start_is_started_with_the_rest(cluster):
         started(d, stack)
         wait_synced(d)
         assert hits(d, [1, 2, 3, 4]) == {("a:1", 0): (4, 0)}
+
+
+def test_restart_after_close(cluster):
+    cluster.engine("a:1", state=[stored([1], None, [1, 2, 3, 4], B4)])
+    for context in (cluster.ctx, None):
+        d = Directory(cluster.config(), context)
+        for _ in range(2):
+            with ExitStack() as stack:
+                started(d, stack)
+                wait_synced(d)
+                assert hits(d, [1, 2, 3, 4]) == {("a:1", 0): (4, 0)}
+            assert [m.synchronized for m in d.query([])] == [False]
