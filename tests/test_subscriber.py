@@ -7,12 +7,16 @@ from __future__ import annotations
 from typing import Optional
 
 import pytest
+import zmq
 
 from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.errors import SnapshotError, SnapshotTimeout
 from kvsvc.index.keys import prompt_keys
+from kvsvc.streams.frame import END_MARKER, parse_snapshot_request
+from kvsvc.streams.snapshot import SnapshotAttempt
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.publisher import ProtocolPublisher, cleared, removed, stored
+from tests.publisher import ProtocolPublisher, cleared, encode_batch, removed, stored
 from tests.util import free_ports, wait_for
 
 BS = 4
@@ -437,3 +441,135 @@ def test_lifecycle(h, zmq_ctx):
     sub2.close()                      # idempotent
     assert "kvsvc-stream-10.0.0.1:8000/dp0" not in [
         t.name for t in __import__("threading").enumerate()]
+
+
+def test_failed_resync_keeps_serving(h):
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            resync_interval_ms=1000, replay_timeout_ms=100)
+    pub.drop_end_marker = True
+    wait_for(lambda: len(pub.requests) >= 3, timeout_s=5, what="two failed resyncs")
+    st = sub.status()
+    assert (st.state, st.error, st.sequence, st.recoveries, st.resync_differences) == (
+        SYNC, None, 0, 1, 0)
+    assert hits(sub, 1) == (True, 4, 0)
+    pub.publish([stored([2], 1, blk(2), BS)])
+    synced_at(sub, 1)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+
+
+@pytest.mark.parametrize("batch_form, event_form", [("map", "array"), ("array2", "array"),
+                                                    ("array3", "map")])
+def test_wire_forms_end_to_end(h, batch_form, event_form):
+    pub = h.publisher(dp_rank=2)
+    pub.batch_form, pub.event_form = batch_form, event_form
+    pub.events_per_message = 1   # one data message per event
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=None)
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    synced_at(sub, None)
+    pub.publish([stored([3], 2, blk(3), BS, medium="cpu")])
+    synced_at(sub, 0)
+    assert hits(sub, 1, 2, 3) == (True, 8, 4)
+    assert sub.stream_id.dp_rank == 2
+
+
+# ---------------------------------------------------------------------- snapshot client
+
+class RawReplay:
+    """A bare ROUTER for driving :class:`SnapshotAttempt` frame by frame in the test thread."""
+
+    def __init__(self, ctx):
+        self.port = free_ports(1)[0]
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{self.port}")
+
+    def request(self) -> tuple[bytes, int]:
+        assert self.router.poll(5000), "no snapshot request"
+        ident, *rest = self.router.recv_multipart()
+        return ident, parse_snapshot_request(rest)
+
+    def close(self):
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+def raw_replay(zmq_ctx):
+    replay = RawReplay(zmq_ctx)
+    yield replay
+    replay.close()
+
+
+def open_attempt(zmq_ctx, raw_replay, start_seq=7, **limits):
+    cfg = StreamConfig(instance_name="e", block_size=BS, endpoint="tcp://127.0.0.1:1",
+                       replay_endpoint=f"tcp://127.0.0.1:{raw_replay.port}", hash_seed=SEED)
+    attempt = SnapshotAttempt.open(zmq_ctx, cfg, KvEventsConfig(**limits), start_seq)
+    ident, got = raw_replay.request()
+    assert got == start_seq
+    return attempt, ident
+
+
+def run_attempt(attempt):
+    """Call ``receive`` until it returns a result or raises (bounded by the attempt deadline)."""
+    try:
+        return wait_for(lambda: attempt.receive(), timeout_s=5, what="snapshot result")
+    finally:
+        attempt.close()
+
+
+def test_snapshot_client_multi_message_and_four_frame_replies(zmq_ctx, raw_replay):
+    attempt, ident = open_attempt(zmq_ctx, raw_replay)
+    wm = (9).to_bytes(8, "big")
+    raw_replay.router.send_multipart(
+        [ident, b"", wm, encode_batch([stored([1], None, blk(1), BS)])])
+    raw_replay.router.send_multipart(
+        [ident, b"", b"topic", wm, encode_batch([stored([2], 1, blk(2), BS, medium="cpu")])])
+    raw_replay.router.send_multipart([ident, *END_MARKER])
+    result = run_attempt(attempt)
+    assert (result.empty, result.watermark, result.messages) == (False, 9, 2)
+    assert result.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (1, 1)
+
+
+def test_snapshot_client_empty_reply(zmq_ctx, raw_replay):
+    attempt, ident = open_attempt(zmq_ctx, raw_replay, start_seq=0)
+    raw_replay.router.send_multipart([ident, *END_MARKER])
+    result = run_attempt(attempt)
+    assert (result.empty, result.watermark, result.messages, result.index.entries) == (
+        True, None, 0, 0)
+
+
+@pytest.mark.parametrize("second, reason", [
+    ([b"", (8).to_bytes(8, "big"), b"PAYLOAD"],
+     "snapshot reply watermark changed from 9 to 8"),
+    ([b"", b"\x00" * 8],
+     "snapshot reply has 2 frames, expected 3 or 4"),
+    ([b"", (9).to_bytes(8, "big"), b"\xc1"],
+     "snapshot reply: payload is not valid MessagePack: invalid type Reserved"),
+    ([b"", (9).to_bytes(8, "big"), b"\x90" * 1100],
+     "snapshot reply message exceeds max_message_bytes (1108 > 1024 bytes)"),
+    ([b"", (9).to_bytes(8, "big"), "BAD_RANK"],
+     "snapshot reply: batch dp_rank 1 does not match the stream's rank 0"),
+    ([b"", (9).to_bytes(8, "big"), "CONFLICT"],
+     "snapshot reply: engine hash 0x1 already maps to another content key"),
+])
+def test_snapshot_client_malformed_replies(zmq_ctx, raw_replay, second, reason):
+    attempt, ident = open_attempt(zmq_ctx, raw_replay, max_message_bytes=1024)
+    wm = (9).to_bytes(8, "big")
+    raw_replay.router.send_multipart([ident, b"", wm, encode_batch([stored([1], None, blk(1), BS)])])
+    if second[-1] == "PAYLOAD":
+        second[-1] = encode_batch([])
+    elif second[-1] == "BAD_RANK":
+        second[-1] = encode_batch([], 1)
+    elif second[-1] == "CONFLICT":
+        second[-1] = encode_batch([stored([1], None, blk(5), BS)])
+    raw_replay.router.send_multipart([ident, *second])
+    with pytest.raises(SnapshotError) as info:
+        run_attempt(attempt)
+    assert str(info.value) == reason
+
+
+def test_snapshot_client_timeout(zmq_ctx, raw_replay):
+    attempt, ident = open_attempt(zmq_ctx, raw_replay, replay_timeout_ms=50)
+    raw_replay.router.send_multipart([ident, b"", b"\x00" * 8, encode_batch([])])
+    with pytest.raises(SnapshotTimeout, match="replay_timeout_ms=50"):
+        run_attempt(attempt)

@@ -153,7 +153,7 @@ class SnapshotAttempt:
         try:
             reply = parse_reply(frames, self._max_message_bytes)
         except StreamError as exc:
-            raise SnapshotError(f"snapshot reply: {exc}") from exc
+            raise SnapshotError(str(exc)) from exc  # its text already says "snapshot reply"
         self._wire_bytes += reply.wire_bytes
         if reply.is_end:
             self._done = True
