@@ -24,14 +24,19 @@ of 2**32 or more) and the most significant byte of every item is checked for its
 (values of 2**31 or more), about 9 us per 2048 tokens. The array is what :class:`~kvsvc.events.BlockStored` carries as ``token_ids``;
 its little-endian bytes are the §4 key input. Known gap: MessagePack booleans are Python
 ``bool``, a subclass of ``int``, and pass as 0/1 (no engine sends booleans as token ids;
-checking every item's type would cost more than the conversion itself).
+checking every item's type would cost more than the conversion itself). Likewise
+``ormsgpack.unpackb`` ignores bytes after the first complete object, so trailing garbage after
+a valid batch is not detected (a truncated payload is).
+
+Measured (CPython 3.11, 4 events x 2048 tokens per batch): decoding costs about 1.3x
+``ormsgpack.unpackb`` of the same payload, the token check about 9 us per 2048 tokens.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from typing import Any, Optional
+from typing import Any
 
 import ormsgpack
 
