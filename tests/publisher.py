@@ -93,6 +93,7 @@ class ProtocolPublisher:
     request until :meth:`release_replies`).
 
     :ivar requests: ``start_seq`` of every snapshot request received, in order.
+    :ivar replies_sent: snapshot replies sent (whole replies, end marker or not).
     """
 
     def __init__(self, ctx: zmq.Context, event_port: int, replay_port: int, topic: bytes = b"",
@@ -116,6 +117,7 @@ class ProtocolPublisher:
         self.drop_end_marker = False
         self.reply_budget: Optional[int] = None
         self.requests: list[int] = []
+        self.replies_sent = 0
         self._lock = threading.Lock()
         self._pub: Optional[zmq.Socket] = None
         self._stop = threading.Event()
@@ -268,3 +270,4 @@ class ProtocolPublisher:
                 router.send_multipart([ident, *encode_reply(watermark, payload)])
         if not self.drop_end_marker:
             router.send_multipart([ident, *END_MARKER])
+        self.replies_sent += 1
