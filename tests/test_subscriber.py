@@ -577,3 +577,33 @@ def test_snapshot_client_timeout(zmq_ctx, raw_replay):
     raw_replay.router.send_multipart([ident, b"", b"\x00" * 8, encode_batch([])])
     with pytest.raises(SnapshotTimeout, match="replay_timeout_ms=50"):
         run_attempt(attempt)
+
+
+def test_internal_error_in_apply_recovers_instead_of_killing_the_stream(h, monkeypatch):
+    """A bug-class exception (not a StreamError) while applying a live batch must not end the
+    stream thread: the index is discarded and the stream recovers by snapshot. The exception
+    is forced with monkeypatch because no valid or invalid input produces one."""
+    from kvsvc.index import tier_index
+
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0)
+    real_apply = tier_index.TierIndex.apply
+    calls = {"n": 0}
+
+    def failing_once(self, events, *, snapshot=False):
+        if not snapshot and calls["n"] == 0:
+            calls["n"] += 1
+            raise RuntimeError("simulated bug")
+        return real_apply(self, events, snapshot=snapshot)
+
+    pub.hold_replies()
+    monkeypatch.setattr(tier_index.TierIndex, "apply", failing_once)
+    pub.publish([stored([2], 1, blk(2), BS)])         # seq 1 hits the simulated bug
+    st = error_contains(sub, "internal error: RuntimeError")
+    assert (st.sequence, st.device_blocks) == (None, 0)
+    assert hits(sub, 1) == (False, 0, 0)
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
+    pub.release_replies()
+    st = synced_at(sub, 1, timeout_s=10.0)
+    assert (st.device_blocks, st.recoveries) == (2, 2)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+    assert calls["n"] == 1

@@ -249,8 +249,20 @@ class StreamSubscriber:
                      self.stream.endpoint, self.stream.topic, self.stream.replay_endpoint)
             self._next_attempt_at = time.monotonic()  # §6: snapshot at once
             while not self._stop.is_set():
-                self._turn()
-        except Exception:  # pragma: no cover - a bug; keep the stream visibly broken
+                try:
+                    self._turn()
+                except zmq.ZMQError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - input must never kill the stream
+                    # Only a bug in kvsvc gets here (input errors are StreamErrors). Discard the
+                    # index, as for any stream error, and recover after a backoff instead of
+                    # leaving the stream dead for the life of the process.
+                    log.exception("stream %s: internal error; recovering", self._name)
+                    self._abandon_attempt()
+                    self._invalidate(f"internal error: {type(exc).__name__}")
+                    self._failures += 1
+                    self._next_attempt_at = time.monotonic() + _backoff_s(self._failures)
+        except Exception:  # pragma: no cover - ZMQ failure; keep the stream visibly broken
             log.exception("stream %s: thread crashed", self._name)
             with self._lock:
                 self._index = None
