@@ -108,7 +108,11 @@ class DemoReport:
     :param false_hits: comparisons promising more than the truth (see the module docstring).
     :param wait_timeouts: requests before which some stream had not caught up in time.
     :param unsynchronized_answers: comparisons answered by an unsynchronized stream.
-    :param recoveries_observed: synchronized -> unsynchronized transitions seen in answers.
+    :param recoveries_observed: synchronized -> unsynchronized transitions seen in answers
+        (polls only see a transition whose recovery outlasts the gap between two queries).
+    :param recoveries_reported: recoveries after the first synchronization, summed over the
+        streams, from ``/ready``'s per-stream ``recoveries`` when the service reports it,
+        else ``None``.
     :param dropped: live messages dropped by the chaos fault, all engines.
     :param restarts: engine restarts done by the chaos mode.
     """
@@ -130,6 +134,7 @@ class DemoReport:
     wait_timeouts: int = 0
     unsynchronized_answers: int = 0
     recoveries_observed: int = 0
+    recoveries_reported: Optional[int] = None
     dropped: int = 0
     restarts: int = 0
     elapsed_s: float = 0.0
@@ -168,7 +173,9 @@ class DemoReport:
             ("false hits", f"{self.false_hits}"),
             ("answers while unsynchronized", f"{self.unsynchronized_answers}"),
             ("catch-up waits that timed out", f"{self.wait_timeouts}"),
-            ("streams recovered (observed)", f"{self.recoveries_observed}"),
+            ("stream recoveries (reported by /ready / seen in answers)",
+             f"{'-' if self.recoveries_reported is None else self.recoveries_reported} / "
+             f"{self.recoveries_observed}"),
             ("live messages dropped / engine restarts", f"{self.dropped} / {self.restarts}"),
             ("elapsed", f"{self.elapsed_s:.1f} s"),
             ("verdict", "PASS" if self.passed(chaos) else "FAIL"),
@@ -273,6 +280,16 @@ class ServiceProcess:
             raise LifecycleError(f"query answered {r.status_code}: {r.text[:300]}")
         return r.json()["matches"]
 
+    def recoveries(self) -> Optional[int]:
+        """Recoveries after each stream's first synchronization, summed, from ``/ready``'s
+        per-stream ``recoveries`` (which counts the first one too); ``None`` when the service
+        does not report them or cannot be asked."""
+        try:
+            streams = self.session.get(self.base_url + "/ready", timeout=5.0).json()["streams"]
+            return sum(max(0, int(s["recoveries"]) - 1) for s in streams)
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+
     def log_tail(self, lines: int = 30) -> str:
         """Last ``lines`` lines of the service's output."""
         try:
@@ -289,7 +306,7 @@ class ServiceProcess:
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 log.error("demo: service did not stop within %.0f s; killing it", timeout_s)
                 proc.kill()
                 proc.wait(5.0)
@@ -366,11 +383,15 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
                   f"{len(trace)} {opts.trace} requests{' (chaos)' if opts.chaos else ''}",
                   file=out, flush=True)
             _replay(opts, trace, engines, service, report, out)
+            report.recoveries_reported = service.recoveries()
         finally:
-            if service is not None:
-                service.close()
-            for eng in engines:
-                eng.close()
+            # Nested so that a second Ctrl-C while the service stops still closes the engines.
+            try:
+                if service is not None:
+                    service.close()
+            finally:
+                for eng in engines:
+                    eng.close()
             report.dropped = sum(eng.stats(r).dropped for eng in engines for r in range(eng.dp_size))
             report.elapsed_s = time.monotonic() - t0
     print(report.table(opts.chaos), file=out, flush=True)

@@ -541,3 +541,41 @@ def test_port_taken_fails_start(zmq_ctx):
     finally:
         eng.close()
         blocker.close()
+
+
+# ---- kvsvc sim ----------------------------------------------------------------------------------
+
+def test_sim_cli_replays_a_trace_and_stops(zmq_ctx):
+    import argparse
+    import threading
+
+    from kvsvc.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    port = consecutive_ports(2)
+    replay = consecutive_ports(2)
+    args = parser.parse_args([
+        "--port", str(port), "--dp", "2", "--event-port-offset", "0",
+        "--replay-port-offset", str(replay - port), "--device-blocks", "64", "--host-blocks", "64",
+        "--trace", "conversation", "--requests", "4", "--interval-ms", "0", "--log-level", "warning"])
+    stop = threading.Event()
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(cli.run(args, stop)), name="sim-cli-test")
+    t.start()
+    try:
+        d = zmq_ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{replay + 1}")  # rank 1's replay port
+
+        def replayed() -> bool:
+            wm, payloads = snapshot(d, timeout_ms=5000)
+            return wm == 1 and sum(len(p[1]) for p in payloads) > 0
+
+        # Requests 0..3 round robin over 2 ranks: rank 1 publishes seqs 0 and 1.
+        wait_for(replayed, 10.0, interval_s=0.05, what="trace replayed on dp1")
+        d.close()
+    finally:
+        stop.set()
+        t.join(10.0)
+    assert not t.is_alive() and result == [0]
