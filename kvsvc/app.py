@@ -11,7 +11,8 @@ Endpoints:
   disabled). ``/v1/internal/*`` needs ``X-Internal-Token`` when a token is configured (401).
 - ``GET /health``: liveness, always ``{"status": "ok"}``.
 - ``GET /ready``: 200 once the service runs and every stream has been synchronized at least
-  once, else 503; the body lists every stream's state.
+  once, else 503; the body lists every stream's state, error, sequence, resident block counts,
+  completed recoveries and periodic-resync differences (§6).
 
 Every error answer is JSON ``{"error": "..."}`` (400, 401, 404, 405, 413, 500), never HTML.
 :class:`~kvsvc.errors.RequestError` carries the 4xx status of bad input.
@@ -218,6 +219,10 @@ def _ready() -> tuple[flask.Response, int]:
             "synchronized_once": st.synchronized_once,
             "sequence": st.sequence,
             "error": st.error,
+            "device_blocks": st.device_blocks,
+            "host_blocks": st.host_blocks,
+            "recoveries": st.recoveries,
+            "resync_differences": st.resync_differences,
         } for st in statuses],
     }
     return flask.jsonify(body), 200 if ready else 503

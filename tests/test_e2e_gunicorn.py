@@ -133,7 +133,8 @@ def test_serve_ready_query_and_sigint(tmp_path, zmq_ctx, servers):
                  interval_s=0.05, what="/ready 200")
         assert server.get("/ready").json()["streams"] == [{
             "instance_name": INSTANCE, "dp_rank": 0, "state": "synchronized",
-            "synchronized_once": True, "sequence": None, "error": None}]
+            "synchronized_once": True, "sequence": None, "error": None,
+            "device_blocks": 2, "host_blocks": 0, "recoveries": 1, "resync_differences": 0}]
 
         # The token comes from the file; without it: 401.
         assert server.post(QUERY, json={"token_ids": [1]}).status_code == 401
