@@ -113,6 +113,8 @@ class DemoReport:
     :param recoveries_reported: recoveries after the first synchronization, summed over the
         streams, from ``/ready``'s per-stream ``recoveries`` when the service reports it,
         else ``None``.
+    :param resync_differences: blocks corrected by periodic resync snapshots (§6: silently lost
+        tail events, e.g. a dropped last message), summed from ``/ready``, else ``None``.
     :param dropped: live messages dropped by the chaos fault, all engines.
     :param restarts: engine restarts done by the chaos mode.
     """
@@ -135,6 +137,7 @@ class DemoReport:
     unsynchronized_answers: int = 0
     recoveries_observed: int = 0
     recoveries_reported: Optional[int] = None
+    resync_differences: Optional[int] = None
     dropped: int = 0
     restarts: int = 0
     elapsed_s: float = 0.0
@@ -176,6 +179,8 @@ class DemoReport:
             ("stream recoveries (reported by /ready / seen in answers)",
              f"{'-' if self.recoveries_reported is None else self.recoveries_reported} / "
              f"{self.recoveries_observed}"),
+            ("blocks corrected by periodic resync",
+             "-" if self.resync_differences is None else f"{self.resync_differences}"),
             ("live messages dropped / engine restarts", f"{self.dropped} / {self.restarts}"),
             ("elapsed", f"{self.elapsed_s:.1f} s"),
             ("verdict", "PASS" if self.passed(chaos) else "FAIL"),
@@ -290,6 +295,15 @@ class ServiceProcess:
         except (requests.RequestException, ValueError, KeyError, TypeError):
             return None
 
+    def resync_differences(self) -> Optional[int]:
+        """Blocks corrected by periodic resyncs, summed over ``/ready``'s streams; ``None``
+        when the service does not report them or cannot be asked."""
+        try:
+            streams = self.session.get(self.base_url + "/ready", timeout=5.0).json()["streams"]
+            return sum(int(s["resync_differences"]) for s in streams)
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+
     def log_tail(self, lines: int = 30) -> str:
         """Last ``lines`` lines of the service's output."""
         try:
@@ -384,6 +398,7 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
                   file=out, flush=True)
             _replay(opts, trace, engines, service, report, out)
             report.recoveries_reported = service.recoveries()
+            report.resync_differences = service.resync_differences()
         finally:
             # Nested so that a second Ctrl-C while the service stops still closes the engines.
             try:
