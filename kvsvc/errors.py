@@ -15,7 +15,14 @@ translated into these once, at the module boundary where they occur (``raise ...
     │       ├── SnapshotTimeout    whole reply not received within ``replay_timeout_ms``
     │       └── BufferOverflow     live deltas buffered during recovery over ``max_buffered_bytes``
     ├── LifecycleError         a thread did not start or stop in time
+    ├── EtcdError              an etcd request failed (translated once, in ``kvsvc.etcd``) (§9)
+    │   └── EtcdUnavailable        etcd unreachable, timed out or answered 5xx: retry later
+    ├── WaitTimeout            ``Registry.wait_for`` gave up (test helper)
     └── RequestError           bad HTTP input; ``status`` is the 4xx code to answer with (§10)
+        └── HeartbeatRejected  a heartbeat the registry refuses (§9)
+            ├── InvalidHeartbeat   400: load values of the wrong type or out of range
+            ├── UnknownInstance    409: no registered instance of that name
+            └── StaleIncarnation   409: ``incarnation_id`` differs from the registered one
 """
 
 from __future__ import annotations
@@ -95,3 +102,48 @@ class RequestError(KvsvcError):
         self.status = status
         self.message = message
         super().__init__(message)
+
+
+class EtcdError(KvsvcError):
+    """An etcd request failed for a reason other than unavailability (e.g. a 4xx answer or a
+    malformed reply). Raised only by :mod:`kvsvc.etcd`, chained to the etcd3gw/requests error."""
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd could not be reached, timed out, or answered 5xx: the caller keeps its last state and
+    retries with backoff (§9)."""
+
+
+class WaitTimeout(KvsvcError):
+    """A bounded wait (``Registry.wait_for``) ended without its condition becoming true."""
+
+
+class HeartbeatRejected(RequestError):
+    """A heartbeat the registry refuses (§9). ``status`` is the HTTP answer (400 or 409)."""
+
+
+class InvalidHeartbeat(HeartbeatRejected):
+    """400: ``waiting_requests_num`` not an int >= 0 or ``gpu_cache_usage_perc`` not a float in
+    [0, 1] (§9)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+class UnknownInstance(HeartbeatRejected):
+    """409: the heartbeat names no instance the registry holds (§9)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(409, f"unknown instance {name!r}")
+
+
+class StaleIncarnation(HeartbeatRejected):
+    """409: the heartbeat's ``incarnation_id`` differs from the registered one (§9): it comes
+    from a replaced process."""
+
+    def __init__(self, name: str, got: str, registered: str) -> None:
+        self.name = name
+        self.got = got
+        self.registered = registered
+        super().__init__(409, f"stale incarnation {got!r} for {name!r} (registered {registered!r})")

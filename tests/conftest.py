@@ -32,3 +32,17 @@ def no_thread_leak():
             break
         time.sleep(0.02)
     assert not leaked, f"threads left running: {[t.name for t in leaked]}"
+
+
+@pytest.fixture
+def etcd_server():
+    """A real etcd on free loopback ports with a temporary data dir (tests/etcd_server.py);
+    skipped when the binary is missing, failed instead under ``CI``. Stopped and removed after."""
+    from tests.etcd_server import EtcdServer, require_etcd_binary
+
+    server = EtcdServer(require_etcd_binary())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
