@@ -134,6 +134,9 @@ class ProtocolPublisher:
         """
         pub = self.ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
+        # Verbose: every (re)subscription is reported, also one that arrives while an old
+        # connection's subscription to the same topic is still being torn down.
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         pub.bind(self.endpoint)
         self._pub = pub
         self._thread = threading.Thread(target=self._run, name=f"test-publisher-{self.replay_port}",

@@ -357,6 +357,14 @@ def test_stream_errors_invalidate_and_recover(h, case, expected_error):
     st = synced_at(sub, 1)
     assert (st.recoveries, st.device_blocks) == (2, 1)
     assert hits(sub, 1) == (True, 4, 0)
+    # Live batches must flow again after the recovery. In the guard case libzmq dropped the
+    # connection itself and never reconnects it: only a replaced SUB hears seq 2.
+    if case == "guard":
+        pub.wait_subscribed()
+    pub.publish([stored([5], 1, blk(5), BS)], seq=2)
+    st = synced_at(sub, 2)
+    assert (st.recoveries, st.device_blocks) == (2, 2)
+    assert hits(sub, 1, 5) == (True, 8, 0)
 
 
 def test_all_blocks_cleared_batch_synchronizes_without_snapshot(h):

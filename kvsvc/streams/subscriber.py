@@ -141,6 +141,8 @@ class StreamSubscriber:
         self._sub: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
         self._poller: Optional[zmq.Poller] = None
+        self._reopen_pending = False              # replace the SUB at the next turn
+        self._waiting_error_logged = False        # one warning per backoff wait
         self._synced = False                      # mirrors _state is SYNCHRONIZED
         self._expected: Optional[int] = None      # next live seq the serving index needs
         self._max_seen: Optional[int] = None      # highest live seq on this connection
@@ -272,6 +274,11 @@ class StreamSubscriber:
             self._close_sockets()
 
     def _open_sockets(self) -> None:
+        self._poller = zmq.Poller()
+        self._open_live()
+
+    def _open_live(self) -> None:
+        """Create, connect and register the ``SUB`` and its monitor (stream thread only)."""
         sub = self._context.socket(zmq.SUB)
         self._sub = sub
         sub.setsockopt(zmq.LINGER, 0)
@@ -279,22 +286,44 @@ class StreamSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.stream.endpoint)
-        self._poller = zmq.Poller()
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(sub, zmq.POLLIN)  # type: ignore[union-attr]
+        self._poller.register(self._monitor, zmq.POLLIN)  # type: ignore[union-attr]
+
+    def _close_live(self) -> None:
+        """Unregister and close the ``SUB`` and its monitor (stream thread only)."""
+        if self._sub is None:
+            return
+        if self._poller is not None:
+            for sock in (self._sub, self._monitor):
+                if sock is not None:
+                    try:
+                        self._poller.unregister(sock)
+                    except KeyError:
+                        pass
+        if self._monitor is not None:
+            try:
+                self._sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+        self._sub = None
+        self._monitor = None
+
+    def _reopen_live(self) -> None:
+        """Replace the ``SUB`` after a disconnect. libzmq does not reconnect a connection it
+        dropped itself (a message over ``MAXMSGSIZE`` is such a protocol error), which would
+        leave the stream synchronized by snapshot but deaf to every later live batch."""
+        self._reopen_pending = False
+        self._close_live()
+        self._open_live()
+        log.info("stream %s: live socket reopened to %s", self._name, self.stream.endpoint)
 
     def _close_sockets(self) -> None:
         if self._attempt is not None:
             self._attempt.close()
             self._attempt = None
-        if self._sub is not None:
-            if self._monitor is not None:
-                try:
-                    self._sub.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                self._monitor.close(linger=0)
-            self._sub.close(linger=0)
+        self._close_live()
 
     def _turn(self) -> None:
         """One loop turn: start a due attempt, poll, handle what is readable, check deadlines."""
@@ -310,6 +339,8 @@ class StreamSubscriber:
         # Monitor first: a disconnect must be seen before data of a new connection.
         if self._monitor in ready:
             self._on_monitor()
+        if self._reopen_pending:
+            self._reopen_live()
         if self._sub in ready:
             for _ in range(LIVE_MESSAGES_PER_TURN):
                 try:
@@ -345,6 +376,7 @@ class StreamSubscriber:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # A new connection may be a restarted engine counting from 0 again.
                 self._max_seen = None
+                self._reopen_pending = True
                 self._stream_error("disconnected")
 
     # ------------------------------------------------------------------ live batches
@@ -469,7 +501,14 @@ class StreamSubscriber:
         else:
             with self._lock:
                 self._error = reason
-            log.warning("stream %s: %s (retry already scheduled)", self._name, reason)
+            # The state does not change while a retry waits: log the first error only, so a
+            # burst of garbage cannot flood the log (the latest reason is still in `error`).
+            if not self._waiting_error_logged:
+                self._waiting_error_logged = True
+                log.warning("stream %s: %s (retry already scheduled; further errors until then "
+                            "are logged at debug level)", self._name, reason)
+            else:
+                log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
 
     def _invalidate_locked(self, reason: str) -> None:
         """Discard the serving index and forget its sequence; caller holds ``_lock``."""
@@ -508,6 +547,7 @@ class StreamSubscriber:
         self._buffer_bytes = 0
 
     def _begin_attempt(self) -> None:
+        self._waiting_error_logged = False
         resync = self._synced
         start_seq = self._expected if resync and self._expected is not None else 0
         self._buffer = []
