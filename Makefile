@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install test demo
+.PHONY: install test demo bench
 
 install:
 	$(PYTHON) -m pip install -r requirements-dev.txt
@@ -11,3 +11,6 @@ test: install
 
 demo: install
 	kvsvc demo
+
+bench:
+	$(PYTHON) -m bench.run
