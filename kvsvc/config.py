@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
 from urllib.parse import urlsplit
@@ -231,6 +232,30 @@ class ServiceSettings(BaseSettings):
     max_query_tokens: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 1 << 20
     """Largest ``token_ids`` list accepted by the query endpoint (§10)."""
     log_level: str = "info"
+    etcd_addr: str = ""
+    """etcd endpoint ``host:port`` of the instance registry (§9), xllm-service's flag; empty means
+    no registry (static streams only, heartbeats answered 503)."""
+    etcd_namespace: str = ""
+    """Namespace of every registry key: keys live under ``/<ns>/`` when set (§9)."""
+    detect_disconnected_instance_interval: Annotated[float, Field(gt=0, le=3600)] = 15.0
+    """Seconds an instance stays ``SUSPECT`` before it is removed (§9), seconds."""
+    self_address: str = ""
+    """``host:port`` engines reach this service at, written to ``XLLM:SERVICE:MASTER`` when this
+    replica is master (§9); empty derives it from ``host``/``port``."""
+
+    @field_validator("etcd_addr")
+    @classmethod
+    def _etcd_addr_form(cls, value: str) -> str:
+        if value:
+            _split_host_port(value.removeprefix("http://"))
+        return value
+
+    @field_validator("self_address")
+    @classmethod
+    def _self_address_form(cls, value: str) -> str:
+        if value:
+            _split_host_port(value)
+        return value
 
     @model_validator(mode="after")
     def _token_sources(self) -> "ServiceSettings":
@@ -260,11 +285,56 @@ class ServiceSettings(BaseSettings):
     def kv_events_config(self) -> Optional[KvEventsConfig]:
         """The validated §8 config, or ``None`` when the index is disabled (empty path).
 
-        :raises ConfigError: see :func:`load_kv_events_config`.
+        :raises ConfigError: see :func:`load_kv_events_config`; also ``--etcd_addr`` when the
+            file enables discovery (§9 needs the registry) and no etcd address is set.
         """
         if not self.kv_events_config_file:
             return None
-        return load_kv_events_config(self.kv_events_config_file)
+        config = load_kv_events_config(self.kv_events_config_file)
+        check_discovery_needs_etcd(config, self.etcd_addr)
+        return config
+
+    def etcd_host_port(self) -> Optional[tuple[str, int]]:
+        """``(host, port)`` of ``etcd_addr`` (an optional ``http://`` prefix dropped), or
+        ``None`` when no registry is configured."""
+        if not self.etcd_addr:
+            return None
+        return _split_host_port(self.etcd_addr.removeprefix("http://"))
+
+    def advertised_address(self) -> str:
+        """``host:port`` written as master address (§9): ``self_address``, else ``host:port``
+        with a wildcard host replaced by this machine's host name."""
+        if self.self_address:
+            return self.self_address
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+
+def _split_host_port(value: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 in brackets) -> ``(host, port)``.
+
+    :raises ValueError: not of that form, or port outside 1-65535.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"must be host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} out of range 1-65535")
+    return host, port
+
+
+def check_discovery_needs_etcd(config: KvEventsConfig, etcd_addr: str) -> None:
+    """§9: discovery reads the instance registry, so an enabled ``discovery`` block needs one.
+
+    :raises ConfigError: naming ``--etcd_addr``.
+    """
+    if config.discovery is not None and config.discovery.enabled and not etcd_addr:
+        raise ConfigError("--etcd_addr", "required when kv_events_config_file enables discovery")
 
 
 def load_service_settings(**overrides: Any) -> ServiceSettings:

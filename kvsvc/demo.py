@@ -34,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -215,6 +216,39 @@ def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
             for s in socks:
                 s.close()
     raise LifecycleError(f"no run of {n} free ports on {host}")
+
+
+def free_instance_port(dp_size: int, event_port_offset: int, replay_port_offset: int,
+                       host: str = "127.0.0.1", attempts: int = 500,
+                       rng: Optional[random.Random] = None) -> int:
+    """An instance HTTP port ``p`` for the §9 port rule: ``p``, ``p + event_port_offset + r``
+    and ``p + replay_port_offset + r`` for every rank ``r < dp_size`` are free on ``host``
+    right now and all within 65535.
+
+    :raises LifecycleError: none found in ``attempts`` tries.
+    """
+    rng = rng or random.Random()
+    top = 65535 - max(event_port_offset, replay_port_offset) - (dp_size - 1)
+    low = 10000
+    if top < low:
+        raise LifecycleError(f"offsets {event_port_offset}/{replay_port_offset} leave no port")
+    for _ in range(attempts):
+        p = rng.randint(low, top)
+        wanted = {p} | {p + off + r for off in (event_port_offset, replay_port_offset)
+                        for r in range(dp_size)}
+        socks: list[socket.socket] = []
+        try:
+            for port in sorted(wanted):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise LifecycleError(f"no free instance port for dp_size {dp_size} on {host}")
 
 
 # ---- the service subprocess ---------------------------------------------------------------------

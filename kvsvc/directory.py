@@ -84,6 +84,9 @@ class Directory:
         # Guards the _view swap and _started only; queries take the view and work outside it.
         self._lock = threading.Lock()
         self._started = False
+        # Stream id -> the instance incarnation it was added for (§9, §11); replaced, never
+        # mutated (copy-on-write like the view). Static streams have none.
+        self._identities: Mapping[StreamId, str] = MappingProxyType({})
         # §8 validation rejects duplicate (instance_name, dp_rank) pairs already.
         configs = {_stream_id(cfg): cfg for cfg in config.kept_streams()}
         subscribers = ({} if context is None else
@@ -183,12 +186,15 @@ class Directory:
 
     # -- run-time changes (discovery, §9) --------------------------------------------------------
 
-    def add_stream(self, cfg: StreamConfig, timeout_s: float = 5.0) -> StreamId:
+    def add_stream(self, cfg: StreamConfig, timeout_s: float = 5.0,
+                   identity: Optional[str] = None) -> StreamId:
         """Add one stream, started at once when the directory runs. It answers 0 hits until its
         first snapshot (§6, §9).
 
         :param cfg: the stream's configuration (limits are the directory's).
         :param timeout_s: start bound, seconds.
+        :param identity: the incarnation of the instance the stream belongs to (discovery, §9:
+            ``kvsvc.discovery.instance_identity``); kept for :meth:`identity`.
         :returns: the new stream's id.
         :raises ConfigError: a stream with the same (instance_name, dp_rank) exists.
         :raises LifecycleError: the stream did not start in time (it is not added).
@@ -212,6 +218,8 @@ class Directory:
                 if sub is not None:
                     subscribers[sid] = sub
                 self._view = _View.of(configs, subscribers)
+                if identity is not None:
+                    self._identities = MappingProxyType({**self._identities, sid: identity})
                 added = True
             else:
                 added = False
@@ -241,6 +249,9 @@ class Directory:
             subscribers = dict(view.subscribers)
             sub = subscribers.pop(stream_id, None)
             self._view = _View.of(configs, subscribers)
+            if stream_id in self._identities:
+                self._identities = MappingProxyType(
+                    {k: v for k, v in self._identities.items() if k != stream_id})
             started = self._started
         log.info("stream %s removed", stream_id)
         if sub is not None and started:
@@ -294,6 +305,13 @@ class Directory:
     def ready(self) -> bool:
         """True when every stream has been synchronized at least once (True with no streams)."""
         return all(st.synchronized_once for st in self.statuses())
+
+    def identity(self, stream_id: StreamId) -> Optional[str]:
+        """The instance incarnation ``stream_id`` was added for (§9), ``None`` for a static or
+        unknown stream. §11: a stream whose identity differs from its instance's current one
+        counts as 0 hits."""
+        with self._lock:
+            return self._identities.get(stream_id)
 
     def __len__(self) -> int:
         return len(self._current().ordered)

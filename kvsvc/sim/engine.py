@@ -39,6 +39,7 @@ import zmq
 from ..errors import LifecycleError
 from ..events import DEVICE, HOST
 from .block_manager import BlockManager, SnapshotBlock, stored_event
+from .health import HealthServer
 
 log = logging.getLogger(__name__)
 
@@ -440,6 +441,9 @@ class SimEngine:
     :param host: bind address.
     :param max_snapshot_message_bytes: bound of one snapshot data message (default 1 MiB).
     :param seed: seeds the drop-probability fault (per rank), for reproducible chaos.
+    :param http_port: when given, the instance's HTTP port: :meth:`start` serves ``GET /health``
+        on ``host:http_port`` (:class:`~kvsvc.sim.health.HealthServer`, §9 probe) until
+        :meth:`close`.
     :raises ValueError: bad sizes or ports.
     """
 
@@ -447,7 +451,7 @@ class SimEngine:
                  block_size: int = 128, device_blocks: int = 4096, host_blocks: int = 0,
                  topic: Union[bytes, str] = b"", context: Optional[zmq.Context] = None,
                  host: str = "127.0.0.1", max_snapshot_message_bytes: int = 1 << 20,
-                 seed: int = 0) -> None:
+                 seed: int = 0, http_port: Optional[int] = None) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         for label, port in (("event_port", event_port), ("replay_port", replay_port)):
@@ -470,6 +474,7 @@ class SimEngine:
         self._rr = itertools.count()
         self._rr_lock = threading.Lock()
         self._started = False
+        self._health = HealthServer(host, http_port, name) if http_port is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -491,6 +496,8 @@ class SimEngine:
         try:
             for st in self._ranks:
                 self._start_io(st)
+            if self._health is not None:
+                self._health.start()
         except BaseException:
             self.close()
             raise
@@ -507,6 +514,8 @@ class SimEngine:
     def close(self) -> None:
         """Stop every rank (queued live messages are sent first) and release the context if
         this engine created it. Idempotent."""
+        if self._health is not None:
+            self._health.close()
         for st in self._ranks:
             if st.io is not None:
                 st.io.close()
@@ -599,6 +608,22 @@ class SimEngine:
         st = self._rank(rank)
         with st.lock:
             return st.bm.resident()
+
+    def device_usage(self) -> float:
+        """Device usage of the whole instance, ``gpu_cache_usage_perc`` of a heartbeat (§9):
+        resident Device blocks over the Device pools of every rank, a float in ``[0, 1]``
+        (0.0 with empty pools)."""
+        used = capacity = 0
+        for st in self._ranks:
+            with st.lock:
+                used += st.bm.device_count
+                capacity += st.bm.device_capacity
+        return used / capacity if capacity else 0.0
+
+    def waiting_requests(self) -> int:
+        """Requests waiting in the engine's queue, ``waiting_requests_num`` of a heartbeat
+        (§9). :meth:`execute` runs each request at once, so no request ever waits: 0."""
+        return 0
 
     def subscriptions(self, rank: int) -> int:
         """Live subscriptions matching this engine's topic currently held by ``rank``'s XPUB
