@@ -242,6 +242,34 @@ class ServiceSettings(BaseSettings):
     self_address: str = ""
     """``host:port`` engines reach this service at, written to ``XLLM:SERVICE:MASTER`` when this
     replica is master (§9); empty derives it from ``host``/``port``."""
+    # -- routing (§11; xllm-service flag names), read by kvsvc.routes --
+    load_balance_policy: str = "CAR"
+    """``RR`` or ``CAR`` (§11); ``SLO_AWARE`` and other names refuse start-up."""
+    car_prefill_lambda: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """CAR weight of the cache miss against the queue cost in score(P), in [0, 1] (§11)."""
+    car_host_hit_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """CAR weight of a Host-only hit token against a Device one, in [0, 1] (§11)."""
+    tokenizer_path: str = ""
+    """Directory with ``tokenizer.json`` (+ ``tokenizer_config.json`` chat template) or a
+    ``tokenizer.json`` file; empty: text prompts route with hit ratio 0."""
+    model: str = ""
+    """Comma-separated model names the instances serve (``/v1/models``; other names get 404);
+    empty accepts any name and lists none."""
+    upstream_connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 2.0
+    """TCP connect bound of one upstream attempt, seconds."""
+    upstream_read_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
+    """Bound of the wait for an upstream's response head and between body reads, seconds."""
+    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
+    """Largest OpenAI request body accepted, bytes (413 above)."""
+
+    @field_validator("load_balance_policy")
+    @classmethod
+    def _policy_name(cls, value: str) -> str:
+        if value == "SLO_AWARE":
+            raise ValueError("SLO_AWARE is not supported by kvsvc yet; use CAR or RR")
+        if value not in ("RR", "CAR"):
+            raise ValueError(f"must be RR or CAR, got {value!r}")
+        return value
 
     @field_validator("etcd_addr")
     @classmethod
