@@ -139,6 +139,11 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app.add_url_rule(QUERY_PATH, "kv_cache_query", _query, methods=["POST"])
     app.add_url_rule("/health", "health", _health, methods=["GET"])
     app.add_url_rule("/ready", "ready", _ready, methods=["GET"])
+    # Routing and OpenAI proxy endpoints (§11) live in kvsvc.routes (imported here: it imports
+    # this module).
+    from .routes import init_app as init_routing
+
+    init_routing(app)
     return app
 
 
