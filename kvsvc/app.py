@@ -9,10 +9,23 @@ Endpoints:
 - ``POST /v1/internal/kv-cache/query`` ``{"token_ids": [int, ...]}`` -> ``{"matches": [...]}``
   (one :meth:`~kvsvc.streams.state.StreamMatch.to_json` per stream; ``[]`` with the index
   disabled). ``/v1/internal/*`` needs ``X-Internal-Token`` when a token is configured (401).
+- ``POST /v1/internal/heartbeat`` (§9, xllm-service's shape) ``{"name", "incarnation_id",
+  "load_metrics": {"waiting_requests_num", "gpu_cache_usage_perc"}, "latency_metrics": {...}}``
+  -> 200 ``{"ok": true}``; 400 malformed (nothing recorded); 401 bad token; 409 unknown instance
+  or stale incarnation; 503 when no registry is configured (``--etcd_addr`` empty).
 - ``GET /health``: liveness, always ``{"status": "ok"}``.
-- ``GET /ready``: 200 once the service runs and every stream has been synchronized at least
-  once, else 503; the body lists every stream's state, error, sequence, resident block counts,
-  completed recoveries and periodic-resync differences (§6).
+- ``GET /ready``: 200 once the service runs, the registry (when configured) is fresh or static
+  streams are configured, and every stream has been synchronized at least once; else 503. The
+  body shows every stream's state, error, sequence, resident block counts, completed recoveries
+  and periodic-resync differences (§6); with a registry also ``registry`` (``fresh``,
+  ``is_master``, ``generation``, ``instances``), with discovery also ``discovery.excluded``
+  (instance -> reason) and each stream's ``identity`` (the incarnation it was added for). etcd unreachable keeps the last registry snapshot (streams
+  go on) and only degrades readiness.
+
+Service wiring (§9): with ``--etcd_addr`` a :class:`~kvsvc.registry.Registry` runs; with an
+enabled ``discovery`` block a :class:`~kvsvc.discovery.Discovery` thread manages the directory's
+streams. :meth:`Service.start` starts registry, directory, discovery in that order;
+:meth:`Service.close` stops them in reverse.
 
 Every error answer is JSON ``{"error": "..."}`` (400, 401, 404, 405, 413, 500), never HTML.
 :class:`~kvsvc.errors.RequestError` carries the 4xx status of bad input.
@@ -24,20 +37,24 @@ import hmac
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import flask
 from flask import current_app, request
 from werkzeug.exceptions import HTTPException
 
-from .config import KvEventsConfig, ServiceSettings
+from .config import KvEventsConfig, ServiceSettings, check_discovery_needs_etcd
 from .directory import Directory
+from .discovery import Discovery
 from .errors import LifecycleError, RequestError
+from .registry import Registry, RegistrySettings
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "kvsvc"
 QUERY_PATH = "/v1/internal/kv-cache/query"
+HEARTBEAT_PATH = "/v1/internal/heartbeat"
 INTERNAL_PREFIX = "/v1/internal/"
 TOKEN_HEADER = "X-Internal-Token"
 MAX_TOKEN_ID = 2**31 - 1
@@ -57,19 +74,47 @@ def max_content_length(max_query_tokens: int) -> int:
     return max_query_tokens * _BYTES_PER_TOKEN + _BODY_SLACK_BYTES
 
 
+def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
+    """The registry's settings from the service's (§9), ``None`` without ``etcd_addr``.
+
+    :raises ConfigError: a value the registry refuses.
+    """
+    if not settings.etcd_addr:
+        return None
+    return RegistrySettings(
+        etcd_addr=settings.etcd_addr, namespace=settings.etcd_namespace,
+        suspect_removal_s=settings.detect_disconnected_instance_interval,
+        self_address=settings.advertised_address())
+
+
 class Service:
-    """Everything one app serves from: settings, the internal token and the directory.
+    """Everything one app serves from: settings, the internal token, the instance registry,
+    the directory and discovery. Nothing starts in the constructor.
 
     :param settings: validated service settings.
     :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
     :param token: the internal API token, ``None`` when none is required.
+    :raises ConfigError: discovery enabled without ``--etcd_addr``, or bad registry settings.
     """
 
     def __init__(self, settings: ServiceSettings, kv_config: Optional[KvEventsConfig],
                  token: Optional[str]) -> None:
         self.settings = settings
         self.token = token
+        self.kv_config = kv_config
+        if kv_config is not None:
+            check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = Directory(kv_config) if kv_config is not None else None
+        reg_settings = registry_settings(settings)
+        self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
+        self.discovery: Optional[Discovery] = None
+        if (kv_config is not None and kv_config.discovery is not None
+                and kv_config.discovery.enabled and self.registry is not None
+                and self.directory is not None):
+            self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
+                                       kv_config)
+        #: Static streams answer without a registry; readiness then ignores its freshness.
+        self.static_streams = bool(kv_config is not None and kv_config.streams)
         self._lock = threading.Lock()
         self._running = False
 
@@ -80,10 +125,11 @@ class Service:
             return self._running
 
     def start(self, timeout_s: float = 5.0) -> None:
-        """Start the directory's stream threads (none with the index disabled).
+        """Start the registry, the directory's stream threads (none with the index disabled)
+        and discovery, in that order (§9). On a failure what was started is closed again.
 
-        :param timeout_s: bound of each stream's start, seconds.
-        :raises LifecycleError: already running, or a stream did not start in time.
+        :param timeout_s: bound of each component's (and each stream's) start, seconds.
+        :raises LifecycleError: already running, or something did not start in time.
         """
         with self._lock:
             if self._running:
@@ -91,26 +137,49 @@ class Service:
         if self.directory is None:
             log.warning("kv_events_config_file is empty: KV index disabled, every query "
                         "answers no matches (hit ratio 0)")
-        else:
-            self.directory.start(timeout_s=timeout_s)
+        started: list[Any] = []
+        try:
+            for part in (self.registry, self.directory, self.discovery):
+                if part is not None:
+                    part.start(timeout_s=timeout_s)
+                    started.append(part)
+        except BaseException:
+            log.error("service start failed after %d components; closing them", len(started))
+            for part in reversed(started):
+                try:
+                    part.close(timeout_s=timeout_s)
+                except LifecycleError as exc:
+                    log.error("while undoing the start: %s", exc)
+            raise
         with self._lock:
             self._running = True
-        log.info("service started (%d streams, token %s)",
+        log.info("service started (%d streams, registry %s, discovery %s, token %s)",
                  len(self.directory) if self.directory is not None else 0,
+                 self.settings.etcd_addr or "off", "on" if self.discovery else "off",
                  "required" if self.token else "not required")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the directory's threads. Idempotent.
+        """Stop discovery, the directory's threads and the registry, in that order.
+        Idempotent. Every component is closed even when an earlier one fails.
 
-        :raises LifecycleError: a stream thread did not stop in time.
+        :raises LifecycleError: a thread did not stop in time (the first such failure).
         """
         with self._lock:
             if not self._running:
                 return
             self._running = False
-        if self.directory is not None:
-            self.directory.close(timeout_s=timeout_s)
+        failure: Optional[LifecycleError] = None
+        for part in (self.discovery, self.directory, self.registry):
+            if part is None:
+                continue
+            try:
+                part.close(timeout_s=timeout_s)
+            except LifecycleError as exc:
+                log.error("service close: %s", exc)
+                failure = failure or exc
         log.info("service closed")
+        if failure is not None:
+            raise failure
 
 
 def service() -> Service:
@@ -137,6 +206,7 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
     app.add_url_rule(QUERY_PATH, "kv_cache_query", _query, methods=["POST"])
+    app.add_url_rule(HEARTBEAT_PATH, "heartbeat", _heartbeat, methods=["POST"])
     app.add_url_rule("/health", "health", _health, methods=["GET"])
     app.add_url_rule("/ready", "ready", _ready, methods=["GET"])
     # Routing and OpenAI proxy endpoints (§11) live in kvsvc.routes (imported here: it imports
@@ -205,19 +275,84 @@ def _query() -> flask.Response:
     return flask.jsonify(matches=[m.to_json() for m in matches])
 
 
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A validated heartbeat body (§9).
+
+    :param name: instance ``host:port``.
+    :param incarnation_id: the sender's incarnation (``None`` when absent).
+    :param waiting_requests_num: queued requests, int >= 0.
+    :param gpu_cache_usage_perc: Device usage, float in ``[0, 1]``.
+    """
+
+    name: str
+    incarnation_id: Optional[str]
+    waiting_requests_num: int
+    gpu_cache_usage_perc: float
+
+
+def parse_heartbeat(body: bytes) -> Heartbeat:
+    """Validate a heartbeat body (xllm-service's JSON, §9). Unknown keys are ignored
+    (``latency_metrics`` is accepted and not used yet).
+
+    :param body: raw request body.
+    :raises RequestError: 400 naming what is wrong.
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(400, "body is not valid JSON") from exc
+    if not isinstance(doc, dict):
+        raise RequestError(400, "body must be a JSON object")
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(400, "name: must be a non-empty string")
+    incarnation = doc.get("incarnation_id")
+    if incarnation is not None and not isinstance(incarnation, str):
+        raise RequestError(400, "incarnation_id: must be a string")
+    load = doc.get("load_metrics")
+    if not isinstance(load, dict):
+        raise RequestError(400, "load_metrics: must be an object")
+    waiting = load.get("waiting_requests_num")
+    if type(waiting) is not int or waiting < 0:
+        raise RequestError(400, "load_metrics.waiting_requests_num: must be an integer >= 0")
+    usage = load.get("gpu_cache_usage_perc")
+    if type(usage) not in (int, float) or not 0.0 <= usage <= 1.0:  # NaN fails the range too
+        raise RequestError(400, "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")
+    latency = doc.get("latency_metrics")
+    if latency is not None and not isinstance(latency, dict):
+        raise RequestError(400, "latency_metrics: must be an object")
+    return Heartbeat(name, incarnation or None, waiting, float(usage))
+
+
+def _heartbeat() -> flask.Response:
+    svc = service()
+    hb = parse_heartbeat(request.get_data(cache=False))
+    if svc.registry is None:
+        raise RequestError(503, "no instance registry configured (--etcd_addr is empty)")
+    # UnknownInstance / StaleIncarnation (409) and InvalidHeartbeat (400) are RequestErrors.
+    svc.registry.heartbeat(hb.name, hb.incarnation_id, hb.waiting_requests_num,
+                           hb.gpu_cache_usage_perc)
+    return flask.jsonify(ok=True)
+
+
 def _health() -> flask.Response:
     return flask.jsonify(status="ok")
 
 
 def _ready() -> tuple[flask.Response, int]:
     svc = service()
-    statuses = svc.directory.statuses() if svc.directory is not None else []
-    ready = svc.running and all(st.synchronized_once for st in statuses)
-    body: dict[str, Any] = {
-        "ready": ready,
-        "running": svc.running,
-        "index_enabled": svc.directory is not None,
-        "streams": [{
+    directory = svc.directory
+    statuses = directory.statuses() if directory is not None else []
+    registry: dict[str, Any] = {}
+    registry_ok = True
+    if svc.registry is not None:
+        snap = svc.registry.snapshot()
+        registry.update(fresh=snap.fresh, is_master=snap.is_master, generation=snap.generation,
+                        instances=len(snap.instances))
+        registry_ok = snap.fresh or svc.static_streams
+    ready = svc.running and registry_ok and all(st.synchronized_once for st in statuses)
+    streams = [{
             "instance_name": st.stream.instance_name,
             "dp_rank": st.stream.dp_rank,
             "state": st.state.value,
@@ -228,8 +363,21 @@ def _ready() -> tuple[flask.Response, int]:
             "host_blocks": st.host_blocks,
             "recoveries": st.recoveries,
             "resync_differences": st.resync_differences,
-        } for st in statuses],
+        } for st in statuses]
+    body: dict[str, Any] = {
+        "ready": ready,
+        "running": svc.running,
+        "index_enabled": directory is not None,
     }
+    # The registry and discovery parts appear only when configured (the body of a static
+    # service is unchanged).
+    if svc.registry is not None:
+        body["registry"] = registry
+    if svc.discovery is not None and directory is not None:
+        body["discovery"] = {"excluded": dict(svc.discovery.excluded())}
+        for entry, st in zip(streams, statuses):
+            entry["identity"] = directory.identity(st.stream)
+    body["streams"] = streams
     return flask.jsonify(body), 200 if ready else 503
 
 

@@ -57,6 +57,17 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max_query_tokens", type=int,
                    help="largest token_ids list of a query (KVSVC_MAX_QUERY_TOKENS)")
     p.add_argument("--log_level", choices=_LOG_LEVELS, help="log level (KVSVC_LOG_LEVEL)")
+    p.add_argument("--etcd_addr",
+                   help="etcd host:port of the instance registry (§9); required when the "
+                        "config file enables discovery (KVSVC_ETCD_ADDR, default: no registry)")
+    p.add_argument("--etcd_namespace",
+                   help="registry key namespace, keys under /<ns>/ (KVSVC_ETCD_NAMESPACE)")
+    p.add_argument("--detect_disconnected_instance_interval", type=float,
+                   help="seconds a SUSPECT instance is kept before removal "
+                        "(KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL, default 15)")
+    p.add_argument("--self_address",
+                   help="host:port engines reach this service at, published as master "
+                        "(KVSVC_SELF_ADDRESS, default host:port)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -94,7 +105,10 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         host=args.host, port=args.port, kv_events_config_file=args.kv_events_config_file,
         internal_api_token=args.internal_api_token,
         internal_api_token_file=args.internal_api_token_file,
-        max_query_tokens=args.max_query_tokens, log_level=args.log_level)
+        max_query_tokens=args.max_query_tokens, log_level=args.log_level,
+        etcd_addr=args.etcd_addr, etcd_namespace=args.etcd_namespace,
+        detect_disconnected_instance_interval=args.detect_disconnected_instance_interval,
+        self_address=args.self_address)
     if settings.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError("--log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
     settings.kv_events_config()
@@ -118,6 +132,11 @@ def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[s
         "KVSVC_KV_EVENTS_CONFIG_FILE": os.path.abspath(cfg) if cfg else "",
         "KVSVC_MAX_QUERY_TOKENS": str(settings.max_query_tokens),
         "KVSVC_LOG_LEVEL": settings.log_level.lower(),
+        "KVSVC_ETCD_ADDR": settings.etcd_addr,
+        "KVSVC_ETCD_NAMESPACE": settings.etcd_namespace,
+        "KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL":
+            repr(settings.detect_disconnected_instance_interval),
+        "KVSVC_SELF_ADDRESS": settings.self_address,
     })
     if settings.internal_api_token is not None:
         env["KVSVC_INTERNAL_API_TOKEN"] = settings.internal_api_token.get_secret_value()

@@ -2,7 +2,11 @@
 
 Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
 ``port + replay_port_offset + r`` (the §9 port rule, so a service configured by discovery finds
-it). With ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms``
+it). With ``--etcd HOST:PORT`` it also serves ``GET /health`` on ``--host:--port`` and registers
+itself in the instance registry as ``XLLM:<TYPE>:<host:port>`` under a 3 s lease, heartbeating
+its load to the master service (§9, :mod:`kvsvc.sim.registration`); the internal token of the
+heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
+stop the lease is revoked. With ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms``
 apart; otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
 
 Exit codes: 0 clean stop, 2 bad arguments, 1 start-up failure (ports taken).
@@ -12,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, LifecycleError
 from ..traces import load_trace, request_tokens
 from .engine import SimEngine
+from .registration import EtcdRegistration, Load, RegisteredType
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay at most this many trace requests (0: all)")
     parser.add_argument("--interval-ms", type=float, default=100.0,
                         help="pause between replayed requests, ms")
+    parser.add_argument("--etcd", default="",
+                        help="etcd host:port: register in the instance registry (§9) and "
+                             "serve GET /health on --port")
+    parser.add_argument("--etcd-namespace", default="", help="registry key namespace")
+    parser.add_argument("--type", default="DEFAULT", choices=[t.name for t in RegisteredType],
+                        help="registered instance type (default DEFAULT)")
+    parser.add_argument("--internal-api-token-file", default="",
+                        help="file holding the service's X-Internal-Token for heartbeats "
+                             "(else KVSVC_INTERNAL_API_TOKEN)")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=1.0,
+                        help="heartbeat period, seconds (default 1)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -65,6 +83,17 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
     if args.dp < 1 or args.port < 1 or max(event_port, replay_port) + args.dp - 1 > 65535:
         log.error("bad --port/--dp/offsets: ports out of range")
         return EXIT_USAGE
+    token = os.environ.get("KVSVC_INTERNAL_API_TOKEN") or None
+    if args.etcd:
+        if args.host in ("0.0.0.0", "::", "*"):
+            log.error("--etcd needs a connectable --host (the instance name is host:port)")
+            return EXIT_USAGE
+        if args.internal_api_token_file:
+            try:
+                token = Path(args.internal_api_token_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                log.error("cannot read --internal-api-token-file: %s", exc.strerror)
+                return EXIT_USAGE
     requests = []
     if args.trace:
         try:
@@ -82,14 +111,24 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
         engine = SimEngine(args.name or f"{args.host}:{args.port}", event_port, replay_port,
                            dp_size=args.dp, block_size=args.block_size,
                            device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                           topic=args.topic, host=args.host)
+                           topic=args.topic, host=args.host,
+                           http_port=args.port if args.etcd else None)
     except ValueError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
+    registration: Optional[EtcdRegistration] = None
     try:
         engine.start()
-    except LifecycleError as exc:
+        if args.etcd:
+            registration = EtcdRegistration(
+                args.etcd, f"{args.host}:{args.port}", args.dp,
+                lambda: Load(engine.waiting_requests(), engine.device_usage()),
+                instance_type=RegisteredType[args.type], namespace=args.etcd_namespace,
+                token=token, heartbeat_interval_s=args.heartbeat_interval_s)
+            registration.start()
+    except (LifecycleError, ConfigError) as exc:
         log.error("%s", exc)
+        engine.close()
         return EXIT_FAILED
     try:
         log.info("sim %s: %d rank(s) running; Ctrl-C to stop", engine.name, args.dp)
@@ -103,6 +142,10 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
             stop.wait(args.interval_ms / 1000.0)
         stop.wait()
     finally:
-        engine.close()
+        try:
+            if registration is not None:
+                registration.close()
+        finally:
+            engine.close()
         log.info("sim %s: stopped", engine.name)
     return EXIT_OK

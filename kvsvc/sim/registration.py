@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import requests
 
 from ..errors import EtcdError, LifecycleError
-from ..etcd import EtcdClient
+from ..etcd import EtcdClient, parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class EtcdRegistration:
     :param heartbeat_interval_s: heartbeat period, seconds.
     :param etcd_timeout_s: bound of one etcd request, seconds.
     :param http_timeout_s: bound of one heartbeat request, seconds.
+    :raises ConfigError: ``etcd_addr`` is not ``host:port``.
+    :raises ValueError: ``lease_ttl_s`` < 1.
     """
 
     def __init__(self, etcd_addr: str, name: str, dp_size: int, load: Callable[[], Load],
@@ -119,6 +121,7 @@ class EtcdRegistration:
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
+        parse_addr(etcd_addr)  # ConfigError here rather than on the thread
         self.etcd_addr = etcd_addr
         self.name = name
         self.dp_size = dp_size
