@@ -192,6 +192,9 @@ class _Rank:
         self.snapshot_delays: collections.deque[float] = collections.deque()
         self.snapshot_truncations: collections.deque[int] = collections.deque()
         self.subscriptions = 0
+        # disconnect(): the I/O thread closes and re-binds the XPUB; generation counts it done.
+        self.reconnect_requested = False
+        self.pub_generation = 0
         self.n_published = 0
         self.n_dropped = 0
         self.n_snapshots = 0
@@ -267,10 +270,10 @@ class _RankIO:
                 self._wake_w.close()
                 self._wake_w = None
 
-    def _bind(self, sock: zmq.Socket, endpoint: str) -> None:
+    def _bind(self, sock: zmq.Socket, endpoint: str, retry_s: Optional[float] = None) -> None:
         # A restarted rank re-binds the ports its predecessor just released; the ZMQ I/O thread
         # may still hold them for a moment.
-        deadline = time.monotonic() + self._bind_retry_s
+        deadline = time.monotonic() + (self._bind_retry_s if retry_s is None else retry_s)
         while True:
             try:
                 sock.bind(endpoint)
@@ -283,11 +286,7 @@ class _RankIO:
     def _run(self) -> None:
         pub = router = None
         try:
-            pub = self._ctx.socket(zmq.XPUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.SNDHWM, 0)  # never drop silently: drops are explicit faults
-            pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-            pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+            pub = self._new_pub()
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.SNDHWM, 0)
@@ -310,6 +309,8 @@ class _RankIO:
                 ready = dict(poller.poll(timeout))
                 if wake_fd in ready:
                     self._drain_wake()
+                if self._state.reconnect_requested:
+                    pub = self._rebind_pub(poller, pub)
                 self._flush_live(pub)
                 if pub in ready:
                     self._read_subscriptions(pub)
@@ -331,6 +332,33 @@ class _RankIO:
                 self._state.subscriptions = 0
                 self._state.cond.notify_all()
             self._ready.set()
+
+    def _new_pub(self) -> zmq.Socket:
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 0)  # never drop silently: drops are explicit faults
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+        return pub
+
+    def _rebind_pub(self, poller: zmq.Poller, pub: zmq.Socket) -> zmq.Socket:
+        """The ``disconnect`` fault: close the ``XPUB`` (every subscriber sees its connection
+        drop) and bind a new one on the same endpoint. Seq and cache are kept; live messages
+        sent before the subscribers reconnect are lost, as on a real network cut."""
+        poller.unregister(pub)
+        pub.close(linger=0)
+        pub = self._new_pub()
+        # The port was released a moment ago; the ZMQ I/O thread may still hold it briefly.
+        self._bind(pub, self._event_ep, max(self._bind_retry_s, _BIND_RETRY_S))
+        poller.register(pub, zmq.POLLIN)
+        with self._state.cond:
+            self._state.reconnect_requested = False
+            self._state.subscriptions = 0
+            self._state.pub_generation += 1
+            self._state.cond.notify_all()
+        log.info("sim %s: live socket closed and re-bound on %s (disconnect fault)", self._label,
+                 self._event_ep)
+        return pub
 
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
@@ -681,6 +709,7 @@ class SimEngine:
                     st.flushed = st.enqueued
                     st.snapshot_delays.clear()
                     st.snapshot_truncations.clear()
+                    st.reconnect_requested = False
                     st.n_restarts += 1
                     st.cond.notify_all()
                 log.info("sim %s/dp%d: restarted (cache cleared, seq back to 0)", self.name, st.rank)
@@ -695,6 +724,28 @@ class SimEngine:
             st.published = None
             st.cond.notify_all()
         log.info("sim %s/dp%d: publisher counter restarted", self.name, rank)
+
+    def disconnect(self, rank: int, timeout_s: float = 5.0) -> None:
+        """Cut the live connections of ``rank``: its I/O thread closes the ``XPUB`` and binds a
+        new one on the same port (subscribers see ``EVENT_DISCONNECTED``, then reconnect). The
+        cache and the seq counter are kept; batches published before a subscriber has
+        reconnected do not reach it. Returns once the new socket is bound.
+
+        :raises LifecycleError: the rank is not running or did not re-bind within ``timeout_s``.
+        """
+        st = self._rank(rank)
+        with st.exec_lock:
+            io = st.io
+            if io is None:
+                raise LifecycleError(f"sim {self.name}/dp{rank}: not running")
+            with st.cond:
+                generation = st.pub_generation
+                st.reconnect_requested = True
+            io.wake()
+            with st.cond:
+                if not st.cond.wait_for(lambda: st.pub_generation > generation, timeout_s):
+                    raise LifecycleError(f"sim {self.name}/dp{rank}: live socket not re-bound "
+                                         f"within {timeout_s} s")
 
     def delay_snapshots(self, rank: int, seconds: float, count: int = 1) -> None:
         """Delay the next ``count`` snapshot replies of ``rank`` by ``seconds`` each (the reply
