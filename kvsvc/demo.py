@@ -1,31 +1,41 @@
 """``kvsvc demo``: the whole system end to end on one machine, checked against ground truth.
 
-1. Start K simulated engines in this process (:class:`~kvsvc.sim.engine.SimEngine`, one of them
-   with 2 DP ranks) on free loopback ports, with Device and Host pools small enough that the
-   trace exercises eviction and offload.
-2. Write a static §8 streams config (``resync_interval_ms`` 1000) to a temporary file and start
-   the service as a subprocess: ``python -m kvsvc serve --kv_events_config_file F --port P
-   --host 127.0.0.1``, with a random ``KVSVC_INTERNAL_API_TOKEN`` sent as ``X-Internal-Token``
-   (§10). Wait (bounded) for ``GET /ready``.
-3. Replay the first N requests of a trace (:func:`~kvsvc.traces.load_trace`,
+1. Use the etcd given by ``--etcd``, or start a local one (Debian's ``etcd-server``,
+   :class:`~kvsvc.etcd_launcher.LocalEtcd`, free loopback ports, temporary data directory).
+2. Start K simulated engines in this process (:class:`~kvsvc.sim.engine.SimEngine`, one of them
+   with 2 DP ranks), each an instance ``127.0.0.1:P`` that serves ``GET /health`` on ``P``,
+   publishes on the §9 ports ``P + 10000 + r`` / ``P + 30000 + r``, and registers itself in
+   etcd (:class:`~kvsvc.sim.registration.EtcdRegistration`: 3 s lease, heartbeats to the
+   master). Device and Host pools are small enough that the trace exercises eviction and
+   offload.
+3. Write a §8 *discovery* config (``refresh_interval_ms`` 200, ``resync_interval_ms`` 1000; no
+   address list) and start the service as a subprocess: ``python -m kvsvc serve
+   --kv_events_config_file F --etcd_addr E --port P --host 127.0.0.1``, with a random
+   ``KVSVC_INTERNAL_API_TOKEN`` sent as ``X-Internal-Token`` (§10). Wait (bounded) until
+   ``GET /ready`` answers 200 and lists exactly the engines' streams, found by the service
+   alone.
+4. Replay the first N requests of a trace (:func:`~kvsvc.traces.load_trace`,
    :func:`~kvsvc.traces.request_tokens`), round robin over the engines (round robin over the
    ranks inside the 2-DP engine). Before each request: query the service with its token ids
    until every stream is synchronized at its engine rank's last published seq (bounded wait),
    compare every stream's answer with that rank's ground truth
    (:meth:`~kvsvc.sim.engine.SimEngine.true_prefix`), then execute the request on its engine.
-4. Print a table and exit 0 only if every comparison was exact (without ``--chaos``) or no
+5. Print a table and exit 0 only if every comparison was exact (without ``--chaos``) or no
    answer was a false hit (with ``--chaos``).
 
 A **false hit** is an answer that promises more than the engine has: predicted reusable tokens
 above the true reusable tokens, or predicted Device tokens above the true Device tokens.
 
 ``--chaos`` drops 1 % of live messages on every engine (seeded, seqs consumed: the service
-sees gaps) and restarts one engine (new-process semantics: sockets re-bound, cache cleared,
-seq 0) half-way through. A stream that cannot catch up within the bounded wait is compared all
+sees gaps) and restarts one engine half-way through as a new process: sockets re-bound, cache
+cleared, seq 0, and a new ``incarnation_id`` registered at the same address, so discovery
+replaces its streams (§9); the demo waits (bounded) until ``/ready`` shows the new identity. A stream that cannot catch up within the bounded wait is compared all
 the same; a correct service then answers zero hits (or hits that are still true).
 
 Everything started is stopped in ``finally`` (also on Ctrl-C): the service by SIGINT (SIGKILL
-after a grace period), the engines by :meth:`~kvsvc.sim.engine.SimEngine.close`.
+after a grace period), the registrations (lease revoked), the engines by
+:meth:`~kvsvc.sim.engine.SimEngine.close`, a local etcd by
+:meth:`~kvsvc.etcd_launcher.LocalEtcd.cleanup`.
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ from typing import Optional, TextIO
 import requests
 
 from .errors import ConfigError, KvsvcError, LifecycleError
+from .etcd_launcher import LocalEtcd
 from .sim.engine import SimEngine
+from .sim.registration import EtcdRegistration, Load
 from .traces import load_trace, request_tokens
 
 log = logging.getLogger(__name__)
@@ -81,6 +93,10 @@ class DemoOptions:
     :param wait_timeout_s: bound of the catch-up wait before each request, seconds.
     :param ready_timeout_s: bound of the wait for ``/ready`` after starting the service.
     :param resync_interval_ms: the service's periodic snapshot (§8), ms.
+    :param etcd: etcd ``host:port`` to use; empty starts a local etcd for the run.
+    :param refresh_interval_ms: the service's discovery refresh (§8), ms.
+    :param event_port_offset: §9 live port offset (engines and discovery alike).
+    :param replay_port_offset: §9 snapshot port offset.
     """
 
     requests: int = 2000
@@ -95,6 +111,10 @@ class DemoOptions:
     wait_timeout_s: float = 5.0
     ready_timeout_s: float = 60.0
     resync_interval_ms: int = 1000
+    etcd: str = ""
+    refresh_interval_ms: int = 200
+    event_port_offset: int = 10000
+    replay_port_offset: int = 30000
 
 
 @dataclass
@@ -220,11 +240,14 @@ def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
 
 def free_instance_port(dp_size: int, event_port_offset: int, replay_port_offset: int,
                        host: str = "127.0.0.1", attempts: int = 500,
-                       rng: Optional[random.Random] = None) -> int:
+                       rng: Optional[random.Random] = None,
+                       avoid: Optional[set[int]] = None) -> int:
     """An instance HTTP port ``p`` for the §9 port rule: ``p``, ``p + event_port_offset + r``
     and ``p + replay_port_offset + r`` for every rank ``r < dp_size`` are free on ``host``
     right now and all within 65535.
 
+    :param avoid: ports already promised to other instances; none of ``p``'s ports is one of
+        them, and the chosen ones are added to it (so instances never collide, §9).
     :raises LifecycleError: none found in ``attempts`` tries.
     """
     rng = rng or random.Random()
@@ -236,12 +259,16 @@ def free_instance_port(dp_size: int, event_port_offset: int, replay_port_offset:
         p = rng.randint(low, top)
         wanted = {p} | {p + off + r for off in (event_port_offset, replay_port_offset)
                         for r in range(dp_size)}
+        if avoid is not None and wanted & avoid:
+            continue
         socks: list[socket.socket] = []
         try:
             for port in sorted(wanted):
                 s = socket.socket()
                 socks.append(s)
                 s.bind((host, port))
+            if avoid is not None:
+                avoid.update(wanted)
             return p
         except OSError:
             continue
@@ -260,9 +287,12 @@ class ServiceProcess:
     :param port: HTTP port on 127.0.0.1.
     :param token: internal API token (passed in the environment, never argv).
     :param log_path: file receiving the child's stdout and stderr.
+    :param etcd_addr: the registry's etcd ``host:port`` (``--etcd_addr``), empty for none.
     """
 
-    def __init__(self, config_path: Path, port: int, token: str, log_path: Path) -> None:
+    def __init__(self, config_path: Path, port: int, token: str, log_path: Path,
+                 etcd_addr: str = "") -> None:
+        self.etcd_addr = etcd_addr
         self.config_path = config_path
         self.port = port
         self.token = token
@@ -273,8 +303,11 @@ class ServiceProcess:
         self.session = requests.Session()
         self.session.headers[TOKEN_HEADER] = token
 
-    def start(self, ready_timeout_s: float) -> dict:
-        """Start the service and wait until ``GET /ready`` answers 200.
+    def start(self, ready_timeout_s: float,
+              expected_streams: Optional[set[tuple[str, int]]] = None) -> dict:
+        """Start the service and wait until ``GET /ready`` answers 200 (and, with
+        ``expected_streams``, lists exactly those (instance_name, dp_rank) streams: with
+        discovery an empty stream set is ready too, before anything was found).
 
         :returns: the ``/ready`` body.
         :raises LifecycleError: the process exited, or was not ready within the timeout (the
@@ -284,10 +317,12 @@ class ServiceProcess:
         env["KVSVC_INTERNAL_API_TOKEN"] = self.token
         env.setdefault("KVSVC_LOG_LEVEL", "warning")
         self._log = open(self.log_path, "w", encoding="utf-8")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsvc", "serve", "--kv_events_config_file",
-             str(self.config_path), "--port", str(self.port), "--host", "127.0.0.1"],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        argv = [sys.executable, "-m", "kvsvc", "serve", "--kv_events_config_file",
+                str(self.config_path), "--port", str(self.port), "--host", "127.0.0.1"]
+        if self.etcd_addr:
+            argv += ["--etcd_addr", self.etcd_addr]
+        self._proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
         log.info("demo: service started (pid %d) on %s", self._proc.pid, self.base_url)
         deadline = time.monotonic() + ready_timeout_s
         last = "no answer"
@@ -297,8 +332,13 @@ class ServiceProcess:
             try:
                 r = self.session.get(self.base_url + "/ready", timeout=2.0)
                 if r.status_code == 200:
-                    return r.json()
-                last = f"{r.status_code} {r.text[:300]}"
+                    body = r.json()
+                    found = {(s["instance_name"], s["dp_rank"]) for s in body["streams"]}
+                    if expected_streams is None or found == expected_streams:
+                        return body
+                    last = f"200 but streams {sorted(found)}, expected {sorted(expected_streams)}"
+                else:
+                    last = f"{r.status_code} {r.text[:300]}"
             except requests.RequestException as exc:
                 last = type(exc).__name__
             time.sleep(0.1)
@@ -318,6 +358,17 @@ class ServiceProcess:
         if r.status_code != 200:
             raise LifecycleError(f"query answered {r.status_code}: {r.text[:300]}")
         return r.json()["matches"]
+
+    def identities(self) -> dict[tuple[str, int], Optional[str]]:
+        """Each stream's ``identity`` from ``/ready`` (the incarnation discovery added it for).
+
+        :raises LifecycleError: the service cannot be asked.
+        """
+        try:
+            streams = self.session.get(self.base_url + "/ready", timeout=5.0).json()["streams"]
+        except (requests.RequestException, ValueError, KeyError) as exc:
+            raise LifecycleError(f"/ready failed: {exc}") from exc
+        return {(s["instance_name"], s["dp_rank"]): s.get("identity") for s in streams}
 
     def recoveries(self) -> Optional[int]:
         """Recoveries after each stream's first synchronization, summed, from ``/ready``'s
@@ -368,27 +419,43 @@ class ServiceProcess:
 # ---- the run ------------------------------------------------------------------------------------
 
 def _build_engines(opts: DemoOptions) -> list[SimEngine]:
+    """K engines named ``127.0.0.1:P`` (the §9 instance name), ports by the §9 rule, none of
+    them colliding with another's."""
     dp_engine = 1 if opts.engines > 1 else 0
     engines = []
+    taken: set[int] = set()
     for i in range(opts.engines):
         dp = 2 if i == dp_engine else 1
+        port = free_instance_port(dp, opts.event_port_offset, opts.replay_port_offset,
+                                  avoid=taken)
         engines.append(SimEngine(
-            f"sim-{i}", free_port_run(dp), free_port_run(dp), dp_size=dp,
-            block_size=opts.block_size, device_blocks=opts.device_blocks,
-            host_blocks=opts.host_blocks, seed=opts.seed + i))
+            f"127.0.0.1:{port}", port + opts.event_port_offset, port + opts.replay_port_offset,
+            dp_size=dp, block_size=opts.block_size, device_blocks=opts.device_blocks,
+            host_blocks=opts.host_blocks, seed=opts.seed + i, http_port=port))
     return engines
 
 
-def streams_config(engines: list[SimEngine], opts: DemoOptions) -> dict:
-    """The static §8 document for ``engines`` (one stream per engine rank)."""
-    streams = []
+def discovery_config(opts: DemoOptions) -> dict:
+    """The §8 document of the demo's service: discovery only, no address list."""
+    return {"discovery": {"enabled": True, "block_size": opts.block_size, "topic": "",
+                          "event_port_offset": opts.event_port_offset,
+                          "replay_port_offset": opts.replay_port_offset,
+                          "refresh_interval_ms": opts.refresh_interval_ms},
+            "resync_interval_ms": opts.resync_interval_ms}
+
+
+def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[EtcdRegistration]:
+    regs = []
     for eng in engines:
-        for r in range(eng.dp_size):
-            ev, rp = eng.endpoints(r)
-            streams.append({"instance_name": eng.name, "dp_rank": r, "block_size": opts.block_size,
-                            "endpoint": ev, "replay_endpoint": rp,
-                            "topic": eng.topic.decode()})
-    return {"streams": streams, "resync_interval_ms": opts.resync_interval_ms}
+        # Default argument binds this engine (not the loop's last one) to its load callback.
+        reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size,
+                               lambda e=eng: Load(e.waiting_requests(), e.device_usage()),
+                               token=token)
+        regs.append(reg)
+        reg.start()
+    for reg in regs:
+        reg.wait_registered()
+    return regs
 
 
 def _caught_up(matches: list[dict], expected: dict[tuple[str, int], Optional[int]]) -> bool:
@@ -412,35 +479,54 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
     report = DemoReport()
     t0 = time.monotonic()
     engines: list[SimEngine] = []
+    regs: list[EtcdRegistration] = []
     service: Optional[ServiceProcess] = None
+    etcd: Optional[LocalEtcd] = None
+    token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvsvc-demo-") as tmp:
         try:
+            etcd_addr = opts.etcd
+            if not etcd_addr:
+                etcd = LocalEtcd(name="kvsvc-demo")
+                etcd.start()
+                etcd_addr = etcd.addr
             engines = _build_engines(opts)
             for eng in engines:
                 eng.start()
             if opts.chaos:
                 for eng in engines:
                     eng.set_drop_probability(opts.drop_probability)
+            regs = _register(engines, etcd_addr, token)
             cfg_path = Path(tmp) / "kv_events.json"
-            cfg_path.write_text(json.dumps(streams_config(engines, opts), indent=2), encoding="utf-8")
-            service = ServiceProcess(cfg_path, free_port_run(1), secrets.token_hex(16),
-                                     Path(tmp) / "service.log")
-            service.start(opts.ready_timeout_s)
-            print(f"kvsvc demo: {len(engines)} engines, "
-                  f"{sum(e.dp_size for e in engines)} streams, service on {service.base_url}, "
-                  f"{len(trace)} {opts.trace} requests{' (chaos)' if opts.chaos else ''}",
-                  file=out, flush=True)
-            _replay(opts, trace, engines, service, report, out)
+            cfg_path.write_text(json.dumps(discovery_config(opts), indent=2), encoding="utf-8")
+            service = ServiceProcess(cfg_path, free_port_run(1), token,
+                                     Path(tmp) / "service.log", etcd_addr=etcd_addr)
+            service.start(opts.ready_timeout_s,
+                          {(e.name, r) for e in engines for r in range(e.dp_size)})
+            print(f"kvsvc demo: {len(engines)} engines registered in etcd {etcd_addr}"
+                  f"{' (local)' if etcd is not None else ''}, "
+                  f"{sum(e.dp_size for e in engines)} streams discovered, service on "
+                  f"{service.base_url}, {len(trace)} {opts.trace} requests"
+                  f"{' (chaos)' if opts.chaos else ''}", file=out, flush=True)
+            _replay(opts, trace, engines, regs, service, report, out)
             report.recoveries_reported = service.recoveries()
             report.resync_differences = service.resync_differences()
         finally:
-            # Nested so that a second Ctrl-C while the service stops still closes the engines.
+            # Nested so that a second Ctrl-C while one part stops still stops the rest.
             try:
                 if service is not None:
                     service.close()
             finally:
-                for eng in engines:
-                    eng.close()
+                try:
+                    for reg in regs:
+                        reg.close()
+                finally:
+                    try:
+                        for eng in engines:
+                            eng.close()
+                    finally:
+                        if etcd is not None:
+                            etcd.cleanup()
             report.dropped = sum(eng.stats(r).dropped for eng in engines for r in range(eng.dp_size))
             report.elapsed_s = time.monotonic() - t0
     print(report.table(opts.chaos), file=out, flush=True)
@@ -449,8 +535,9 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
     return report
 
 
-def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine], service: ServiceProcess,
-            report: DemoReport, out: TextIO) -> None:
+def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine],
+            regs: list[EtcdRegistration], service: ServiceProcess, report: DemoReport,
+            out: TextIO) -> None:
     ranks = [(eng, r) for eng in engines for r in range(eng.dp_size)]
     report.streams = len(ranks)
     next_rank = [0] * len(engines)
@@ -459,10 +546,13 @@ def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine], service: S
     progress_every = max(1, len(trace) // 10)
     for i, req in enumerate(trace):
         if i == restart_at:
-            victim = engines[0]
+            victim, reg = engines[0], regs[0]
             victim.restart()
+            incarnation = reg.reincarnate()
             report.restarts += 1
-            print(f"  [chaos] request {i}: engine {victim.name} restarted", file=out, flush=True)
+            print(f"  [chaos] request {i}: engine sim-0 restarted ({victim.name}, new "
+                  f"incarnation {incarnation})", file=out, flush=True)
+            _wait_replaced(service, victim, incarnation, opts.wait_timeout_s + 5.0)
         tokens = request_tokens(req, opts.block_size)
         expected = {(eng.name, r): eng.last_seq(r) for eng, r in ranks}
         deadline = time.monotonic() + opts.wait_timeout_s
@@ -491,6 +581,23 @@ def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine], service: S
         if (i + 1) % progress_every == 0:
             print(f"  {i + 1}/{len(trace)} requests, exact {report.exact}/{report.comparisons}, "
                   f"false hits {report.false_hits}", file=out, flush=True)
+
+
+def _wait_replaced(service: ServiceProcess, eng: SimEngine, incarnation: str,
+                   timeout_s: float) -> None:
+    """Wait until discovery has replaced every stream of ``eng`` by one of ``incarnation``
+    (§9), so no answer compared afterwards comes from the old process's stream.
+
+    :raises LifecycleError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = service.identities()
+        if all(ids.get((eng.name, r)) == incarnation for r in range(eng.dp_size)):
+            return
+        if time.monotonic() >= deadline:
+            raise LifecycleError(f"streams of {eng.name} not replaced within {timeout_s:.0f} s")
+        time.sleep(0.02)  # polling an external process: bounded by the deadline above
 
 
 def _compare(matches: list[dict], ranks: list[tuple[SimEngine, int]], tokens: list[int],
@@ -548,6 +655,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"Host pool per rank, blocks (default {d.host_blocks})")
     parser.add_argument("--wait-timeout-s", type=float, default=d.wait_timeout_s,
                         help="bound of the catch-up wait before each request, seconds")
+    parser.add_argument("--etcd", default=d.etcd,
+                        help="etcd host:port to register the engines in (default: start a "
+                             "local etcd; needs `apt-get install etcd-server`)")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
 
@@ -563,7 +673,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = DemoOptions(requests=args.requests, engines=args.engines, chaos=args.chaos,
                            seed=args.seed, trace=args.trace, device_blocks=args.device_blocks,
-                           host_blocks=args.host_blocks, wait_timeout_s=args.wait_timeout_s)
+                           host_blocks=args.host_blocks, wait_timeout_s=args.wait_timeout_s,
+                           etcd=args.etcd)
         report = run_demo(opts)
     except KeyboardInterrupt:
         print("kvsvc demo: interrupted; everything stopped", file=sys.stderr)

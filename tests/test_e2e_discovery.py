@@ -7,6 +7,7 @@ Measured here and printed (``pytest -s`` shows them): discovery reaction time (r
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -305,3 +306,26 @@ def test_two_service_replicas_discover_alone_and_fail_over(etcd_server, tmp_path
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(5.0)
+
+
+def test_demo_on_discovery_with_a_given_etcd(etcd_server):
+    from kvsvc.demo import DemoOptions, run_demo
+
+    out = io.StringIO()
+    rep = run_demo(DemoOptions(requests=20, engines=2, device_blocks=64, host_blocks=64,
+                               etcd=etcd_server.addr), out)
+    assert (rep.requests, rep.streams, rep.comparisons) == (20, 3, 60)
+    assert (rep.exact, rep.false_hits, rep.wait_timeouts, rep.unsynchronized_answers) == (
+        60, 0, 0, 0)
+    assert (rep.predicted_device_tokens, rep.predicted_host_only_tokens) == (
+        rep.true_device_tokens, rep.true_host_only_tokens)
+    text = out.getvalue()
+    assert f"2 engines registered in etcd {etcd_server.addr}, 3 streams discovered" in text
+    assert "(local)" not in text and "PASS" in text
+    # The demo deregistered its engines (leases revoked) when it stopped.
+    etcd = EtcdClient(etcd_server.addr)
+    try:
+        assert [kv.key for kv in etcd.list_prefix("XLLM:").kvs
+                if not kv.key.startswith("XLLM:LOADMETRICS:")] == []
+    finally:
+        etcd.close()
