@@ -329,3 +329,46 @@ def test_thread_follows_the_snapshot_and_stops(directory):
     count = disc.refreshes
     source.set(inst(name))
     assert disc.refreshes == count and directory.stream_ids() == []
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+def test_discovery_without_etcd_addr_refuses_start_up(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from kvsvc.app import create_app
+    from kvsvc.cli import resolve_serve_settings, serve_environment
+    from kvsvc.config import load_service_settings
+    from kvsvc.errors import ConfigError
+
+    for key in [k for k in __import__("os").environ if k.startswith("KVSVC_")]:
+        monkeypatch.delenv(key)
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"discovery": {"enabled": True}}), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        create_app(load_service_settings(kv_events_config_file=str(path)))
+    assert (info.value.field, info.value.message) == (
+        "--etcd_addr", "required when kv_events_config_file enables discovery")
+    args = argparse.Namespace(
+        host="127.0.0.1", port=9100, kv_events_config_file=str(path), internal_api_token=None,
+        internal_api_token_file=None, max_query_tokens=None, log_level=None, etcd_addr=None,
+        etcd_namespace=None, detect_disconnected_instance_interval=None, self_address=None)
+    with pytest.raises(ConfigError) as info:
+        resolve_serve_settings(args)
+    assert info.value.field == "--etcd_addr"
+    args.etcd_addr, args.etcd_namespace = "127.0.0.1:2379", "prod"
+    args.detect_disconnected_instance_interval = 7.5
+    settings = resolve_serve_settings(args)
+    env = serve_environment(settings, {})
+    assert (env["KVSVC_ETCD_ADDR"], env["KVSVC_ETCD_NAMESPACE"],
+            env["KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL"], env["KVSVC_SELF_ADDRESS"]) == (
+        "127.0.0.1:2379", "prod", "7.5", "")
+    assert settings.advertised_address() == "127.0.0.1:9100"
+    # A disabled discovery block needs no registry.
+    path.write_text(json.dumps({"discovery": {"enabled": False}}), encoding="utf-8")
+    app = create_app(load_service_settings(kv_events_config_file=str(path)))
+    assert app.extensions["kvsvc"].discovery is None
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(etcd_addr="no-port")
+    assert info.value.field == "--etcd_addr"

@@ -329,3 +329,40 @@ def test_demo_on_discovery_with_a_given_etcd(etcd_server):
                 if not kv.key.startswith("XLLM:LOADMETRICS:")] == []
     finally:
         etcd.close()
+
+
+def test_sim_health_server_and_registration_lease_regrant(etcd_server):
+    from kvsvc.errors import LifecycleError
+
+    port = free_instance_port(1, 10000, 30000)
+    name = f"127.0.0.1:{port}"
+    with registered_sim(etcd_server.addr, port) as (eng, reg):
+        assert requests.get(f"http://{name}/health", timeout=2.0).json() == {"status": "ok"}
+        assert requests.get(f"http://{name}/other", timeout=2.0).status_code == 404
+        # The health port is taken: a second engine there cannot start.
+        twin = SimEngine("twin", free_port(), free_port(), http_port=port)
+        with pytest.raises(LifecycleError):
+            twin.start()
+        twin.close()
+        reg.wait_registered()
+        etcd = EtcdClient(etcd_server.addr)
+        try:
+            kv = etcd.get(f"XLLM:DEFAULT:{name}")
+            value = json.loads(kv.value)
+            assert value == {"name": name, "rpc_address": name, "type": 0,
+                             "incarnation_id": reg.incarnation_id,
+                             "register_ts_ms": value["register_ts_ms"], "dp_size": 1,
+                             "backend_type": "xllm"}
+            # The lease is revoked behind the engine's back: the next keep-alive finds it gone,
+            # and the same incarnation is registered again under a new lease.
+            etcd.revoke(kv.lease)
+            assert etcd.get(f"XLLM:DEFAULT:{name}") is None
+            again = wait_for(lambda: etcd.get(f"XLLM:DEFAULT:{name}"), timeout_s=5.0,
+                             what="registered again")
+            assert again.lease != kv.lease
+            assert json.loads(again.value) == value
+            assert reg.stats().registrations == 2
+        finally:
+            etcd.close()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://{name}/health", timeout=2.0)
