@@ -16,7 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import zmq
 
@@ -44,21 +44,44 @@ class _View:
         context (an owned context is only created in :meth:`Directory.start`).
     :param ordered: stream ids sorted by (instance_name, dp_rank), the §10 answer order.
     :param geometries: distinct (block_size, hash_seed) pairs, first-seen order.
+    :param matchers: per stream of ``ordered``, the function answering a query from that
+        stream's keys: the subscriber's ``match``, or a constant "not started" answer.
+    :param geometry_of: per stream of ``ordered``, its index in ``geometries``.
     """
 
     configs: Mapping[StreamId, StreamConfig]
     subscribers: Mapping[StreamId, StreamSubscriber]
     ordered: tuple[StreamId, ...]
     geometries: tuple[Geometry, ...]
+    matchers: tuple[Callable[[Sequence[int]], StreamMatch], ...]
+    geometry_of: tuple[int, ...]
 
     @classmethod
     def of(cls, configs: dict[StreamId, StreamConfig],
            subscribers: dict[StreamId, StreamSubscriber]) -> "_View":
         """Build a view from fresh dicts (the caller must not change them afterwards)."""
         ordered = tuple(sorted(configs))
-        geometries = tuple(dict.fromkeys(
-            (configs[sid].block_size, configs[sid].hash_seed) for sid in ordered))
-        return cls(MappingProxyType(configs), MappingProxyType(subscribers), ordered, geometries)
+        geometry_index: dict[Geometry, int] = {}
+        for sid in ordered:
+            geometry_index.setdefault((configs[sid].block_size, configs[sid].hash_seed),
+                                      len(geometry_index))
+        # Resolved once per view, not per query: the query loop is per stream and hot (§10).
+        matchers = tuple(subscribers[sid].match if sid in subscribers else _not_started(sid)
+                         for sid in ordered)
+        geometry_of = tuple(geometry_index[(configs[sid].block_size, configs[sid].hash_seed)]
+                            for sid in ordered)
+        return cls(MappingProxyType(configs), MappingProxyType(subscribers), ordered,
+                   tuple(geometry_index), matchers, geometry_of)
+
+
+def _not_started(sid: StreamId) -> Callable[[Sequence[int]], StreamMatch]:
+    """A matcher for a stream without a subscriber yet: 0 hits, error ``"not started"``."""
+    answer = StreamMatch(sid.instance_name, sid.dp_rank, False, None, 0, 0, 0, 0, NOT_STARTED)
+
+    def match(keys: Sequence[int]) -> StreamMatch:
+        return answer
+
+    return match
 
 
 def _stream_id(cfg: StreamConfig) -> StreamId:
@@ -278,17 +301,12 @@ class Directory:
         """
         view = self._current()
         packed = pack_tokens(token_ids)
-        keys = {(bs, seed): chain_keys(packed, bs, seed) for bs, seed in view.geometries}
-        out: list[StreamMatch] = []
-        for sid in view.ordered:
-            sub = view.subscribers.get(sid)
-            if sub is None:
-                out.append(StreamMatch(sid.instance_name, sid.dp_rank, False, None,
-                                       0, 0, 0, 0, NOT_STARTED))
-            else:
-                cfg = view.configs[sid]
-                out.append(sub.match(keys[(cfg.block_size, cfg.hash_seed)]))
-        return out
+        geometries = view.geometries
+        if len(geometries) == 1:  # the usual deployment: one model, one seed
+            keys = chain_keys(packed, *geometries[0])
+            return [match(keys) for match in view.matchers]
+        by_geometry = [chain_keys(packed, bs, seed) for bs, seed in geometries]
+        return [match(by_geometry[g]) for match, g in zip(view.matchers, view.geometry_of)]
 
     def statuses(self) -> list[StreamStatus]:
         """Every stream's status, ordered by (instance_name, dp_rank)."""

@@ -562,3 +562,33 @@ def test_matches_reference_model(ops):
             query = prefix + (9, 9)  # one never-stored block at the end
             blocks = [list(query[i:i + BS]) for i in range(0, len(query), BS)]
             assert index.match(keys(*blocks)) == model.match(query)
+
+
+# --------------------------------------------------------------------------- prefix closure
+
+def test_bisection_answers_equal_the_walk_on_a_closed_index():
+    index = new_index()
+    index.apply([stored([1, 2, 3], None, A, B, C), stored([4], 3, D, tier=HOST)])
+    assert index.match(keys(A, B, C, D)) == (3, 1)
+    assert index.match(keys(A, B, D)) == (2, 0)
+    assert index.match(keys(B)) == (0, 0)
+    assert index.match([]) == (0, 0)
+
+
+def test_removing_an_inner_block_falls_back_to_the_linear_walk():
+    index = new_index()
+    index.apply([stored([1, 2, 3], None, A, B, C)])
+    index.apply([removed([2])])  # not leaf-first: C stays resident under a missing parent
+    assert index.match(keys(A, B, C)) == (1, 0)
+    index.apply([removed([1, 3])])  # empty again
+    index.apply([stored([5, 6], None, A, B)])
+    assert index.match(keys(A, B, C)) == (2, 0)
+
+
+def test_device_block_under_host_only_parent_is_counted_by_walk():
+    index = new_index()
+    index.apply([stored([1], None, A, tier=HOST), stored([2, 3], 1, B, C)])
+    # Host-only A, then B and C on Device: the prefix is 1 host-only + 2 device blocks.
+    assert index.match(keys(A, B, C)) == (2, 1)
+    index.apply([replica([1], DEVICE), removed([2])])
+    assert index.match(keys(A, B, C)) == (1, 0)

@@ -36,6 +36,19 @@ key has an entry ``_alias[key] = {hash: flags, ..., None: flags}`` where ``None`
 key's first engine hash (the single hash mapping to the key that is not listed). When only one
 hash is left the entry is dropped and the key is plain again.
 
+Prefix closure (for the query, §10). Two flags say whether residency is monotone along every
+chain: ``_prefix_closed`` (every resident block's parent is resident) and ``_device_closed``
+(every Device block's parent is on Device). While they hold, :meth:`TierIndex.match` bisects the
+prompt's keys (~7 lookups for 128 blocks instead of up to 128). Stores keep them: a live block
+needs a resident parent (else ``UnknownParent``) and a snapshot block without one becomes an
+ORPHAN marker, never resident; only a Device block stored under a parent that is not on Device,
+or a tokenless Device replica (parent unknown), clears ``_device_closed``. The index keeps no
+parent links (they would cost a dict slot per block, over the §8 memory budget), so it cannot
+tell a leaf from an inner block: any block leaving the index clears ``_prefix_closed`` and any
+block leaving Device clears ``_device_closed``, until the index is rebuilt (snapshot, periodic
+resync) or becomes empty. Under eviction the walk is therefore linear, as before; after each
+resync it is logarithmic until the first eviction.
+
 Capacity: :attr:`TierIndex.entries` is ``len(_emap) + len(_markers)``: every engine hash the
 index remembers, so indexed blocks plus markers, an alias counting as one more entry (§8 counts
 engine-map entries). It is checked after each event; the caller discards the index on any error.
@@ -45,7 +58,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from kvsvc.errors import CapacityExceeded, DecodeError, HashConflict, UnknownParent
 from kvsvc.events import (
@@ -104,7 +117,8 @@ class TierIndex:
     """
 
     __slots__ = ("block_size", "hash_seed", "max_entries", "stats", "_flags", "_emap",
-                 "_markers", "_alias", "_n_device", "_n_host")
+                 "_markers", "_alias", "_n_device", "_n_host", "_prefix_closed",
+                 "_device_closed")
 
     def __init__(self, block_size: int, hash_seed: int, max_entries: int) -> None:
         if block_size < 1:
@@ -121,6 +135,9 @@ class TierIndex:
         self._alias: dict[int, dict[Optional[EngineHash], int]] = {}
         self._n_device = 0
         self._n_host = 0
+        # See "Prefix closure" in the module docstring: while True, match() bisects.
+        self._prefix_closed = True
+        self._device_closed = True
 
     # ------------------------------------------------------------------ read side
 
@@ -140,17 +157,52 @@ class TierIndex:
         the capacity count compared with ``max_entries``."""
         return len(self._emap) + len(self._markers)
 
+    @property
+    def live_flags(self) -> Mapping[int, int]:
+        """The live ``content key -> tier flags`` dict itself (not a copy), for lock-free
+        membership probes by query threads: a single ``key in live_flags`` is atomic under the
+        GIL. Never iterate it from another thread. It is replaced (not just changed) by
+        ``AllBlocksCleared``, so re-read it after every :meth:`apply`."""
+        return self._flags
+
     def match(self, keys: Sequence[int]) -> tuple[int, int]:
         """Prefix walk (§10): the resident contiguous prefix of ``keys``.
 
-        Walks ``keys`` in order and stops at the first key resident on neither tier.
+        The answer is that of walking ``keys`` in order and stopping at the first key resident
+        on neither tier. While the index is prefix-closed (module docstring) residency is
+        monotone along the prompt's chain and the prefix is found by bisection, O(log n)
+        lookups; otherwise the walk is linear.
 
-        :param keys: content keys of a prompt's full blocks, oldest first (``prompt_keys``).
+        :param keys: content keys of a prompt's full blocks, oldest first (``prompt_keys``):
+            each key's parent is the key before it.
         :returns: ``(device_blocks, host_only_blocks)`` of that prefix, in blocks (the caller
             multiplies by ``block_size``); a block on Device counts as device even if it is also
             on Host.
         """
-        get = self._flags.get
+        flags = self._flags
+        if self._prefix_closed:
+            lo, hi = 0, len(keys)
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if keys[mid] in flags:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            resident = lo
+            if not self._n_host:
+                return resident, 0  # no Host block at all: the whole prefix is on Device
+            if self._device_closed:
+                lo = 0
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if flags[keys[mid]] & DEVICE:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                return lo, resident - lo
+            host_only = list(map(flags.get, keys[:resident])).count(HOST)
+            return resident - host_only, host_only
+        get = flags.get
         device = host_only = 0
         for key in keys:
             flags = get(key)
@@ -245,6 +297,11 @@ class TierIndex:
                 else:
                     raise UnknownParent(f"BlockStored parent {_hash_repr(parent)} is unknown")
                 return
+            if tier == DEVICE and not self._flags.get(parent_key, 0) & DEVICE:
+                # A Device block under a Host-only parent: Device residency is no longer
+                # monotone along chains. (Later blocks of the event have their predecessor,
+                # stored on the same tier just before them, as parent.)
+                self._device_closed = False
         try:
             packed = pack_tokens(token_ids)
         except ValueError as exc:
@@ -285,6 +342,8 @@ class TierIndex:
         for h in hashes:
             key = emap.get(h)
             if key is not None:
+                if tier == DEVICE and not self._flags[key] & DEVICE:
+                    self._device_closed = False  # its parent's tiers are not known here
                 self._set_flag(h, key, tier)
             elif h in markers:
                 markers[h] |= tier
@@ -350,6 +409,8 @@ class TierIndex:
             return
         keep = _TIERS & ~tier
         flags_map, emap, markers = self._flags, self._emap, self._markers
+        n_device, n_host = self._n_device, self._n_host
+        resident_before = len(flags_map)
         for h in event.block_hashes:
             key = emap.get(h)
             if key is None:
@@ -372,8 +433,20 @@ class TierIndex:
                     del emap[h]
             else:
                 new = self._remove_alias_flag(h, key, slots, keep)
-            if new != old:
-                self._count(old, new)
+            # Counts kept in locals: one attribute write per event, not per block.
+            n_device += (new & DEVICE) - (old & DEVICE)
+            n_host += ((new & HOST) - (old & HOST)) >> 1
+        if not flags_map:
+            # Empty again: trivially prefix-closed.
+            self._prefix_closed = self._device_closed = True
+        else:
+            # Without parent links the index cannot tell a leaf from an inner block, so any
+            # block leaving a tier may have left a resident child behind it.
+            if len(flags_map) < resident_before:
+                self._prefix_closed = False
+            if n_device < self._n_device:
+                self._device_closed = False
+        self._n_device, self._n_host = n_device, n_host
 
     def _remove_alias_flag(self, h: EngineHash, key: int,
                            slots: dict[Optional[EngineHash], int], keep: int) -> int:
@@ -405,6 +478,7 @@ class TierIndex:
             self._markers = {}
             self._alias = {}
             self._n_device = self._n_host = 0
+            self._prefix_closed = self._device_closed = True
             log.debug("index cleared: all tiers")
             return
         if tier == OTHER_MEDIUM:
@@ -431,6 +505,10 @@ class TierIndex:
         else:
             emap = {h: key for h, key in self._emap.items() if key in flags_map}
         self._markers = {h: m & ~tier for h, m in self._markers.items() if m & keep}
+        if len(flags_map) < len(self._flags):
+            self._prefix_closed = not flags_map
+        if tier == DEVICE:
+            self._device_closed = True  # no Device block is left
         self._flags, self._emap, self._alias = flags_map, emap, new_alias
         # Every block left now carries exactly the other tier's flag.
         if tier == DEVICE:

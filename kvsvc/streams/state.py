@@ -27,9 +27,14 @@ class StreamId:
         return f"{self.instance_name}/dp{self.dp_rank}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamMatch:
-    """One stream's answer to a prefix query (§10).
+    """One stream's answer to a prefix query (§10). Read-only by contract.
+
+    Not ``frozen``: a frozen dataclass sets each field through ``object.__setattr__`` (~0.7 us
+    per instance against ~0.13 us), and a query builds one per stream. Treat instances as
+    immutable all the same: a stream hands the *same* zero-hit instance to every query until
+    its state changes (:meth:`kvsvc.streams.subscriber.StreamSubscriber.match`).
 
     :param sequence: last applied live seq, ``None`` before the first one.
     :param device_hit_tokens: tokens of the contiguous reusable prefix found on Device.

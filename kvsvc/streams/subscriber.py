@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Container, Optional, Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -75,6 +75,8 @@ BUFFER_HASH_OVERHEAD = 40
 BUFFER_TOKEN_OVERHEAD = 4
 
 _NOT_YET = "not synchronized yet: waiting for the first snapshot"
+#: Resident keys of a stream that serves no hits (the fast path's "nothing here").
+_NO_KEYS: frozenset[int] = frozenset()
 
 
 def _backoff_s(failures: int) -> float:
@@ -115,6 +117,8 @@ class StreamSubscriber:
         self._context = context
         self._topic = stream.topic.encode("utf-8")
         self._name = str(self.stream_id)
+        self._instance = stream.instance_name
+        self._rank = stream.dp_rank
 
         # Serving state, read by request threads: guarded by _lock.
         self._lock = threading.Lock()
@@ -125,6 +129,9 @@ class StreamSubscriber:
         self._synchronized_once = False
         self._recoveries = 0
         self._resync_differences = 0
+        # The lock-free fast path of match(): (resident keys, zero-hit answer), replaced in one
+        # assignment under _lock whenever the serving state changes (_publish_locked).
+        self._quick: tuple[Container[int], StreamMatch] = (_NO_KEYS, self._zero_answer())
 
         # Thread control.
         self._stop = threading.Event()
@@ -190,23 +197,52 @@ class StreamSubscriber:
             log.error("stream %s: thread did not stop within %.1fs", self._name, timeout_s)
 
     def match(self, keys: Sequence[int]) -> StreamMatch:
-        """This stream's answer to a prefix query (§10), read under the stream lock.
+        """This stream's answer to a prefix query (§10).
+
+        Hits are computed under the stream lock only, so they always come from one complete
+        serving state (§6: never a stale or partial hit). Most streams of a query hold none of
+        the prompt: for them a lock-free probe of the first key returns the stream's shared
+        zero-hit answer (~0.2 us instead of ~2 us). That probe may run while the stream thread
+        applies a batch, so it can answer 0 hits for a first block that is resident just before
+        and after that batch, with the previous batch's ``sequence`` and block counts: a miss,
+        never a hit, that was not there.
 
         :param keys: content keys of the prompt's full blocks, oldest first, computed with this
             stream's ``block_size`` and ``hash_seed`` (:func:`kvsvc.index.keys.prompt_keys`).
         :returns: hits in tokens (blocks * ``block_size``) when synchronized; otherwise zero
-            hits, ``synchronized=False`` and the reason in ``error`` (§6: never a stale hit).
+            hits, ``synchronized=False`` and the reason in ``error``. Treat it as read-only:
+            zero-hit answers are shared between queries.
         """
+        resident, zero = self._quick
+        if not keys or keys[0] not in resident:
+            return zero
         with self._lock:
             index = self._index
             if self._state is StreamState.SYNCHRONIZED and index is not None:
                 device, host_only = index.match(keys)
-                return StreamMatch(self.stream_id.instance_name, self.stream_id.dp_rank, True,
-                                   self._sequence, device * self.block_size,
-                                   host_only * self.block_size, index.device_blocks,
-                                   index.host_blocks, None)
-            return StreamMatch(self.stream_id.instance_name, self.stream_id.dp_rank, False,
-                               None, 0, 0, 0, 0, self._error)
+                block_size = self.block_size
+                return StreamMatch(self._instance, self._rank, True, self._sequence,
+                                   device * block_size, host_only * block_size,
+                                   index.device_blocks, index.host_blocks, None)
+            return self._quick[1]
+
+    def _zero_answer(self) -> StreamMatch:
+        """The answer to a prompt whose first block the stream does not hold (caller holds
+        ``_lock``, or the thread has not started)."""
+        index = self._index
+        if self._state is StreamState.SYNCHRONIZED and index is not None:
+            return StreamMatch(self._instance, self._rank, True, self._sequence, 0, 0,
+                               index.device_blocks, index.host_blocks, None)
+        return StreamMatch(self._instance, self._rank, False, None, 0, 0, 0, 0, self._error)
+
+    def _publish_locked(self) -> None:
+        """Refresh match()'s fast path after a change of the serving state (index, state,
+        error, sequence or counts); caller holds ``_lock``. One assignment, so a query reads
+        either the old pair or the new one."""
+        index = self._index
+        resident = (index.live_flags if self._state is StreamState.SYNCHRONIZED
+                    and index is not None else _NO_KEYS)
+        self._quick = (resident, self._zero_answer())
 
     def status(self) -> StreamStatus:
         """The stream's state, counts and counters (read under the stream lock)."""
@@ -270,6 +306,7 @@ class StreamSubscriber:
                 self._index = None
                 self._state = StreamState.UNSYNCHRONIZED
                 self._error = "internal error: stream thread crashed"
+                self._publish_locked()
         finally:
             self._close_sockets()
 
@@ -419,6 +456,7 @@ class StreamSubscriber:
                     self._invalidate_locked(f"seq {seq}: {exc}")
                 else:
                     self._sequence = seq
+                    self._publish_locked()
             if failure is not None:
                 self._log_unsynchronized(f"seq {seq}: {failure}")
                 self._restart_recovery()
@@ -501,6 +539,7 @@ class StreamSubscriber:
         else:
             with self._lock:
                 self._error = reason
+                self._publish_locked()
             # The state does not change while a retry waits: log the first error only, so a
             # burst of garbage cannot flood the log (the latest reason is still in `error`).
             if not self._waiting_error_logged:
@@ -518,6 +557,7 @@ class StreamSubscriber:
         self._sequence = None
         self._synced = False
         self._expected = None
+        self._publish_locked()
 
     def _invalidate(self, reason: str) -> None:
         with self._lock:
@@ -564,6 +604,7 @@ class StreamSubscriber:
         else:
             with self._lock:
                 self._state = StreamState.RECOVERING
+                self._publish_locked()
             log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name, start_seq)
 
     def _attempt_failed(self, exc: StreamError) -> None:
@@ -579,6 +620,7 @@ class StreamSubscriber:
         with self._lock:
             self._state = StreamState.UNSYNCHRONIZED
             self._error = str(exc)
+            self._publish_locked()
         log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, exc, delay)
 
     def _finish_attempt(self, attempt: SnapshotAttempt, result: SnapshotResult) -> None:
@@ -649,6 +691,7 @@ class StreamSubscriber:
                 self._resync_differences += difference
             else:
                 self._recoveries += 1
+            self._publish_locked()
         self._synced = True
         self._expected = expected
         self._failures = 0
