@@ -1,8 +1,11 @@
 """The subscriber of one stream: its thread, its sockets and the §6 recovery state machine.
 
 One :class:`StreamSubscriber` per (instance, DP rank). Its thread owns a ``SUB`` (live batches,
-§1), a monitor socket on that ``SUB`` (connect/disconnect events) and, during a snapshot, one
-``DEALER`` per attempt (§7, :mod:`kvsvc.streams.snapshot`), all in one ``zmq.Poller`` loop.
+§1), a monitor socket on that ``SUB`` (connect/disconnect events), an inproc ``PULL`` through
+which :meth:`StreamSubscriber.close` wakes it and, during a snapshot, one ``DEALER`` per attempt
+(§7, :mod:`kvsvc.streams.snapshot`), all in one ``zmq.Poller`` loop. The poll sleeps until the
+next deadline (attempt timeout, retry, periodic resync; at most ``POLL_INTERVAL_MS``), so an
+idle stream costs no CPU.
 Request threads only call :meth:`StreamSubscriber.match` and :meth:`StreamSubscriber.status`,
 which read under the stream lock and never touch ZMQ.
 
@@ -63,8 +66,9 @@ log = logging.getLogger(__name__)
 #: Backoff of failed attempts (§6): 100 ms doubling to at most 5 s.
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
-#: Longest poll wait, so that the stop event is seen within about this long.
-POLL_INTERVAL_MS = 100
+#: Longest poll wait when no deadline is nearer. close() wakes the poll through the thread's
+#: wake-up socket, so this only bounds how long a lost wake-up could delay a stop.
+POLL_INTERVAL_MS = 5_000
 #: Live messages handled per poll turn before looking at the other sockets again.
 LIVE_MESSAGES_PER_TURN = 256
 #: Bound on the messages drained from the ``SUB`` just before a snapshot completes.
@@ -147,6 +151,8 @@ class StreamSubscriber:
         # Owned by the stream thread from start() on.
         self._sub: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
+        self._wake: Optional[zmq.Socket] = None   # inproc PULL; close() pushes to it
+        self._wake_endpoint = f"inproc://kvsvc-stream-wake-{id(self):x}"
         self._poller: Optional[zmq.Poller] = None
         self._reopen_pending = False              # replace the SUB at the next turn
         self._waiting_error_logged = False        # one warning per backoff wait
@@ -192,9 +198,27 @@ class StreamSubscriber:
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return
+        self._wake_thread()
         thread.join(timeout_s)
         if thread.is_alive():
             log.error("stream %s: thread did not stop within %.1fs", self._name, timeout_s)
+
+    def _wake_thread(self) -> None:
+        """Interrupt the thread's poll (it may sleep up to ``POLL_INTERVAL_MS``) with one
+        message from a PUSH created and closed here: ZMQ sockets are not shared between threads.
+        inproc allows connecting before the thread has bound, and the message then waits."""
+        try:
+            push = self._context.socket(zmq.PUSH)
+        except zmq.ZMQError as exc:  # context already terminated: nothing left to wake
+            log.debug("stream %s: no wake-up sent: %s", self._name, exc)
+            return
+        try:
+            push.connect(self._wake_endpoint)
+            push.send(b"", flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a full pipe already holds a wake-up
+            log.debug("stream %s: no wake-up sent: %s", self._name, exc)
+        finally:
+            push.close(linger=100)
 
     def match(self, keys: Sequence[int]) -> StreamMatch:
         """This stream's answer to a prefix query (§10).
@@ -312,6 +336,10 @@ class StreamSubscriber:
 
     def _open_sockets(self) -> None:
         self._poller = zmq.Poller()
+        self._wake = self._context.socket(zmq.PULL)
+        self._wake.setsockopt(zmq.LINGER, 0)
+        self._wake.bind(self._wake_endpoint)
+        self._poller.register(self._wake, zmq.POLLIN)
         self._open_live()
 
     def _open_live(self) -> None:
@@ -361,6 +389,9 @@ class StreamSubscriber:
             self._attempt.close()
             self._attempt = None
         self._close_live()
+        if self._wake is not None:
+            self._wake.close(linger=0)
+            self._wake = None
 
     def _turn(self) -> None:
         """One loop turn: start a due attempt, poll, handle what is readable, check deadlines."""
@@ -373,6 +404,8 @@ class StreamSubscriber:
         elif self._next_attempt_at is not None:
             timeout_s = min(timeout_s, self._next_attempt_at - now)
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
+        if self._wake in ready:
+            return  # close(): the loop checks the stop event next
         # Monitor first: a disconnect must be seen before data of a new connection.
         if self._monitor in ready:
             self._on_monitor()
