@@ -42,6 +42,12 @@ _LAZY_COMMANDS = {
 }
 
 
+#: ``serve`` flags of the routing settings (§11), passed through as ``KVSVC_*``.
+_ROUTING_FLAGS = ("load_balance_policy", "car_prefill_lambda", "car_host_hit_weight",
+                  "tokenizer_path", "model", "upstream_connect_timeout_s",
+                  "upstream_read_timeout_s", "max_request_bytes")
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
                        description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.")
@@ -68,6 +74,23 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--self_address",
                    help="host:port engines reach this service at, published as master "
                         "(KVSVC_SELF_ADDRESS, default host:port)")
+    # Routing (§11), xllm-service's flag names; see kvsvc.routes.
+    p.add_argument("--load_balance_policy", help="RR or CAR (KVSVC_LOAD_BALANCE_POLICY, "
+                   "default CAR); SLO_AWARE is not supported")
+    p.add_argument("--car_prefill_lambda", type=float,
+                   help="CAR cache-miss weight in [0, 1] (KVSVC_CAR_PREFILL_LAMBDA, default 0.5)")
+    p.add_argument("--car_host_hit_weight", type=float,
+                   help="CAR Host-hit weight in [0, 1] (KVSVC_CAR_HOST_HIT_WEIGHT, default 0.5)")
+    p.add_argument("--tokenizer_path", help="tokenizer.json or a directory with it and "
+                   "tokenizer_config.json (KVSVC_TOKENIZER_PATH; empty: text hits are 0)")
+    p.add_argument("--model", help="comma-separated served model names (KVSVC_MODEL; empty: "
+                   "any name accepted)")
+    p.add_argument("--upstream_connect_timeout_s", type=float,
+                   help="upstream connect timeout, s (KVSVC_UPSTREAM_CONNECT_TIMEOUT_S, 2)")
+    p.add_argument("--upstream_read_timeout_s", type=float,
+                   help="upstream read timeout, s (KVSVC_UPSTREAM_READ_TIMEOUT_S, 600)")
+    p.add_argument("--max_request_bytes", type=int,
+                   help="largest OpenAI request body, bytes (KVSVC_MAX_REQUEST_BYTES, 16 MiB)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -108,11 +131,16 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         max_query_tokens=args.max_query_tokens, log_level=args.log_level,
         etcd_addr=args.etcd_addr, etcd_namespace=args.etcd_namespace,
         detect_disconnected_instance_interval=args.detect_disconnected_instance_interval,
-        self_address=args.self_address)
+        self_address=args.self_address,
+        **{name: getattr(args, name, None) for name in _ROUTING_FLAGS})
     if settings.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError("--log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
     settings.kv_events_config()
     settings.token()
+    if settings.tokenizer_path:
+        from .tokenize import PromptTokenizer  # fails here, not in the gunicorn worker
+
+        PromptTokenizer.load(settings.tokenizer_path)
     return settings
 
 
@@ -138,6 +166,11 @@ def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[s
             repr(settings.detect_disconnected_instance_interval),
         "KVSVC_SELF_ADDRESS": settings.self_address,
     })
+    for name in _ROUTING_FLAGS:
+        value = getattr(settings, name)
+        if name == "tokenizer_path" and value:
+            value = os.path.abspath(value)
+        env["KVSVC_" + name.upper()] = value if isinstance(value, str) else repr(value)
     if settings.internal_api_token is not None:
         env["KVSVC_INTERNAL_API_TOKEN"] = settings.internal_api_token.get_secret_value()
     elif settings.internal_api_token_file:

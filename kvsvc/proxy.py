@@ -206,6 +206,7 @@ class Proxy:
                                                 pool_maxsize=settings.pool_maxsize,
                                                 max_retries=0)
         self._session.mount("http://", adapter)
+        self._adapter = adapter
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
 
@@ -271,4 +272,11 @@ class Proxy:
 
     def close(self) -> None:
         """Close the pooled connections. Idempotent."""
+        # urllib3 2.x's PoolManager.clear() only forgets its pools (no dispose function), so
+        # close each pool's kept-alive connections explicitly.
+        pools = self._adapter.poolmanager.pools
+        for key in list(pools.keys()):
+            pool = pools.get(key)
+            if pool is not None:
+                pool.close()
         self._session.close()
