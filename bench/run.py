@@ -40,50 +40,54 @@ ANALYSIS: dict[int, str] = {
     1: """\
 Profile (cProfile of the stream thread, 24,000 batches): `ormsgpack.unpackb` 0.45 s of 1.8 s
 profiled; ZMQ receive (`recv_multipart` + `poll`, incl. enum flag conversions) 0.35 s; index
-apply 0.47 s (`_stored` 0.27 s of which `chain_keys` 0.13 s, `_removed` 0.18 s of which 0.05 s
-in the per-block `_count` call); `decode_batch` beyond unpackb 0.33 s (`_tokens` 0.12 s).
-Offline (same payloads, no sockets, one thread) parse + decode + apply runs at 0.58x the raw
-decode rate, so about 0.2x is lost to the live path: ZMQ receive per message, and on 2 cores
-the publisher process and both ZMQ I/O threads competing with the stream thread. Run-to-run
-spread is large (0.35x to 0.47x seen). Tried: nothing in ingest code (not in this change's
-scope: decoder, tier_index apply and the receive loop belong to other owners). Next steps,
-with their measured shares: batch `_count` in `TierIndex._removed` (one call per event, not
-per block: ~0.05 s of 1.8 s); receive with `copy=False` frames and a single `RCVMORE`-free
-`recv_multipart` path (~0.15 s); skip re-checking every token's high byte in `pack_tokens`
-when the decoder already checked it (~0.03 s).""",
+apply 0.47 s (`_stored` 0.27 s of which `chain_keys` 0.13 s, `_removed` 0.18 s);
+`decode_batch` beyond unpackb 0.33 s (`_tokens` 0.12 s). Offline (same payloads, no sockets,
+one thread) parse + decode + apply runs at 0.58x the raw decode rate, so the ceiling of this
+design is below the 0.6x target before any socket work; the live path loses about 0.1-0.2x
+more to ZMQ receive and to the publisher process and both ZMQ I/O threads sharing the 2 cores.
+Run-to-run spread is large (0.27x to 0.50x in five runs of the same code). Tried: per-event
+instead of per-block count updates in `TierIndex._removed` (kept; within the noise). Next
+steps, with their measured shares: `copy=False` frames and a receive path without the
+per-frame `RCVMORE` query (~0.15 s of 1.8 s); a decoder that skips re-validating tokens that
+`pack_tokens` checks again (~0.03 s).""",
     2: """\
 Same per-batch costs as benchmark 1, plus 16 stream threads and 4 publisher processes sharing 2
 cores under one GIL: the aggregate cannot exceed one core's worth of Python, and the
 publishers' ZMQ I/O threads take CPU from it. See benchmark 1 for the profile and next steps.""",
     3: """\
-Per-stream cost beyond the keys is ~2 us (p50): stream lock ~0.13 us, `TierIndex.match` on a
-missing first key ~0.13 us, `StreamMatch` construction ~0.7 us (frozen slots dataclass:
-`object.__setattr__` per field), plus the directory's per-stream dict lookups and attribute
-reads. With 128 streams that is ~260 us against ~90 us for the keys; the 1.5x target leaves
-0.35 us per stream, below the cost of one Python method call with a lock. The ceiling of a
-per-stream design is therefore ~2.5-3x even with every constant shaved. Next step (not built,
-too big for this change): a cross-stream shared index, `content key -> small int bitmask of
-streams per tier`, maintained by the stream threads under one lock; a query then walks the
-prompt's keys once (128 dict lookups, ~15 us) and ANDs bitmasks, independent of the stream
-count, estimated p50 ~1.2x the key time. It must keep §6 (an unsynchronized stream's bits
-are ignored, swaps stay atomic) and costs ~16 bytes per block more.""",
+Built: each stream publishes, under its lock on every state change, a pair (live resident-key
+dict, shared zero-hit answer); a query probes the prompt's first key without the lock and
+returns the shared answer when it is absent (~70 ns per such stream), and computes hits only
+under the lock. While an index is prefix-closed (no block has left it since its snapshot),
+the walk bisects (~7 lookups for 128 blocks instead of up to 128, ~40 ns each);
+the directory resolves each stream's match function once per stream-set view; `StreamMatch`
+is a non-frozen slots dataclass (0.13 us instead of 0.7 us to build). Measured before: p50
+~4.0x. Remaining cost per query beyond the keys: ~8 us for 111 zero-hit streams, ~25 us for
+17 hit streams (lock, bisection, answer). Under eviction (a block has left the index since
+the last snapshot or periodic resync) the walk is linear again: about 1.9x for this prompt,
+the lookups themselves (~40 ns each, 1,152 of them) being the floor. Exact hole tracking
+would need a parent link per block, a dict slot over the 160-byte budget of benchmark 5.
+p99 depends on other load on the 2 cores: with other test suites running during this run both
+p99s rose to the millisecond range (keys alone 169-854 us) and the p99 ratio varied from 2.0x
+to 6.2x over four runs of the same code; p50 stayed at 1.37-1.40x. On a quiet machine p99
+was 1.4-2.3x.""",
     4: """\
-The query request parses a 4,096-int JSON body (`json.loads` + type/range checks in
-`parse_token_ids`), computes keys, queries 16 streams and serialises 16 JSON objects; /health
-does none of that. On 2 cores wrk itself takes one core. Next steps (app.py, other owner):
-`orjson` for the body and the answer, and a cheaper type check than `set(map(type, ...))`.""",
+Built: `orjson` parses the body and serialises the answer; type and range are checked by
+packing the ids as 32-bit integers in C (the element-by-element checks run only for bad
+bodies or bodies containing `true`/`false`). Measured before: 0.43x. Per request, parsing a
+4,096-id body now takes ~65 us (`json.loads` + checks took ~280 us); what is left is Flask and
+gunicorn request handling, reading the 30 kB body, keys and the 16-stream query, on 2 cores
+of which `wrk` takes about one. Next step: a leaner WSGI path for the query endpoint (no
+Flask request/response objects), outside this change.""",
     6: """\
 Load = time from add_stream to synchronized minus the engine's own encoding time (the sim
 encodes the whole reply before the first message; measured by a bare DEALER fetch of the same
 snapshot). The sim sends one BlockStored event per block, so per-event costs of the decoder
 (dataclass construction, field checks) and the index dominate over hashing.""",
     7: """\
-Each stream thread wakes every `POLL_INTERVAL_MS` = 100 ms to check its stop event: 128 x 10
-wakeups/s, each a `zmq.Poller.poll` plus a `_turn` in Python (~20 us), about 2.5% of a core
-before any work; the periodic resync (every 30 s) of an empty engine adds little. Next step
-(subscriber, other owner): wake the poller through an inproc PAIR/socketpair registered in
-the poller on close() instead of a 100 ms timeout, so an idle stream sleeps until its resync
-deadline.""",
+Each stream thread used to wake every 100 ms to check its stop event (3.2% of a core for 128
+streams). Now `close()` wakes it through an inproc PULL the thread owns, so the poll sleeps
+until the next deadline (attempt timeout, retry, periodic resync), at most 5 s.""",
 }
 
 BENCHES = {
