@@ -6,7 +6,8 @@ Subcommands:
   replace this process with gunicorn (``python -m gunicorn -c config/gunicorn.conf.py
   wsgi:app``) running in the foreground; Ctrl-C / SIGTERM stop it.
 - ``check-config``: validate a §8 file and print a summary.
-- ``sim``, ``demo``: the engine simulator and the demo, imported only when used.
+- ``sim``, ``demo``, ``soak``: the engine simulator, the demo and the chaos soak, imported
+  only when used.
 
 Exit codes: 0 success, 2 invalid configuration or usage (the offending field named on stderr).
 """
@@ -39,6 +40,7 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _LAZY_COMMANDS = {
     "sim": ("kvsvc.sim.cli", "run a simulated engine publishing KV events"),
     "demo": ("kvsvc.demo", "run the end-to-end demo"),
+    "soak": ("kvsvc.soak", "run the chaos soak audited against ground truth"),
 }
 
 

@@ -76,7 +76,7 @@ def stored_events(draw) -> dict:
           "medium": draw(media)}
     if draw(st.booleans()):
         ev["lora_name"] = draw(st.one_of(st.none(), st.text(max_size=5)))
-        ev["extra_keys"] = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers()),
+        ev["extra_keys"] = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(-5, 5)),
                                                               max_size=3)))
         ev["group_idx"] = draw(st.one_of(st.none(), st.integers(0, 3)))
         ev["kv_cache_spec_kind"] = draw(st.one_of(st.none(), st.sampled_from(

@@ -1,0 +1,239 @@
+"""Benchmark 8 (issue 6): query and routing latency while 16 streams recover at once, against
+idle, in one run.
+
+Set-up: a server process (forked, like :class:`bench._common.StreamServer`) stands in for 16
+engines; each answers snapshot requests (§7) with 2,048 blocks (stream 0 holds the whole
+16,384-token prompt, streams 1..8 its first half, the others unrelated blocks) and, on each
+trigger, publishes one malformed live message per stream (payload ``0xc1``, a decode error, §6):
+every stream discards its index and recovers with a full snapshot at the same moment. The
+directory (16 stream threads) runs in this process, as in the service's worker.
+
+Measured, alternately in the same windows so both see the same machine state:
+
+- ``query``: :meth:`kvsvc.directory.Directory.query` of the prompt (keys + 16 streams);
+- ``route``: what ``/v1/internal/route`` does in process (:meth:`kvsvc.routes.Router.decide`):
+  the streams' identities, the query, and :class:`kvsvc.policy.CacheAware` over 16 DEFAULT
+  instances with load reports.
+
+Rounds alternate an idle window (every stream synchronized) with a recovering window (from the
+trigger until all 16 are synchronized again; only samples taken while at least one stream is not
+synchronized count as "recovering"). Target: p99 while recovering <= 5 x p99 idle, for both.
+Not a timed test: ``python -m bench.run --only 8``.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import time
+from typing import Sequence
+
+import zmq
+
+from kvsvc.directory import Directory
+from kvsvc.policy import CacheAware
+from kvsvc.registry import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
+from kvsvc.streams.frame import END_MARKER, NO_WATERMARK, encode_live
+
+from ._common import (
+    BLOCK_SIZE,
+    Result,
+    ServedStream,
+    all_synchronized,
+    check_fork_safe,
+    directory_config,
+    make_streams,
+    percentile,
+    snapshot_payloads,
+    stored_map,
+    token_pool,
+    wait_until,
+)
+
+N_STREAMS = 16
+BLOCKS_PER_STREAM = 2048
+PROMPT_TOKENS = 16_384
+ROUNDS = 8
+IDLE_SAMPLES_PER_ROUND = 400
+_FORK = mp.get_context("fork")
+
+
+def _chain_events(tokens: Sequence[int], first_hash: int, per_event: int = 16) -> list[dict]:
+    """Root-chained BlockStored events covering ``tokens`` (whole blocks)."""
+    out, parent = [], None
+    n = len(tokens) // BLOCK_SIZE
+    for b in range(0, n, per_event):
+        k = min(per_event, n - b)
+        hashes = list(range(first_hash + b, first_hash + b + k))
+        out.append(stored_map(hashes, parent, tokens[b * BLOCK_SIZE:(b + k) * BLOCK_SIZE],
+                              BLOCK_SIZE))
+        parent = hashes[-1]
+    return out
+
+
+def _serve(streams: list[ServedStream], ready, stop, trigger, subscribed) -> None:
+    """Server process: snapshots on demand; one malformed live message per stream per trigger."""
+    ctx = zmq.Context()
+    pubs, routers = [], []
+    try:
+        for s in streams:
+            pub = ctx.socket(zmq.XPUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.bind(s.endpoint)
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(s.replay_endpoint)
+            pubs.append(pub)
+            routers.append(router)
+        poller = zmq.Poller()
+        for sock in pubs + routers:
+            poller.register(sock, zmq.POLLIN)
+        ready.set()
+        fired = 0
+        wm = NO_WATERMARK.to_bytes(8, "big")
+        while not stop.is_set():
+            for sock, _ in poller.poll(10):
+                if sock.type == zmq.XPUB:
+                    if sock.recv()[:1] == b"\x01":
+                        with subscribed.get_lock():
+                            subscribed.value += 1
+                    continue
+                i = routers.index(sock)
+                ident = sock.recv_multipart()[0]
+                for payload in streams[i].snapshot:
+                    sock.send_multipart([ident, b"", wm, payload])
+                sock.send_multipart([ident, *END_MARKER])
+            if trigger.value > fired:
+                fired = trigger.value
+                for pub in pubs:
+                    pub.send_multipart(encode_live(b"", 0, b"\xc1"))
+    finally:
+        for sock in pubs + routers:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def _registry(names: Sequence[str]) -> RegistrySnapshot:
+    now = time.monotonic()
+    instances = {n: Instance(name=n, type=InstanceType.DEFAULT, role=InstanceType.DEFAULT,
+                             incarnation_id=None, register_ts_ms=None, dp_size=1,
+                             backend_type="xllm", rpc_address=None, state=InstanceState.ACTIVE,
+                             load=LoadMetrics(i % 3, 0.1 * (i % 5), now))
+                 for i, n in enumerate(names)}
+    return RegistrySnapshot(instances=instances, fresh=True, is_master=True, generation=1)
+
+
+def bench_load_recovering(rounds: int = ROUNDS) -> Result:
+    """Benchmark 8."""
+    res = Result(8, "latency while 16 streams recover",
+                 "query and route p99 while recovering <= 5 x idle p99")
+    pool = token_pool(PROMPT_TOKENS + BLOCKS_PER_STREAM * BLOCK_SIZE, seed=8)
+    prompt, rest = pool[:PROMPT_TOKENS], pool[PROMPT_TOKENS:]
+    n_prompt = PROMPT_TOKENS // BLOCK_SIZE
+    filler_tokens = rest[:(BLOCKS_PER_STREAM - n_prompt // 2) * BLOCK_SIZE]
+    full = snapshot_payloads(_chain_events(prompt, 1)
+                             + _chain_events(rest[:(BLOCKS_PER_STREAM - n_prompt) * BLOCK_SIZE],
+                                             1_000_000))
+    half = snapshot_payloads(_chain_events(prompt[:PROMPT_TOKENS // 2], 1)
+                             + _chain_events(filler_tokens, 1_000_000))
+    none = snapshot_payloads(_chain_events(rest, 1_000_000))
+    streams = make_streams(N_STREAMS)
+    for i, s in enumerate(streams):
+        s.snapshot = full if i == 0 else half if i <= 8 else none
+    names = [f"10.0.0.{100 + i}:8000" for i in range(N_STREAMS)]  # sorted = stream order
+
+    check_fork_safe()
+    ready, stop = _FORK.Event(), _FORK.Event()
+    trigger, subscribed = _FORK.Value("i", 0), _FORK.Value("i", 0)
+    proc = _FORK.Process(target=_serve, args=(streams, ready, stop, trigger, subscribed),
+                         daemon=True)
+    proc.start()
+    directory = None
+    samples: dict[tuple[str, str], list[float]] = {
+        (k, m): [] for k in ("query", "route") for m in ("idle", "recovering")}
+    windows: list[float] = []
+    try:
+        if not ready.wait(30):
+            raise RuntimeError("server process did not start")
+        directory = Directory(directory_config(streams, names, resync_interval_ms=600_000))
+        directory.start()
+        wait_until(lambda: all_synchronized(directory), 60, "first snapshots", interval_s=0.05)
+        wait_until(lambda: subscribed.value >= N_STREAMS, 30, "subscriptions", interval_s=0.05)
+        policy = CacheAware()
+        registry = _registry(names)
+        expect = [PROMPT_TOKENS] + [PROMPT_TOKENS // 2] * 8 + [0] * (N_STREAMS - 9)
+        if [m.device_hit_tokens for m in directory.query(prompt)] != expect:
+            raise AssertionError(f"query answers are not the expected ones: "
+                                 f"{[(m.device_hit_tokens, m.device_blocks) for m in directory.query(prompt)]}")
+        if policy.choose(prompt, registry, directory.query(prompt)).prefill is None:
+            raise AssertionError("no prefill chosen")
+        clock = time.perf_counter
+
+        def route() -> None:
+            identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
+            policy.choose(prompt, registry, directory.query(prompt), identities)
+
+        def one_pair(mode: str) -> None:
+            t0 = clock()
+            directory.query(prompt)
+            t1 = clock()
+            route()
+            t2 = clock()
+            samples[("query", mode)].append(t1 - t0)
+            samples[("route", mode)].append(t2 - t1)
+
+        for _ in range(50):  # warm-up
+            one_pair("idle")
+        for v in samples.values():
+            v.clear()
+        for r in range(rounds):
+            gc.collect()
+            for _ in range(IDLE_SAMPLES_PER_ROUND):
+                one_pair("idle")
+            with trigger.get_lock():
+                trigger.value += 1
+            t_trigger = clock()
+            # Wait (bounded) until the malformed messages reached the streams: every stream
+            # left synchronized, or recovered already.
+            deadline = t_trigger + 60
+            while True:
+                synced = all_synchronized(directory)
+                recoveries = sum(st.recoveries for st in directory.statuses())
+                if recoveries >= N_STREAMS * (r + 2) and synced:
+                    break
+                if clock() > deadline:
+                    raise TimeoutError("streams did not recover within 60 s")
+                if not synced:
+                    one_pair("recovering")
+                else:
+                    time.sleep(0.0005)  # the trigger is still on its way; nothing to measure
+            windows.append(clock() - t_trigger)
+    finally:
+        if directory is not None:
+            directory.close()
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+    for kind in ("query", "route"):
+        idle, rec = samples[(kind, "idle")], samples[(kind, "recovering")]
+        if not rec:
+            raise AssertionError(f"no {kind} sample taken while recovering")
+        i99, r99 = percentile(idle, 99), percentile(rec, 99)
+        res.ratios[f"{kind} p99"] = (r99 / i99, 5.0, True)
+        res.figures.append(
+            f"{kind}: idle p50 {percentile(idle, 50) * 1e6:.0f} us, p99 {i99 * 1e6:.0f} us "
+            f"({len(idle)} samples); recovering p50 {percentile(rec, 50) * 1e6:.0f} us, p99 "
+            f"{r99 * 1e6:.0f} us ({len(rec)} samples)")
+    res.figures.append(
+        f"{N_STREAMS} streams x {BLOCKS_PER_STREAM} blocks recovering at once, {rounds} rounds; "
+        f"recovery window p50 {percentile(windows, 50) * 1e3:.0f} ms, max "
+        f"{max(windows) * 1e3:.0f} ms (trigger to all synchronized)")
+    return res
+
+
+if __name__ == "__main__":  # pragma: no cover - manual run
+    r = bench_load_recovering()
+    print(r.ratio_text())
+    print("\n".join(r.figures))
