@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # ``python bench/run.py``
 from bench._common import Result, machine_info  # noqa: E402
 from bench.http_load import bench_http  # noqa: E402
 from bench.ingest import bench_ingest_many, bench_ingest_one  # noqa: E402
+from bench.load_recovering import bench_load_recovering  # noqa: E402
 from bench.memory import bench_memory  # noqa: E402
 from bench.query import bench_idle, bench_query  # noqa: E402
 from bench.snapshot import bench_snapshot  # noqa: E402
@@ -98,6 +99,7 @@ BENCHES = {
     5: lambda a: bench_memory(),
     6: lambda a: bench_snapshot(),
     7: lambda a: bench_idle(a.idle_seconds),
+    8: lambda a: bench_load_recovering(),  # issue 6
 }
 
 
