@@ -38,7 +38,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flask
 import orjson
@@ -119,6 +119,7 @@ class Service:
         self.static_streams = bool(kv_config is not None and kv_config.streams)
         self._lock = threading.Lock()
         self._running = False
+        self._closers: list[Callable[[], None]] = []
 
     @property
     def running(self) -> bool:
@@ -179,9 +180,19 @@ class Service:
             except LifecycleError as exc:
                 log.error("service close: %s", exc)
                 failure = failure or exc
+        for closer in self._closers:
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - a failing closer must not keep others open
+                log.exception("service close: %r failed", closer)
         log.info("service closed")
         if failure is not None:
             raise failure
+
+    def add_closer(self, closer: Callable[[], None]) -> None:
+        """Register a callable run by :meth:`close` after the threads stopped (e.g. the routing
+        proxy's connection pool). Called at app build time, before the service starts."""
+        self._closers.append(closer)
 
 
 def service() -> Service:

@@ -140,6 +140,7 @@ def init_app(app: flask.Flask) -> Router:
     svc: Service = app.extensions[EXTENSION]
     router = Router.from_settings(svc.settings, index_enabled=svc.directory is not None)
     app.extensions[ROUTING_EXTENSION] = router
+    svc.add_closer(router.close)  # the proxy's pooled upstream connections
     app.register_blueprint(_openai_blueprint())
     app.register_blueprint(_internal_blueprint())
     return router
