@@ -266,6 +266,8 @@ def parse_token_ids(body: bytes, max_tokens: int) -> list[int]:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise RequestError(400, "body is not valid JSON") from exc
+        except RecursionError as exc:  # nesting deeper than the stdlib parser's stack
+            raise RequestError(400, "body is nested too deeply") from exc
     if not isinstance(doc, dict):
         raise RequestError(400, "body must be a JSON object")
     if "token_ids" not in doc:
@@ -340,7 +342,7 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
     """
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise RequestError(400, "body is not valid JSON") from exc
     if not isinstance(doc, dict):
         raise RequestError(400, "body must be a JSON object")

@@ -7,9 +7,11 @@ naming the field (``streams[2].endpoint``, ``max_streams``, ``--port``). Unknown
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
@@ -36,6 +38,36 @@ log = logging.getLogger(__name__)
 MAX_U64 = 2**64 - 1
 
 
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def check_connect_host(host: str) -> str:
+    """A host a socket can connect to: an IP address that is not unspecified, or a DNS name.
+
+    ZMQ accepts more (``eth0;127.0.0.1`` source-address syntax, ``0`` for 0.0.0.0); none of it
+    belongs in a connect address, and each would defeat the duplicate-endpoint check.
+
+    :returns: the normalised host (lower-case name, compressed IP).
+    :raises ValueError: naming the host.
+    """
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
+            raise ValueError(f"host {host!r} is neither an IP address nor a DNS name") from None
+        return host.lower()
+    if ip.is_unspecified:
+        raise ValueError(f"host must be connectable, not {host!r}")
+    return ip.compressed
+
+
+def endpoint_key(value: str) -> tuple[str, int]:
+    """``(host, port)`` of a validated ``tcp://`` endpoint, normalised for duplicate checks."""
+    parts = urlsplit(value)
+    return check_connect_host(parts.hostname or ""), int(parts.port or 0)
+
+
 def _check_tcp_endpoint(value: str) -> str:
     """``tcp://host:port`` with a connectable host (not ``*`` / ``0.0.0.0``) and port 1-65535 (§8)."""
     if not value.startswith("tcp://"):
@@ -50,10 +82,13 @@ def _check_tcp_endpoint(value: str) -> str:
         raise ValueError(f"must be tcp://host:port, got {value!r}")
     if host in ("*", "0.0.0.0", "::") or "*" in parts.netloc:
         raise ValueError(f"host must be connectable, not {host!r}")
+    if "@" in parts.netloc:
+        raise ValueError(f"must be tcp://host:port without user information, got {value!r}")
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} out of range 1-65535")
     if parts.path or parts.query or parts.fragment:
         raise ValueError(f"must be tcp://host:port with nothing after the port, got {value!r}")
+    check_connect_host(host)
     return value
 
 
@@ -117,7 +152,9 @@ class KvEventsConfig(_Strict):
         if self.streams and self.discovery is not None and self.discovery.enabled:
             raise ValueError("streams: non-empty streams and enabled discovery are mutually exclusive")
         seen_pairs: dict[tuple[str, int], int] = {}
-        seen_endpoints: dict[str, str] = {}
+        # Compared as (normalised host, port): "tcp://127.0.0.1:018100" is "tcp://127.0.0.1:18100".
+        # Names are not resolved (no DNS at start-up), so "localhost" and "127.0.0.1" differ.
+        seen_endpoints: dict[tuple[str, int], str] = {}
         for i, s in enumerate(self.streams):
             pair = (s.instance_name, s.dp_rank)
             if pair in seen_pairs:
@@ -128,11 +165,12 @@ class KvEventsConfig(_Strict):
             seen_pairs[pair] = i
             for name in ("endpoint", "replay_endpoint"):
                 ep = getattr(s, name)
-                if ep in seen_endpoints:
+                key = endpoint_key(ep)
+                if key in seen_endpoints:
                     raise ValueError(
-                        f"streams[{i}].{name}: endpoint {ep} already used by {seen_endpoints[ep]}"
+                        f"streams[{i}].{name}: endpoint {ep} already used by {seen_endpoints[key]}"
                     )
-                seen_endpoints[ep] = f"streams[{i}].{name}"
+                seen_endpoints[key] = f"streams[{i}].{name}"
         return self
 
     def kept_streams(self) -> List[StreamConfig]:
@@ -204,11 +242,34 @@ def load_kv_events_config(path: str | os.PathLike[str]) -> KvEventsConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("kv_events_config_file", f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("kv_events_config_file", f"{path} is not UTF-8 text: {exc.reason} "
+                                                   f"at byte {exc.start}") from exc
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError("kv_events_config_file", f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError("kv_events_config_file", f"{path} is nested too deeply") from exc
+    except _DuplicateKey as exc:
+        raise ConfigError(exc.key, "key given twice in one JSON object") from exc
     return parse_kv_events_config(data)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON object hook: a key given twice would silently keep only the last value."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 class ServiceSettings(BaseSettings):
@@ -285,10 +346,24 @@ class ServiceSettings(BaseSettings):
             _split_host_port(value)
         return value
 
+    @field_validator("host")
+    @classmethod
+    def _bind_host(cls, value: str) -> str:
+        # A bind address: an IP (0.0.0.0 / :: allowed here, unlike connect addresses) or a name.
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not _HOSTNAME.match(value):
+                raise ValueError(f"{value!r} is neither an IP address nor a host name") from None
+        return value
+
     @model_validator(mode="after")
     def _token_sources(self) -> "ServiceSettings":
         if self.internal_api_token is not None and self.internal_api_token_file:
             raise ValueError("internal_api_token_file: give either the token or the token file, not both")
+        if self.internal_api_token is not None and not self.internal_api_token.get_secret_value():
+            # An empty KVSVC_INTERNAL_API_TOKEN would silently switch authentication off.
+            raise ValueError("internal_api_token: empty; unset it to run without a token")
         return self
 
     def token(self) -> Optional[str]:
@@ -301,7 +376,12 @@ class ServiceSettings(BaseSettings):
             return value or None
         if self.internal_api_token_file:
             try:
-                value = Path(self.internal_api_token_file).read_text(encoding="utf-8").strip()
+                text = Path(self.internal_api_token_file).read_text(encoding="utf-8")
+                # The token is the first line, as documented; anything after it is ignored.
+                value = text.splitlines()[0].strip() if text else ""
+            except UnicodeDecodeError as exc:
+                raise ConfigError("internal_api_token_file",
+                                  f"{self.internal_api_token_file} is not UTF-8 text") from exc
             except OSError as exc:
                 raise ConfigError("internal_api_token_file",
                                   f"cannot read {self.internal_api_token_file}: {exc.strerror}") from exc

@@ -235,8 +235,8 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> _Regi
     _check_name(name)
     try:
         obj = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Malformed(f"not JSON: {exc}") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
     if not isinstance(obj, dict):
         raise Malformed("not a JSON object")
 
@@ -273,8 +273,8 @@ def _parse_load(value: bytes) -> tuple[int, float]:
     """
     try:
         obj = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Malformed(f"not JSON: {exc}") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
     if not isinstance(obj, dict):
         raise Malformed("not a JSON object")
     return _check_load(obj.get("waiting_requests_num"), obj.get("gpu_cache_usage_perc"))

@@ -176,7 +176,7 @@ def _limit_body() -> None:
 def _json_object(body: bytes) -> dict:
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise RequestError(400, "body is not valid JSON") from exc
     if not isinstance(doc, dict):
         raise RequestError(400, "body must be a JSON object")

@@ -118,6 +118,10 @@ def test_unknown_internal_path_needs_token_then_404(app):
     (b"not json", "body is not valid JSON"),
     (b"", "body is not valid JSON"),
     (b"\xff\xfe", "body is not valid JSON"),
+    # Deeper than both JSON parsers go: orjson refuses, the stdlib one runs out of stack.
+    # orjson refuses UTF-16, and the stdlib fallback runs out of stack on the nesting.
+    pytest.param(('{"token_ids": [1], "x": ' + "[" * 5000 + "]" * 5000 + "}").encode("utf-16"),
+                 "body is nested too deeply", id="deeply-nested-fallback"),
     (b"[1, 2]", "body must be a JSON object"),
     (b'"token_ids"', "body must be a JSON object"),
     (b"null", "body must be a JSON object"),

@@ -114,6 +114,9 @@ def test_missing_required_stream_fields_are_named():
 @pytest.mark.parametrize("endpoint", [
     "tcp://*:5000", "tcp://0.0.0.0:5000", "127.0.0.1:5000", "ipc:///tmp/x",
     "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://127.0.0.1:5000/x",
+    # ZMQ would take these, but none is a plain connect address: userinfo, ZMQ's
+    # "interface;address" source syntax, "0" (= 0.0.0.0), the IPv6 unspecified address.
+    "tcp://u@127.0.0.1:5000", "tcp://eth0;127.0.0.1:5000", "tcp://0:5000", "tcp://[::]:5000",
 ])
 @pytest.mark.parametrize("key", ["endpoint", "replay_endpoint"])
 def test_endpoint_rules(key, endpoint):
@@ -142,10 +145,16 @@ def test_duplicate_instance_rank_pair_rejected():
     ({"endpoint": "tcp://127.0.0.1:5001"}, "streams[1].endpoint"),
     ({"replay_endpoint": "tcp://127.0.0.1:5000"}, "streams[1].replay_endpoint"),
     ({"replay_endpoint": "tcp://127.0.0.1:5001"}, "streams[1].replay_endpoint"),
+    # Compared as (host, port), not as strings.
+    ({"endpoint": "tcp://127.0.0.1:05000"}, "streams[1].endpoint"),
+    ({"endpoint": "tcp://[::1]:7000"}, None),
 ])
 def test_endpoint_used_twice_rejected(second, field):
-    err = config_error({"streams": [stream("a:1", 0, 5000), stream("b:1", 0, 5010, **second)]})
-    assert err.field == field
+    doc = {"streams": [stream("a:1", 0, 5000), stream("b:1", 0, 5010, **second)]}
+    if field is None:  # a different host is a different endpoint
+        assert len(parse_kv_events_config(doc).streams) == 2
+        return
+    assert config_error(doc).field == field
 
 
 def test_same_stream_event_and_replay_endpoint_rejected():
@@ -182,6 +191,26 @@ def test_top_level_must_be_object_and_file_errors(tmp_path):
         load_kv_events_config(bad)
     assert info.value.field == "kv_events_config_file"
     assert "not valid JSON" in info.value.message
+    not_utf8 = tmp_path / "latin1.json"
+    not_utf8.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(not_utf8)
+    assert info.value.field == "kv_events_config_file"
+    assert "not UTF-8" in info.value.message
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(deep)
+    assert info.value.field == "kv_events_config_file"
+
+
+def test_duplicate_json_key_is_named(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"max_streams": 0, "max_streams": 5}', encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(path)
+    assert (info.value.field, info.value.message) == (
+        "max_streams", "key given twice in one JSON object")
 
 
 # -- service settings ----------------------------------------------------------------------------
@@ -255,6 +284,32 @@ def test_token_file_missing_or_empty(clean_env, tmp_path):
     with pytest.raises(ConfigError) as info:
         load_service_settings(internal_api_token_file=str(empty)).token()
     assert (info.value.field, info.value.message) == ("internal_api_token_file", "file is empty")
+
+
+def test_token_file_first_line_is_the_token(clean_env, tmp_path):
+    path = tmp_path / "token"
+    path.write_text("s3cret\nsecond line ignored\n", encoding="utf-8")
+    assert load_service_settings(internal_api_token_file=str(path)).token() == "s3cret"
+
+
+def test_empty_token_from_env_is_refused(clean_env):
+    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert info.value.field == "--internal_api_token"
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("0.0.0.0", True), ("::", True), ("127.0.0.1", True), ("svc-1.example", True),
+    ("*", False), ("", False), ("a b", False),
+])
+def test_bind_host_validated(clean_env, host, ok):
+    if ok:
+        assert load_service_settings(host=host).host == host
+        return
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(host=host)
+    assert info.value.field == "--host"
 
 
 def test_kv_events_config_loaded_through_settings(clean_env, tmp_path):
