@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import flask
+from gunicorn.http.errors import ParseException as GunicornParseError
 import orjson
 from flask import current_app, request
 from werkzeug.exceptions import HTTPException
@@ -245,6 +246,19 @@ def _check_internal_token() -> None:
         raise RequestError(401, f"missing or wrong {TOKEN_HEADER}")
 
 
+def read_body() -> bytes:
+    """The current request's raw body.
+
+    :raises RequestError: 400 when the server cannot read it (gunicorn's ``InvalidChunkSize``
+        and other ``ParseException`` errors for bad chunked framing, ``NoMoreData`` when the client
+        stops sending): bad input, not a server fault.
+    """
+    try:
+        return request.get_data(cache=False)
+    except (OSError, GunicornParseError) as exc:
+        raise RequestError(400, f"request body could not be read: {type(exc).__name__}") from exc
+
+
 def parse_token_ids(body: bytes, max_tokens: int) -> list[int]:
     """Validate a query body (§10) and return its token ids.
 
@@ -308,7 +322,7 @@ def _check_token_ids(body: bytes) -> None:
 
 def _query() -> flask.Response:
     svc = service()
-    token_ids = parse_token_ids(request.get_data(cache=False), svc.settings.max_query_tokens)
+    token_ids = parse_token_ids(read_body(), svc.settings.max_query_tokens)
     if svc.directory is None:
         return flask.jsonify(matches=[])
     matches = svc.directory.query(token_ids)
@@ -369,7 +383,7 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
 
 def _heartbeat() -> flask.Response:
     svc = service()
-    hb = parse_heartbeat(request.get_data(cache=False))
+    hb = parse_heartbeat(read_body())
     if svc.registry is None:
         raise RequestError(503, "no instance registry configured (--etcd_addr is empty)")
     # UnknownInstance / StaleIncarnation (409) and InvalidHeartbeat (400) are RequestErrors.

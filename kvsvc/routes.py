@@ -37,7 +37,7 @@ import flask
 from flask import current_app, request
 from werkzeug.exceptions import HTTPException
 
-from .app import EXTENSION, MAX_TOKEN_ID, Service, parse_token_ids
+from .app import EXTENSION, MAX_TOKEN_ID, Service, parse_token_ids, read_body
 from .config import ServiceSettings
 from .errors import RequestError
 from .policy import Decision, Policy, make_policy
@@ -251,7 +251,7 @@ def _check_common(doc: dict, router: Router) -> None:
 
 def _completions() -> flask.Response:
     router = routing()
-    body = request.get_data(cache=False)
+    body = read_body()
     doc = _json_object(body)
     prompt = parse_completion_prompt(doc)
     _check_common(doc, router)
@@ -261,7 +261,7 @@ def _completions() -> flask.Response:
 
 def _chat_completions() -> flask.Response:
     router = routing()
-    body = request.get_data(cache=False)
+    body = read_body()
     doc = _json_object(body)
     prompt = parse_chat_prompt(doc)
     _check_common(doc, router)
@@ -343,7 +343,7 @@ def _openai_http_error(exc: HTTPException) -> flask.Response:
 def _route() -> flask.Response:
     router = routing()
     svc: Service = current_app.extensions[EXTENSION]
-    body = request.get_data(cache=False)
+    body = read_body()
     doc = _json_object(body)
     if "token_ids" in doc:
         token_ids: Optional[list[int]] = parse_token_ids(body, svc.settings.max_query_tokens)

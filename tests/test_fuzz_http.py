@@ -307,9 +307,6 @@ def real_service(tmp_path, zmq_ctx) -> Iterator[tuple[Server, ProtocolPublisher]
         pub.close()
 
 
-@pytest.mark.xfail(strict=True, reason="app.py: an exception raised while reading the body "
-                   "(gunicorn's InvalidChunkSize for a malformed chunked body) reaches the "
-                   "generic handler and answers 500; it should be a 400 (bad input, §10)")
 def test_malformed_chunked_body_is_4xx(tmp_path, zmq_ctx):
     with real_service(tmp_path, zmq_ctx) as (server, _):
         answer = raw_request(server.port, (
