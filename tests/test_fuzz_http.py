@@ -257,7 +257,7 @@ raw_requests = st.builds(
     st.sampled_from(["HTTP/1.1"] * 6 + ["HTTP/1.0", "HTTP/2.0", "HTTP/1.x", "HTTP/9"]),
     st.lists(st.tuples(header_names, header_text), max_size=3),
     bodies,
-    st.sampled_from(["exact", "exact", "short", "long", "none", "chunked"]),
+    st.sampled_from(["exact", "exact", "short", "long", "none", "chunked", "chunked_bad"]),
 )
 
 
@@ -267,10 +267,13 @@ def _encode(req, port: int) -> bytes:
              f"{TOKEN_HEADER}: {TOKEN}"]
     lines += [f"{k}: {v}" for k, v in headers]
     if length_mode == "chunked":
-        # Well-formed chunks: a malformed chunked body is a known 500 (see
-        # test_malformed_chunked_body_is_4xx), kept out of the fuzz so it checks the rest.
         lines.append("Transfer-Encoding: chunked")
         payload = (b"%x\r\n" % len(body) + body + b"\r\n" if body else b"") + b"0\r\n\r\n"
+    elif length_mode == "chunked_bad":
+        # A chunk size line that is not hex, after a valid chunk (test_malformed_chunked_body_is_4xx
+        # pins the once-500 answer).
+        lines.append("Transfer-Encoding: chunked")
+        payload = b"%x\r\n" % len(body) + body + b"\r\nzz\r\n"
     else:
         n = {"exact": len(body), "short": max(0, len(body) - 3), "long": len(body) + 7}.get(length_mode)
         if n is not None:
