@@ -19,6 +19,15 @@ Rounds alternate an idle window (every stream synchronized) with a recovering wi
 trigger until all 16 are synchronized again; only samples taken while at least one stream is not
 synchronized count as "recovering"). Target: p99 while recovering <= 5 x p99 idle, for both.
 Not a timed test: ``python -m bench.run --only 8``.
+
+Measured (2 cores, quiet machine): query p50 ~100 us both idle and recovering, p99 ~140 us idle
+against ~4.6-5 ms recovering (33-39x); route likewise (p99 ~210 us -> ~9 ms, two GIL waits).
+The recovering p99 is one CPython GIL switch interval (5 ms): 16 stream threads decode and
+index snapshots in pure Python, and a request thread that wants the GIL waits until the holder
+is forced to drop it. A shorter interval makes it worse (1 ms: p99 ~26 ms; 0.2 ms: ~44 ms), as
+16 runnable threads then compete for every hand-over. Next steps (subscriber, other owner):
+bound the snapshot builds running at once (a process-wide semaphore of 1-2) and yield the GIL
+between reply messages, or build snapshot indexes in a worker process.
 """
 
 from __future__ import annotations
@@ -226,6 +235,10 @@ def bench_load_recovering(rounds: int = ROUNDS) -> Result:
             f"{kind}: idle p50 {percentile(idle, 50) * 1e6:.0f} us, p99 {i99 * 1e6:.0f} us "
             f"({len(idle)} samples); recovering p50 {percentile(rec, 50) * 1e6:.0f} us, p99 "
             f"{r99 * 1e6:.0f} us ({len(rec)} samples)")
+    if res.met is False:
+        res.notes.append("recovering p99 is about one GIL switch interval (5 ms): request threads "
+                         "wait for stream threads building snapshot indexes in Python (module "
+                         "docstring: measurements and next steps)")
     res.figures.append(
         f"{N_STREAMS} streams x {BLOCKS_PER_STREAM} blocks recovering at once, {rounds} rounds; "
         f"recovery window p50 {percentile(windows, 50) * 1e3:.0f} ms, max "
