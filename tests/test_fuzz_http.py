@@ -40,7 +40,7 @@ from kvsvc.app import EXTENSION, HEARTBEAT_PATH, QUERY_PATH, TOKEN_HEADER, creat
 from kvsvc.config import load_service_settings, parse_kv_events_config
 from tests.publisher import ProtocolPublisher, stored
 from tests.test_e2e_gunicorn import Server, group_alive, serve_env
-from tests.util import free_port, free_ports, wait_for
+from tests.util import free_ports, wait_for
 
 TOKEN = "fuzz-token"
 INSTANCE = "127.0.0.1:9300"

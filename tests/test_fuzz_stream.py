@@ -39,7 +39,7 @@ from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.publisher import ProtocolPublisher, encode_batch, removed, stored
+from tests.publisher import ProtocolPublisher, removed, stored
 from tests.test_fuzz_decoder import msgpack_values
 from tests.util import free_ports, wait_for
 
