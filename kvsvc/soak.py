@@ -54,6 +54,7 @@ import json
 import logging
 import random
 import secrets
+import socket
 import sys
 import tempfile
 import time
@@ -124,6 +125,36 @@ class SoakOptions:
             raise ValueError("minutes and fault_interval_s must be > 0, engines >= 1")
         if self.block_size < 1 or 512 % self.block_size:
             raise ValueError(f"block_size {self.block_size} must divide 512")
+
+
+def listen_port_run(n: int, rng: random.Random, low: int = 20000, high: int = 32000,
+                    attempts: int = 500, exclude: frozenset[int] | set[int] = frozenset()) -> int:
+    """A base port ``p`` in ``[low, high]`` with ``p .. p + n - 1`` free on 127.0.0.1 now.
+
+    Below Linux's ephemeral range (32768-60999 by default) on purpose: a killed engine re-binds
+    its ports after its downtime, and a port from the ephemeral range could meanwhile have been
+    handed to some outgoing connection as its source port.
+
+    :param exclude: ports already promised to something else (not bound yet).
+    :raises LifecycleError: none found in ``attempts`` tries.
+    """
+    for _ in range(attempts):
+        base = rng.randint(low, high - n + 1)
+        if exclude.intersection(range(base, base + n)):
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise LifecycleError(f"no run of {n} free ports in [{low}, {high}]")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -282,12 +313,17 @@ class Soak:
     def _build(self) -> None:
         o = self.opts
         dp_engine = 1 if o.engines > 1 else 0
+        port_rng = random.Random()  # not the fault schedule's: runs must differ between soaks
+        taken: set[int] = set()
         for i in range(o.engines):
             dp = 2 if i == dp_engine else 1
+            # One run per engine: event ports base.., replay ports base + dp..; runs of
+            # different engines never overlap (nothing is bound until the engines start).
+            base = listen_port_run(2 * dp, port_rng, exclude=taken)
+            taken.update(range(base, base + 2 * dp))
             self.engines.append(SimEngine(
-                f"soak-{i}", free_port_run(dp), free_port_run(dp), dp_size=dp,
-                block_size=o.block_size, device_blocks=o.device_blocks,
-                host_blocks=o.host_blocks, seed=o.seed + i))
+                f"soak-{i}", base, base + dp, dp_size=dp, block_size=o.block_size,
+                device_blocks=o.device_blocks, host_blocks=o.host_blocks, seed=o.seed + i))
         self.ranks = [_Rank(e, r) for e in self.engines for r in range(e.dp_size)]
         self.report.streams = len(self.ranks)
 
