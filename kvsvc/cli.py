@@ -41,6 +41,7 @@ _LAZY_COMMANDS = {
     "sim": ("kvsvc.sim.cli", "run a simulated engine publishing KV events"),
     "demo": ("kvsvc.demo", "run the end-to-end demo"),
     "soak": ("kvsvc.soak", "run the chaos soak audited against ground truth"),
+    "bench-routing": ("kvsvc.bench_routing", "replay traces through the router per policy"),
 }
 
 

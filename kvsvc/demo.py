@@ -54,7 +54,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Mapping, Optional, Sequence, TextIO
 
 import requests
 
@@ -288,11 +288,16 @@ class ServiceProcess:
     :param token: internal API token (passed in the environment, never argv).
     :param log_path: file receiving the child's stdout and stderr.
     :param etcd_addr: the registry's etcd ``host:port`` (``--etcd_addr``), empty for none.
+    :param extra_args: more ``serve`` flags (e.g. ``--load_balance_policy RR``).
+    :param extra_env: more environment variables of the child (e.g. ``GUNICORN_CMD_ARGS``).
     """
 
     def __init__(self, config_path: Path, port: int, token: str, log_path: Path,
-                 etcd_addr: str = "") -> None:
+                 etcd_addr: str = "", extra_args: Sequence[str] = (),
+                 extra_env: Optional[Mapping[str, str]] = None) -> None:
         self.etcd_addr = etcd_addr
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})
         self.config_path = config_path
         self.port = port
         self.token = token
@@ -316,11 +321,13 @@ class ServiceProcess:
         env = dict(os.environ)
         env["KVSVC_INTERNAL_API_TOKEN"] = self.token
         env.setdefault("KVSVC_LOG_LEVEL", "warning")
+        env.update(self.extra_env)
         self._log = open(self.log_path, "w", encoding="utf-8")
         argv = [sys.executable, "-m", "kvsvc", "serve", "--kv_events_config_file",
                 str(self.config_path), "--port", str(self.port), "--host", "127.0.0.1"]
         if self.etcd_addr:
             argv += ["--etcd_addr", self.etcd_addr]
+        argv += self.extra_args
         self._proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL)
         log.info("demo: service started (pid %d) on %s", self._proc.pid, self.base_url)

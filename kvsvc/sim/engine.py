@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import ormsgpack
 import zmq
@@ -40,6 +40,7 @@ from ..errors import LifecycleError
 from ..events import DEVICE, HOST
 from .block_manager import BlockManager, SnapshotBlock, stored_event
 from .health import HealthServer
+from .serving import Serving, ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -472,14 +473,20 @@ class SimEngine:
     :param http_port: when given, the instance's HTTP port: :meth:`start` serves ``GET /health``
         on ``host:http_port`` (:class:`~kvsvc.sim.health.HealthServer`, §9 probe) until
         :meth:`close`.
-    :raises ValueError: bad sizes or ports.
+    :param serving: when given (with ``http_port``), the same port also serves OpenAI
+        requests with this latency model (:mod:`kvsvc.sim.serving`); its waiting queue is
+        :meth:`waiting_requests`.
+    :param tokenizer: text tokenizer of the served requests (a
+        :class:`~kvsvc.tokenize.PromptTokenizer`), ``None`` for the built-in byte scheme.
+    :raises ValueError: bad sizes or ports, or ``serving`` without ``http_port``.
     """
 
     def __init__(self, name: str, event_port: int, replay_port: int, dp_size: int = 1,
                  block_size: int = 128, device_blocks: int = 4096, host_blocks: int = 0,
                  topic: Union[bytes, str] = b"", context: Optional[zmq.Context] = None,
                  host: str = "127.0.0.1", max_snapshot_message_bytes: int = 1 << 20,
-                 seed: int = 0, http_port: Optional[int] = None) -> None:
+                 seed: int = 0, http_port: Optional[int] = None,
+                 serving: Optional[ServingConfig] = None, tokenizer: Any = None) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         for label, port in (("event_port", event_port), ("replay_port", replay_port)):
@@ -502,7 +509,12 @@ class SimEngine:
         self._rr = itertools.count()
         self._rr_lock = threading.Lock()
         self._started = False
-        self._health = HealthServer(host, http_port, name) if http_port is not None else None
+        if serving is not None and http_port is None:
+            raise ValueError("serving needs an http_port")
+        self.serving = Serving(self, serving, tokenizer) if serving is not None else None
+        self._health = (HealthServer(host, http_port, name, self.serving,
+                                     serving.max_connections if serving is not None else 256)
+                        if http_port is not None else None)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -650,8 +662,9 @@ class SimEngine:
 
     def waiting_requests(self) -> int:
         """Requests waiting in the engine's queue, ``waiting_requests_num`` of a heartbeat
-        (§9). :meth:`execute` runs each request at once, so no request ever waits: 0."""
-        return 0
+        (§9): served requests not yet prefilling (:mod:`kvsvc.sim.serving`); 0 when the engine
+        does not serve (direct :meth:`execute` calls run at once)."""
+        return self.serving.waiting_requests() if self.serving is not None else 0
 
     def subscriptions(self, rank: int) -> int:
         """Live subscriptions matching this engine's topic currently held by ``rank``'s XPUB

@@ -1,0 +1,575 @@
+"""``kvsvc bench-routing``: replay Mooncake traces through the real router (§11) to serving
+simulated engines, once per policy, and compare cache reuse, TTFT and load balance.
+
+Per trace (``conversation`` and ``synthetic`` by default) and per policy (RR, CAR lambda 0.5,
+CAR lambda 1.0), one run:
+
+1. etcd: ``--etcd``, or a local one started once for the whole bench
+   (:class:`~kvsvc.etcd_launcher.LocalEtcd`), as the demo does.
+2. ``engines`` fresh :class:`~kvsvc.sim.engine.SimEngine` instances (empty caches), each serving
+   OpenAI requests on its HTTP port with the latency model of :mod:`kvsvc.sim.serving`,
+   registered in etcd and heartbeating its waiting queue every ``heartbeat_interval_s``
+   simulated seconds (§9).
+3. ``kvsvc serve`` under gunicorn (:class:`~kvsvc.demo.ServiceProcess`) with discovery, the
+   policy's ``--load_balance_policy`` / ``--car_prefill_lambda`` and ``service_threads``
+   gthread threads (``GUNICORN_CMD_ARGS``: the router holds one thread per request in flight).
+4. The first ``window_s`` trace seconds are replayed on the wall clock divided by
+   ``time_scale``: each request is sent at its (compressed) timestamp as
+   ``POST /v1/completions`` with ``prompt`` = its token ids (:func:`~kvsvc.traces.request_tokens`)
+   and ``max_tokens`` = its ``output_length``, by a bounded pool of client threads.
+
+Figures of a run: cache-hit tokens / prompt tokens as the engines report them
+(``usage.prompt_tokens_details.cached_tokens``), the infinite-cache ideal of the same requests
+(:func:`~kvsvc.traces.ideal_hit_ratio`), TTFT p50/p90/p99 in simulated ms (the engine's queue
+wait plus modeled prefill, ``x-sim-ttft-ms``), requests per engine max/mean (from
+``x-kvsvc-prefill``), failed requests, and how late the client sent (p99 dispatch lag, wall
+ms: large values mean the machine did not keep up with the compression).
+
+Engine capacities (defaults, stated in the report): a Qwen2.5-7B-class model (28 layers, 4 KV
+heads of 128, bf16: 56 KiB of KV per token) on one 80 GB H100 per instance: Device 4096 blocks
+of 128 tokens (512k tokens, 28 GiB of KV), Host 16384 blocks (2M tokens, 112 GiB of DRAM),
+prefill 50 us/token (20k tokens/s), Host loads 2 us/token (PCIe), decode 20 ms/token,
+``max_num_seqs`` 64.
+
+The routing section of ``bench/RESULTS.md`` (between :data:`BEGIN` and :data:`END`) is replaced
+by the report; the rest of the file is left alone (``python -m bench.run`` keeps this section).
+
+Errors: :class:`~kvsvc.errors.ConfigError` for an unknown trace, :class:`~kvsvc.errors.LifecycleError`
+when etcd, an engine or the service does not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import logging
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+import requests
+
+from .demo import DemoOptions, ServiceProcess, discovery_config, free_instance_port, free_port_run
+from .errors import ConfigError, KvsvcError, LifecycleError
+from .etcd_launcher import LocalEtcd
+from .sim.engine import SimEngine
+from .sim.registration import EtcdRegistration, Load
+from .sim.serving import ServingConfig
+from .traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_MISSED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+RESULTS_PATH = Path(__file__).resolve().parent.parent / "bench" / "RESULTS.md"
+BEGIN = "<!-- routing:begin -->"
+END = "<!-- routing:end -->"
+MODEL = "sim"
+
+#: (policy flag, lambda or None) in report order.
+POLICIES: tuple[tuple[str, Optional[float]], ...] = (("RR", None), ("CAR", 0.5), ("CAR", 1.0))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What the routing bench runs (see the module docstring for the capacities).
+
+    :param traces: trace names or paths, each replayed once per policy.
+    :param window_s: trace seconds replayed from the start (0: the whole trace).
+    :param max_requests: at most this many requests per trace (0: no limit).
+    :param time_scale: time compression factor (wall = simulated / time_scale).
+    :param policies: ``(policy, lambda)`` pairs, lambda ``None`` for RR.
+    :param engines: simulated engine instances (1 DP rank each).
+    :param block_size: tokens per block (engines and service).
+    :param device_blocks: Device pool per engine, blocks.
+    :param host_blocks: Host pool per engine, blocks.
+    :param prefill_us_per_token: see :class:`~kvsvc.sim.serving.ServingConfig`.
+    :param host_load_us_per_token: see :class:`~kvsvc.sim.serving.ServingConfig`.
+    :param decode_us_per_token: see :class:`~kvsvc.sim.serving.ServingConfig`.
+    :param max_num_seqs: see :class:`~kvsvc.sim.serving.ServingConfig`.
+    :param heartbeat_interval_s: engines' heartbeat period, simulated seconds.
+    :param service_threads: gunicorn threads of the router (concurrent requests).
+    :param client_threads: client threads sending requests (concurrent requests).
+    :param request_timeout_s: client read timeout per request, wall seconds.
+    :param etcd: etcd ``host:port``; empty starts a local one.
+    :param ready_timeout_s: bound of the wait for the service and its streams, wall seconds.
+    :param log_dir: directory keeping the service logs (empty: a temporary one, removed).
+    """
+
+    traces: tuple[str, ...] = ("conversation", "synthetic")
+    window_s: float = 600.0
+    max_requests: int = 0
+    time_scale: float = 20.0
+    policies: tuple[tuple[str, Optional[float]], ...] = POLICIES
+    engines: int = 8
+    block_size: int = 128
+    device_blocks: int = 4096
+    host_blocks: int = 16384
+    prefill_us_per_token: float = 50.0
+    host_load_us_per_token: float = 2.0
+    decode_us_per_token: float = 20_000.0
+    max_num_seqs: int = 64
+    heartbeat_interval_s: float = 2.0
+    service_threads: int = 128
+    client_threads: int = 128
+    request_timeout_s: float = 120.0
+    etcd: str = ""
+    ready_timeout_s: float = 60.0
+    log_dir: str = ""
+
+    def serving(self) -> ServingConfig:
+        """The engines' latency model."""
+        return ServingConfig(prefill_us_per_token=self.prefill_us_per_token,
+                             host_load_us_per_token=self.host_load_us_per_token,
+                             decode_us_per_token=self.decode_us_per_token,
+                             max_num_seqs=self.max_num_seqs, time_scale=self.time_scale,
+                             max_connections=max(256, 2 * self.client_threads), model=MODEL)
+
+
+@dataclass
+class RunResult:
+    """Figures of one (trace, policy) run.
+
+    :param trace: trace name.
+    :param policy: ``RR`` or ``CAR λ=x``.
+    :param requests: requests sent.
+    :param failed: requests not answered 200 with usage (timeouts included).
+    :param prompt_tokens: prompt tokens reported by the engines (answered requests).
+    :param cached_tokens: cached tokens reported by the engines.
+    :param ideal_ratio: infinite-cache token hit ratio of the same requests.
+    :param ttft_ms: simulated TTFT of every answered request, ms, sorted.
+    :param per_engine: answered requests per engine name (every engine listed).
+    :param lag_ms: dispatch lag of every request, wall ms, sorted.
+    :param wall_s: replay wall time, seconds (until the last answer).
+    """
+
+    trace: str
+    policy: str
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ideal_ratio: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    per_engine: dict[str, int] = field(default_factory=dict)
+    lag_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        """``cached_tokens / prompt_tokens`` (0.0 when nothing was answered)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def of_ideal(self) -> float:
+        """``hit_ratio / ideal_ratio`` (0.0 when the ideal is 0)."""
+        return self.hit_ratio / self.ideal_ratio if self.ideal_ratio else 0.0
+
+    @property
+    def load_imbalance(self) -> float:
+        """Max over mean of requests per engine (1.0 is perfectly even; 0.0 when none)."""
+        counts = list(self.per_engine.values())
+        mean = sum(counts) / len(counts) if counts else 0.0
+        return max(counts) / mean if mean else 0.0
+
+    def ttft(self, q: float) -> float:
+        """TTFT quantile ``q`` in ``[0, 1]``, simulated ms (nearest rank; NaN when empty)."""
+        return _quantile(self.ttft_ms, q)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, int(round(q * len(values) + 0.5)) - 1))]
+
+
+def policy_label(policy: str, lam: Optional[float]) -> str:
+    """``RR`` or ``CAR λ=0.5``."""
+    return policy if lam is None else f"{policy} λ={lam:g}"
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+class _Client:
+    """Sends the replayed requests from a bounded thread pool, one ``requests.Session`` per
+    thread (sessions are not thread-safe), all closed by :meth:`close`."""
+
+    def __init__(self, base_url: str, threads: int, timeout_s: float) -> None:
+        self._url = base_url + "/v1/completions"
+        self._timeout_s = timeout_s
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, "bench-client")
+
+    def _session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = requests.Session()
+            s.trust_env = False
+            self._local.session = s
+            with self._lock:
+                self._sessions.append(s)
+        return s
+
+    def send(self, body: bytes) -> Optional[tuple[str, int, int, float]]:
+        """POST one body; ``(engine, prompt tokens, cached tokens, ttft ms)`` or ``None``
+        when it failed."""
+        try:
+            r = self._session().post(self._url, data=body, timeout=(5.0, self._timeout_s),
+                                     # A fresh connection per request: reusing one that
+                                     # gunicorn's keep-alive timer is closing races (reset).
+                                     headers={"Content-Type": "application/json",
+                                              "Connection": "close"})
+            if r.status_code != 200:
+                log.warning("bench: request answered %d: %s", r.status_code, r.text[:200])
+                return None
+            usage = r.json()["usage"]
+            return (r.headers["x-kvsvc-prefill"], int(usage["prompt_tokens"]),
+                    int(usage["prompt_tokens_details"]["cached_tokens"]),
+                    float(r.headers["x-sim-ttft-ms"]))
+        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            log.warning("bench: request failed: %s", exc)
+            return None
+
+    def close(self) -> None:
+        """Wait for the requests in flight (each bounded by its timeout), close sessions."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for s in self._sessions:
+                s.close()
+            self._sessions.clear()
+
+
+def _select(trace: list[TraceRequest], opts: BenchOptions) -> list[TraceRequest]:
+    out = [r for r in trace if opts.window_s <= 0 or r.timestamp_ms < opts.window_s * 1000]
+    return out[:opts.max_requests] if opts.max_requests > 0 else out
+
+
+def _bodies(reqs: Sequence[TraceRequest], block_size: int) -> list[bytes]:
+    return [json.dumps({"model": MODEL, "prompt": request_tokens(r, block_size),
+                        "max_tokens": max(1, r.output_length)}, separators=(",", ":")).encode()
+            for r in reqs]
+
+
+def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
+            bodies: Sequence[bytes], policy: str, lam: Optional[float], etcd_addr: str,
+            tmp: Path) -> RunResult:
+    """One replay of ``reqs`` with fresh engines and a fresh service running ``policy``.
+
+    :raises LifecycleError: an engine or the service did not start.
+    """
+    result = RunResult(trace_name, policy_label(policy, lam),
+                       ideal_ratio=ideal_hit_ratio(reqs).token_ratio)
+    token = secrets.token_hex(16)
+    demo_opts = DemoOptions(block_size=opts.block_size, refresh_interval_ms=200,
+                            resync_interval_ms=5000)
+    engines: list[SimEngine] = []
+    regs: list[EtcdRegistration] = []
+    service: Optional[ServiceProcess] = None
+    client: Optional[_Client] = None
+    taken: set[int] = set()
+    try:
+        for i in range(opts.engines):
+            port = free_instance_port(1, demo_opts.event_port_offset,
+                                      demo_opts.replay_port_offset, avoid=taken)
+            eng = SimEngine(f"127.0.0.1:{port}", port + demo_opts.event_port_offset,
+                            port + demo_opts.replay_port_offset, block_size=opts.block_size,
+                            device_blocks=opts.device_blocks, host_blocks=opts.host_blocks,
+                            seed=i, http_port=port, serving=opts.serving())
+            engines.append(eng)
+            eng.start()
+        for eng in engines:
+            reg = EtcdRegistration(
+                etcd_addr, eng.name, eng.dp_size,
+                lambda e=eng: Load(e.waiting_requests(), e.device_usage()), token=token,
+                heartbeat_interval_s=max(0.02, opts.heartbeat_interval_s / opts.time_scale))
+            regs.append(reg)
+            reg.start()
+        for reg in regs:
+            reg.wait_registered()
+        cfg = tmp / f"kv_events_{policy}_{lam}.json"
+        cfg.write_text(json.dumps(discovery_config(demo_opts)), encoding="utf-8")
+        args = ["--load_balance_policy", policy, "--model", MODEL]
+        if lam is not None:
+            args += ["--car_prefill_lambda", repr(lam)]
+        service = ServiceProcess(cfg, free_port_run(1), token, tmp / f"service_{policy}_{lam}.log",
+                                 etcd_addr=etcd_addr, extra_args=args,
+                                 extra_env={"GUNICORN_CMD_ARGS": f"--threads {opts.service_threads}"})
+        service.start(opts.ready_timeout_s, {(e.name, 0) for e in engines})
+        _wait_routable(service, len(engines), opts.ready_timeout_s)
+        client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s)
+        result.per_engine = {e.name: 0 for e in engines}
+        futures = _replay(client, reqs, bodies, opts.time_scale, result)
+        for fut in futures:
+            got = fut.result()
+            if got is None:
+                result.failed += 1
+                continue
+            name, prompt, cached, ttft = got
+            result.per_engine[name] = result.per_engine.get(name, 0) + 1
+            result.prompt_tokens += prompt
+            result.cached_tokens += cached
+            result.ttft_ms.append(ttft)
+        result.wall_s = time.monotonic() - result.wall_s
+        result.ttft_ms.sort()
+        result.lag_ms.sort()
+    finally:
+        try:
+            if client is not None:
+                client.close()
+        finally:
+            try:
+                if service is not None:
+                    service.close()
+            finally:
+                try:
+                    for reg in regs:
+                        reg.close()
+                finally:
+                    for eng in engines:
+                        eng.close()
+    return result
+
+
+def _wait_routable(service: ServiceProcess, n: int, timeout_s: float) -> None:
+    """Wait until the router has load reports of all ``n`` engines (a candidate needs one,
+    §11), asking ``POST /v1/internal/route`` which sends nothing.
+
+    :raises LifecycleError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = service.session.post(service.base_url + "/v1/internal/route",
+                                     json={"token_ids": [1]}, timeout=5.0)
+            if r.status_code == 200:
+                cands = r.json().get("candidates", r.json().get("prefill_candidates", []))
+                if len(cands) == n:
+                    return
+                last = f"{len(cands)} candidates"
+            else:
+                last = f"{r.status_code} {r.text[:200]}"
+        except (requests.RequestException, ValueError) as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)  # polling another process: bounded by the deadline
+    raise LifecycleError(f"router never saw {n} candidates within {timeout_s:.0f} s ({last})")
+
+
+def _replay(client: _Client, reqs: Sequence[TraceRequest], bodies: Sequence[bytes],
+            time_scale: float, result: RunResult) -> list[concurrent.futures.Future]:
+    """Submit every request at its compressed timestamp; returns the futures in order."""
+    futures = []
+    t0 = time.monotonic()
+    result.wall_s = t0
+    base_ms = reqs[0].timestamp_ms if reqs else 0
+    for req, body in zip(reqs, bodies):
+        due = t0 + (req.timestamp_ms - base_ms) / 1000.0 / time_scale
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the trace's own pacing
+        result.lag_ms.append(max(0.0, time.monotonic() - due) * 1000.0)
+        futures.append(client.pool.submit(client.send, body))
+    result.requests = len(futures)
+    return futures
+
+
+# ---- the whole bench ------------------------------------------------------------------------
+
+def run_bench(opts: BenchOptions, out: Optional[TextIO] = None) -> list[RunResult]:
+    """Every trace x policy run (see the module docstring); prints progress and the tables.
+
+    :raises ConfigError: unknown trace.
+    :raises LifecycleError: etcd, an engine or the service did not start.
+    :raises ValueError: bad options.
+    """
+    out = out or sys.stdout
+    if opts.engines < 1 or opts.time_scale <= 0:
+        raise ValueError("engines must be >= 1 and time_scale > 0")
+    selected = {name: _select(load_trace(name), opts) for name in opts.traces}
+    results: list[RunResult] = []
+    etcd: Optional[LocalEtcd] = None
+    with tempfile.TemporaryDirectory(prefix="kvsvc-bench-routing-") as tmp:
+        try:
+            etcd_addr = opts.etcd
+            if not etcd_addr:
+                etcd = LocalEtcd(name="kvsvc-bench-routing")
+                etcd.start()
+                etcd_addr = etcd.addr
+            for name, reqs in selected.items():
+                bodies = _bodies(reqs, opts.block_size)
+                print(f"bench-routing: {name}: {len(reqs)} requests "
+                      f"({(reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000:.0f} trace s) "
+                      f"at {opts.time_scale:g}x", file=out, flush=True)
+                for policy, lam in opts.policies:
+                    logs = Path(opts.log_dir) / name if opts.log_dir else Path(tmp)
+                    logs.mkdir(parents=True, exist_ok=True)
+                    r = run_one(opts, name, reqs, bodies, policy, lam, etcd_addr, logs)
+                    results.append(r)
+                    print(f"  {r.policy:<10} hit {100 * r.hit_ratio:5.1f}% "
+                          f"({100 * r.of_ideal:5.1f}% of ideal {100 * r.ideal_ratio:.1f}%), "
+                          f"TTFT p50/p90/p99 {r.ttft(0.5):.0f}/{r.ttft(0.9):.0f}/"
+                          f"{r.ttft(0.99):.0f} ms, max/mean {r.load_imbalance:.2f}, "
+                          f"failed {r.failed}, {r.wall_s:.0f} s", file=out, flush=True)
+        finally:
+            if etcd is not None:
+                etcd.cleanup()
+    return results
+
+
+def targets(results: Sequence[RunResult], trace: str = "conversation") -> list[tuple[str, bool]]:
+    """The issue's targets on ``trace`` for CAR at the default lambda 0.5 against RR:
+    ``(description, met)``; empty when either run is missing."""
+    by = {r.policy: r for r in results if r.trace == trace}
+    car, rr = by.get(policy_label("CAR", 0.5)), by.get("RR")
+    if car is None or rr is None:
+        return []
+    return [
+        (f"CAR hit >= 80% of ideal ({100 * car.of_ideal:.1f}%)", car.of_ideal >= 0.8),
+        (f"CAR hit >= 2x RR ({car.hit_ratio / rr.hit_ratio if rr.hit_ratio else float('inf'):.2f}x)",
+         car.hit_ratio >= 2 * rr.hit_ratio),
+        (f"CAR max/mean load <= 1.5 ({car.load_imbalance:.2f})", car.load_imbalance <= 1.5),
+        (f"CAR TTFT p90 < RR ({car.ttft(0.9):.0f} vs {rr.ttft(0.9):.0f} ms)",
+         car.ttft(0.9) < rr.ttft(0.9)),
+        ("no failed request", car.failed == 0 and rr.failed == 0),
+    ]
+
+
+def report(results: Sequence[RunResult], opts: BenchOptions) -> str:
+    """The Markdown routing section (without the markers)."""
+    lines = ["## Routing (issue 5): `kvsvc bench-routing`", "",
+             f"{opts.engines} simulated engines (1 DP rank each): Device {opts.device_blocks} "
+             f"blocks of {opts.block_size} tokens, Host {opts.host_blocks} blocks, prefill "
+             f"{opts.prefill_us_per_token:g} us/token, Host load {opts.host_load_us_per_token:g} "
+             f"us/token, decode {opts.decode_us_per_token / 1000:g} ms/token, max_num_seqs "
+             f"{opts.max_num_seqs}, heartbeat every {opts.heartbeat_interval_s:g} simulated s "
+             "(a Qwen2.5-7B-class model on one 80 GB H100 per instance). Real `kvsvc serve` "
+             f"under gunicorn ({opts.service_threads} threads), discovery on etcd; the first "
+             f"{opts.window_s:g} trace seconds of each trace replayed at {opts.time_scale:g}x "
+             "time compression with token-id prompts. Hit = cached/prompt tokens reported by "
+             "the engines; ideal = infinite cache shared by all (same requests); TTFT in "
+             "simulated ms (engine queue + prefill).", "",
+             "| trace | policy | requests | failed | hit | ideal | % of ideal | TTFT p50 | "
+             "p90 | p99 | max/mean load | client lag p99 (wall ms) | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.trace} | {r.policy} | {r.requests} | {r.failed} | "
+                     f"{100 * r.hit_ratio:.1f}% | {100 * r.ideal_ratio:.1f}% | "
+                     f"{100 * r.of_ideal:.1f}% | {r.ttft(0.5):.0f} | {r.ttft(0.9):.0f} | "
+                     f"{r.ttft(0.99):.0f} | {r.load_imbalance:.2f} | "
+                     f"{_quantile(r.lag_ms, 0.99):.0f} | {r.wall_s:.0f} |")
+    met = targets(results)
+    if met:
+        lines += ["", "Targets on the conversation trace (CAR λ=0.5 vs RR):", ""]
+        lines += [f"- {desc}: {'met' if ok else '**missed**'}" for desc, ok in met]
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path = RESULTS_PATH) -> None:
+    """Replace the routing section of ``path`` (between :data:`BEGIN` and :data:`END`), or
+    append it; the rest of the file is kept byte for byte."""
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    section = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in old and END in old and old.index(BEGIN) < old.index(END):
+        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + section + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kvsvc bench-routing`` flags to ``parser``."""
+    d = BenchOptions()
+    parser.add_argument("--traces", default=",".join(d.traces),
+                        help="comma-separated trace names or paths (default conversation,synthetic)")
+    parser.add_argument("--window-s", type=float, default=d.window_s,
+                        help=f"trace seconds replayed from the start, 0 = all (default {d.window_s:g})")
+    parser.add_argument("--requests", type=int, default=d.max_requests,
+                        help="at most this many requests per trace (0: no limit)")
+    parser.add_argument("--time-scale", type=float, default=d.time_scale,
+                        help=f"time compression factor (default {d.time_scale:g})")
+    parser.add_argument("--policies", default="RR,CAR:0.5,CAR:1.0",
+                        help="comma-separated RR or CAR:<lambda> (default RR,CAR:0.5,CAR:1.0)")
+    parser.add_argument("--engines", type=int, default=d.engines)
+    parser.add_argument("--device-blocks", type=int, default=d.device_blocks)
+    parser.add_argument("--host-blocks", type=int, default=d.host_blocks)
+    parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token)
+    parser.add_argument("--decode-us-per-token", type=float, default=d.decode_us_per_token)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--etcd", default=d.etcd, help="etcd host:port (default: a local one)")
+    parser.add_argument("--log-dir", default="", help="keep the service logs here")
+    parser.add_argument("--no-write", action="store_true", help="leave bench/RESULTS.md alone")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def parse_policies(text: str) -> tuple[tuple[str, Optional[float]], ...]:
+    """``"RR,CAR:0.5"`` -> ``(("RR", None), ("CAR", 0.5))``.
+
+    :raises ValueError: an unknown policy or a bad lambda.
+    """
+    out: list[tuple[str, Optional[float]]] = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, _, lam = item.partition(":")
+        if name.upper() == "RR" and not lam:
+            out.append(("RR", None))
+        elif name.upper() == "CAR":
+            value = float(lam) if lam else 0.5
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"lambda {value} outside [0, 1]")
+            out.append(("CAR", value))
+        else:
+            raise ValueError(f"unknown policy {item!r} (RR or CAR:<lambda>)")
+    if not out:
+        raise ValueError("no policy")
+    return tuple(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvsvc bench-routing``.
+
+    :returns: 0 when the conversation targets are met (or not measured), 1 when missed, 2 on
+        bad options or a start-up failure, 130 on Ctrl-C.
+    """
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        opts = BenchOptions(traces=tuple(t for t in args.traces.split(",") if t),
+                            window_s=args.window_s, max_requests=args.requests,
+                            time_scale=args.time_scale, policies=parse_policies(args.policies),
+                            engines=args.engines, device_blocks=args.device_blocks,
+                            host_blocks=args.host_blocks,
+                            prefill_us_per_token=args.prefill_us_per_token,
+                            decode_us_per_token=args.decode_us_per_token,
+                            max_num_seqs=args.max_num_seqs, etcd=args.etcd,
+                            log_dir=args.log_dir)
+        results = run_bench(opts)
+    except KeyboardInterrupt:
+        print("kvsvc bench-routing: interrupted; everything stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ConfigError, ValueError) as exc:
+        print(f"kvsvc bench-routing: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvsvcError as exc:
+        print(f"kvsvc bench-routing: failed: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    text = report(results, opts)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+        print(f"wrote the routing section of {RESULTS_PATH}")
+    met = targets(results)
+    return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED
