@@ -128,6 +128,11 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
         if r.number in ANALYSIS and r.met is not True:
             lines += ["", ANALYSIS[r.number]]
         lines.append("")
+    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.bench_routing).
+    old = RESULTS.read_text() if RESULTS.exists() else ""
+    begin, end = "<!-- routing:begin -->", "<!-- routing:end -->"
+    if begin in old and end in old:
+        lines += [old[old.index(begin):old.index(end) + len(end)], ""]
     RESULTS.write_text("\n".join(lines))
 
 

@@ -6,10 +6,10 @@ CAR lambda 1.0), one run:
 
 1. etcd: ``--etcd``, or a local one started once for the whole bench
    (:class:`~kvsvc.etcd_launcher.LocalEtcd`), as the demo does.
-2. ``engines`` fresh :class:`~kvsvc.sim.engine.SimEngine` instances (empty caches), each serving
-   OpenAI requests on its HTTP port with the latency model of :mod:`kvsvc.sim.serving`,
-   registered in etcd and heartbeating its waiting queue every ``heartbeat_interval_s``
-   simulated seconds (§9).
+2. ``engines`` fresh ``kvsvc sim --serve --etcd`` processes (:class:`EngineProcesses`, empty
+   caches), each serving OpenAI requests on its HTTP port with the latency model of
+   :mod:`kvsvc.sim.serving`, registered in etcd and heartbeating its waiting queue every
+   ``heartbeat_interval_s`` simulated seconds (§9).
 3. ``kvsvc serve`` under gunicorn (:class:`~kvsvc.demo.ServiceProcess`) with discovery, the
    policy's ``--load_balance_policy`` / ``--car_prefill_lambda`` and ``service_threads``
    gthread threads (``GUNICORN_CMD_ARGS``: the router holds one thread per request in flight).
@@ -45,7 +45,10 @@ import collections
 import concurrent.futures
 import json
 import logging
+import os
 import secrets
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,9 +62,6 @@ import requests
 from .demo import DemoOptions, ServiceProcess, discovery_config, free_instance_port, free_port_run
 from .errors import ConfigError, KvsvcError, LifecycleError
 from .etcd_launcher import LocalEtcd
-from .sim.engine import SimEngine
-from .sim.registration import EtcdRegistration, Load
-from .sim.serving import ServingConfig
 from .traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
 
 log = logging.getLogger(__name__)
@@ -126,14 +126,6 @@ class BenchOptions:
     etcd: str = ""
     ready_timeout_s: float = 60.0
     log_dir: str = ""
-
-    def serving(self) -> ServingConfig:
-        """The engines' latency model."""
-        return ServingConfig(prefill_us_per_token=self.prefill_us_per_token,
-                             host_load_us_per_token=self.host_load_us_per_token,
-                             decode_us_per_token=self.decode_us_per_token,
-                             max_num_seqs=self.max_num_seqs, time_scale=self.time_scale,
-                             max_connections=max(256, 2 * self.client_threads), model=MODEL)
 
 
 @dataclass
@@ -262,6 +254,102 @@ def _bodies(reqs: Sequence[TraceRequest], block_size: int) -> list[bytes]:
             for r in reqs]
 
 
+class EngineProcesses:
+    """``engines`` simulated engines, each a ``kvsvc sim --serve --etcd`` child process (its own
+    interpreter: the engines' work never competes with the client for one GIL), registered in
+    etcd and heartbeating to the master. Output goes to ``log_dir/sim-<i>.log``.
+
+    :param opts: capacities and latency model.
+    :param etcd_addr: the registry's etcd.
+    :param token: the service's internal token (heartbeats), passed in the environment.
+    :param log_dir: where the logs go.
+    """
+
+    def __init__(self, opts: BenchOptions, etcd_addr: str, token: str, log_dir: Path,
+                 event_port_offset: int, replay_port_offset: int) -> None:
+        self._opts = opts
+        self._etcd_addr = etcd_addr
+        self._token = token
+        self._log_dir = log_dir
+        self._offsets = (event_port_offset, replay_port_offset)
+        self.names: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list[TextIO] = []
+
+    def start(self, timeout_s: float) -> None:
+        """Start every engine; return once each answers ``GET /health``.
+
+        :raises LifecycleError: an engine exited or did not answer within ``timeout_s``.
+        """
+        o = self._opts
+        taken: set[int] = set()
+        env = dict(os.environ)
+        env["KVSVC_INTERNAL_API_TOKEN"] = self._token
+        for i in range(o.engines):
+            port = free_instance_port(1, *self._offsets, avoid=taken)
+            self.names.append(f"127.0.0.1:{port}")
+            argv = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
+                    "--port", str(port), "--etcd", self._etcd_addr,
+                    "--event-port-offset", str(self._offsets[0]),
+                    "--replay-port-offset", str(self._offsets[1]),
+                    "--block-size", str(o.block_size), "--device-blocks", str(o.device_blocks),
+                    "--host-blocks", str(o.host_blocks),
+                    "--prefill-us-per-token", repr(o.prefill_us_per_token),
+                    "--host-load-us-per-token", repr(o.host_load_us_per_token),
+                    "--decode-us-per-token", repr(o.decode_us_per_token),
+                    "--max-num-seqs", str(o.max_num_seqs), "--time-scale", repr(o.time_scale),
+                    "--max-connections", str(max(256, 2 * o.client_threads)),
+                    "--model", MODEL, "--heartbeat-interval-s",
+                    repr(max(0.02, o.heartbeat_interval_s / o.time_scale)),
+                    "--log-level", "warning"]
+            log_file = open(self._log_dir / f"sim-{i}.log", "w", encoding="utf-8")
+            self._logs.append(log_file)
+            self._procs.append(subprocess.Popen(argv, env=env, stdout=log_file,
+                                                stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + timeout_s
+        with requests.Session() as http:
+            http.trust_env = False
+            for i, (name, proc) in enumerate(zip(self.names, self._procs)):
+                while True:
+                    if proc.poll() is not None:
+                        raise LifecycleError(f"engine {name} exited with {proc.returncode}: "
+                                             f"{self._tail(i)}")
+                    try:
+                        if http.get(f"http://{name}/health", timeout=1.0).status_code == 200:
+                            break
+                    except requests.RequestException:
+                        pass
+                    if time.monotonic() >= deadline:
+                        raise LifecycleError(f"engine {name} not serving within "
+                                             f"{timeout_s:.0f} s: {self._tail(i)}")
+                    time.sleep(0.05)  # polling a child process: bounded by the deadline
+
+    def _tail(self, i: int) -> str:
+        try:
+            return (self._log_dir / f"sim-{i}.log").read_text(encoding="utf-8")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """SIGINT every engine (a clean stop revokes its lease), wait, SIGKILL stragglers."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("bench: engine pid %d did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.wait(5.0)
+        self._procs.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+
 def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             bodies: Sequence[bytes], policy: str, lam: Optional[float], etcd_addr: str,
             tmp: Path) -> RunResult:
@@ -274,42 +362,27 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
     token = secrets.token_hex(16)
     demo_opts = DemoOptions(block_size=opts.block_size, refresh_interval_ms=200,
                             resync_interval_ms=5000)
-    engines: list[SimEngine] = []
-    regs: list[EtcdRegistration] = []
+    label = f"{policy}_{lam}" if lam is not None else policy
+    run_dir = tmp / label
+    run_dir.mkdir(parents=True, exist_ok=True)
+    engines = EngineProcesses(opts, etcd_addr, token, run_dir, demo_opts.event_port_offset,
+                              demo_opts.replay_port_offset)
     service: Optional[ServiceProcess] = None
     client: Optional[_Client] = None
-    taken: set[int] = set()
     try:
-        for i in range(opts.engines):
-            port = free_instance_port(1, demo_opts.event_port_offset,
-                                      demo_opts.replay_port_offset, avoid=taken)
-            eng = SimEngine(f"127.0.0.1:{port}", port + demo_opts.event_port_offset,
-                            port + demo_opts.replay_port_offset, block_size=opts.block_size,
-                            device_blocks=opts.device_blocks, host_blocks=opts.host_blocks,
-                            seed=i, http_port=port, serving=opts.serving())
-            engines.append(eng)
-            eng.start()
-        for eng in engines:
-            reg = EtcdRegistration(
-                etcd_addr, eng.name, eng.dp_size,
-                lambda e=eng: Load(e.waiting_requests(), e.device_usage()), token=token,
-                heartbeat_interval_s=max(0.02, opts.heartbeat_interval_s / opts.time_scale))
-            regs.append(reg)
-            reg.start()
-        for reg in regs:
-            reg.wait_registered()
-        cfg = tmp / f"kv_events_{policy}_{lam}.json"
+        engines.start(opts.ready_timeout_s)
+        cfg = run_dir / "kv_events.json"
         cfg.write_text(json.dumps(discovery_config(demo_opts)), encoding="utf-8")
         args = ["--load_balance_policy", policy, "--model", MODEL]
         if lam is not None:
             args += ["--car_prefill_lambda", repr(lam)]
-        service = ServiceProcess(cfg, free_port_run(1), token, tmp / f"service_{policy}_{lam}.log",
+        service = ServiceProcess(cfg, free_port_run(1), token, run_dir / "service.log",
                                  etcd_addr=etcd_addr, extra_args=args,
                                  extra_env={"GUNICORN_CMD_ARGS": f"--threads {opts.service_threads}"})
-        service.start(opts.ready_timeout_s, {(e.name, 0) for e in engines})
-        _wait_routable(service, len(engines), opts.ready_timeout_s)
+        service.start(opts.ready_timeout_s, {(name, 0) for name in engines.names})
+        _wait_routable(service, len(engines.names), opts.ready_timeout_s)
         client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s)
-        result.per_engine = {e.name: 0 for e in engines}
+        result.per_engine = {name: 0 for name in engines.names}
         futures = _replay(client, reqs, bodies, opts.time_scale, result)
         for fut in futures:
             got = fut.result()
@@ -333,12 +406,7 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
                 if service is not None:
                     service.close()
             finally:
-                try:
-                    for reg in regs:
-                        reg.close()
-                finally:
-                    for eng in engines:
-                        eng.close()
+                engines.close()
     return result
 
 

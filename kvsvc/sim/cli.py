@@ -6,8 +6,13 @@ it). With ``--etcd HOST:PORT`` it also serves ``GET /health`` on ``--host:--port
 itself in the instance registry as ``XLLM:<TYPE>:<host:port>`` under a 3 s lease, heartbeating
 its load to the master service (§9, :mod:`kvsvc.sim.registration`); the internal token of the
 heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
-stop the lease is revoked. With ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms``
-apart; otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
+stop the lease is revoked. With ``--serve`` the same HTTP port also serves OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` with the latency model of
+:mod:`kvsvc.sim.serving` (``--prefill-us-per-token``, ``--decode-us-per-token``,
+``--max-num-seqs``, ``--time-scale``; text prompts tokenized by ``--tokenizer-path`` or the
+built-in byte scheme), and its waiting queue is the heartbeated ``waiting_requests_num``. With
+``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms`` apart;
+otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
 
 Exit codes: 0 clean stop, 2 bad arguments, 1 start-up failure (ports taken).
 """
@@ -25,6 +30,7 @@ from typing import Optional
 from ..errors import ConfigError, LifecycleError
 from ..traces import load_trace, request_tokens
 from .engine import SimEngine
+from .serving import ServingConfig
 from .registration import EtcdRegistration, Load, RegisteredType
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(else KVSVC_INTERNAL_API_TOKEN)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0,
                         help="heartbeat period, seconds (default 1)")
+    d = ServingConfig()
+    parser.add_argument("--serve", action="store_true",
+                        help="serve OpenAI completions on --port (kvsvc.sim.serving)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
+                        help="simulated us per uncached prompt token (default %(default)s)")
+    parser.add_argument("--host-load-us-per-token", type=float,
+                        default=d.host_load_us_per_token,
+                        help="simulated us per Host-only hit token (default %(default)s)")
+    parser.add_argument("--decode-us-per-token", type=float, default=d.decode_us_per_token,
+                        help="simulated us per output token (default %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help="running requests per rank; the rest wait (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=d.time_scale,
+                        help="time compression factor (default 1: real time)")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="HTTP connections served at once (default %(default)s)")
+    parser.add_argument("--model", default=d.model, help="model name of the answers")
+    parser.add_argument("--tokenizer-path", default="",
+                        help="tokenizer.json (or its directory) for text prompts; default: "
+                             "one token per UTF-8 byte")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -107,13 +133,27 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: stop.set())
+    serving: Optional[ServingConfig] = None
+    tokenizer = None
     try:
+        if args.serve:
+            serving = ServingConfig(
+                prefill_us_per_token=args.prefill_us_per_token,
+                host_load_us_per_token=args.host_load_us_per_token,
+                decode_us_per_token=args.decode_us_per_token, max_num_seqs=args.max_num_seqs,
+                time_scale=args.time_scale, max_connections=args.max_connections,
+                model=args.model)
+            if args.tokenizer_path:
+                from ..tokenize import PromptTokenizer  # tokenizers/jinja2 only when asked
+
+                tokenizer = PromptTokenizer.load(args.tokenizer_path)
         engine = SimEngine(args.name or f"{args.host}:{args.port}", event_port, replay_port,
                            dp_size=args.dp, block_size=args.block_size,
                            device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                            topic=args.topic, host=args.host,
-                           http_port=args.port if args.etcd else None)
-    except ValueError as exc:
+                           http_port=args.port if args.etcd or args.serve else None,
+                           serving=serving, tokenizer=tokenizer)
+    except (ValueError, ConfigError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
     registration: Optional[EtcdRegistration] = None
