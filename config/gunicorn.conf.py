@@ -14,6 +14,7 @@ graceful_timeout = _settings["graceful_timeout"]
 timeout = _settings["timeout"]
 loglevel = _settings["loglevel"]
 logconfig_dict = _settings["logconfig_dict"]
+access_log_format = _settings["access_log_format"]
 proc_name = _settings["proc_name"]
 control_socket_disable = _settings["control_socket_disable"]
 

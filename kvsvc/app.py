@@ -13,7 +13,10 @@ Endpoints:
   "load_metrics": {"waiting_requests_num", "gpu_cache_usage_perc"}, "latency_metrics": {...}}``
   -> 200 ``{"ok": true}``; 400 malformed (nothing recorded); 401 bad token; 409 unknown instance
   or stale incarnation; 503 when no registry is configured (``--etcd_addr`` empty).
-- ``GET /health``: liveness, always ``{"status": "ok"}``.
+- ``GET /health``: liveness, always ``{"status": "ok"}``; touches nothing (no etcd, no
+  upstream, no stream lock).
+- ``GET /metrics``: Prometheus text exposition (:mod:`kvsvc.metrics`); not behind the internal
+  token unless ``--metrics_require_token`` is set.
 - ``GET /ready``: 200 once the service runs, the registry (when configured) is fresh or static
   streams are configured, and every stream has been synchronized at least once; else 503. The
   body shows every stream's state, error, sequence, resident block counts, completed recoveries
@@ -37,6 +40,7 @@ import hmac
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -49,8 +53,15 @@ from werkzeug.exceptions import HTTPException
 from .config import KvEventsConfig, ServiceSettings, check_discovery_needs_etcd
 from .directory import Directory
 from .discovery import Discovery
-from .errors import LifecycleError, RequestError
+from .errors import (
+    InvalidHeartbeat,
+    LifecycleError,
+    RequestError,
+    StaleIncarnation,
+    UnknownInstance,
+)
 from .index.keys import pack_tokens
+from .metrics import METRICS_EXTENSION, Metrics
 from .registry import Registry, RegistrySettings
 
 log = logging.getLogger(__name__)
@@ -58,6 +69,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "kvsvc"
 QUERY_PATH = "/v1/internal/kv-cache/query"
 HEARTBEAT_PATH = "/v1/internal/heartbeat"
+METRICS_PATH = "/metrics"
 INTERNAL_PREFIX = "/v1/internal/"
 TOKEN_HEADER = "X-Internal-Token"
 MAX_TOKEN_ID = 2**31 - 1
@@ -214,7 +226,10 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app = flask.Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = max_content_length(settings.max_query_tokens)
     app.json.sort_keys = False
-    app.extensions[EXTENSION] = Service(settings, kv_config, settings.token())
+    svc = Service(settings, kv_config, settings.token())
+    app.extensions[EXTENSION] = svc
+    # The app's own registry, never prometheus_client's global one (many apps per process).
+    app.extensions[METRICS_EXTENSION] = Metrics(svc)
     app.before_request(_check_internal_token)
     app.register_error_handler(RequestError, _request_error)
     app.register_error_handler(HTTPException, _http_error)
@@ -223,6 +238,7 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app.add_url_rule(HEARTBEAT_PATH, "heartbeat", _heartbeat, methods=["POST"])
     app.add_url_rule("/health", "health", _health, methods=["GET"])
     app.add_url_rule("/ready", "ready", _ready, methods=["GET"])
+    app.add_url_rule(METRICS_PATH, "metrics", _metrics, methods=["GET"])
     # Routing and OpenAI proxy endpoints (§11) live in kvsvc.routes (imported here: it imports
     # this module).
     from .routes import init_app as init_routing
@@ -233,16 +249,28 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
 
 # -- request handling ----------------------------------------------------------------------------
 
+def metrics() -> Metrics:
+    """The :class:`~kvsvc.metrics.Metrics` of the current app."""
+    return current_app.extensions[METRICS_EXTENSION]
+
+
 def _check_internal_token() -> None:
-    """§10: every ``/v1/internal/*`` request carries the configured token (constant time)."""
-    if not request.path.startswith(INTERNAL_PREFIX):
-        return
+    """§10: every ``/v1/internal/*`` request carries the configured token (constant time);
+    ``/metrics`` too when ``--metrics_require_token`` is set. The token is never logged."""
+    path = request.path
+    if not path.startswith(INTERNAL_PREFIX):
+        if path != METRICS_PATH:
+            return
+        if not service().settings.metrics_require_token:
+            return
     expected = service().token
     if expected is None:
         return
     given = request.headers.get(TOKEN_HEADER)
     if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                                 expected.encode("utf-8")):
+        if path == HEARTBEAT_PATH:
+            metrics().heartbeats.labels("unauthorized").inc()
         raise RequestError(401, f"missing or wrong {TOKEN_HEADER}")
 
 
@@ -321,14 +349,20 @@ def _check_token_ids(body: bytes) -> None:
 
 
 def _query() -> flask.Response:
+    started = time.perf_counter()
     svc = service()
     token_ids = parse_token_ids(read_body(), svc.settings.max_query_tokens)
     if svc.directory is None:
-        return flask.jsonify(matches=[])
-    matches = svc.directory.query(token_ids)
-    # orjson: ~10x faster than flask.jsonify for 16 answers; same keys, same order.
-    return current_app.response_class(orjson.dumps({"matches": [m.to_json() for m in matches]}),
-                                      mimetype="application/json")
+        response = flask.jsonify(matches=[])
+    else:
+        matches = svc.directory.query(token_ids)
+        # orjson: ~10x faster than flask.jsonify for 16 answers; same keys, same order.
+        response = current_app.response_class(
+            orjson.dumps({"matches": [m.to_json() for m in matches]}),
+            mimetype="application/json")
+    # Answered queries only: a 4xx body error is the client's, not the directory's latency.
+    metrics().query_seconds.observe(time.perf_counter() - started)
+    return response
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,17 +417,41 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
 
 def _heartbeat() -> flask.Response:
     svc = service()
-    hb = parse_heartbeat(read_body())
+    counter = metrics().heartbeats
+    try:
+        hb = parse_heartbeat(read_body())
+    except RequestError:
+        counter.labels("malformed").inc()
+        raise
     if svc.registry is None:
+        counter.labels("no_registry").inc()
         raise RequestError(503, "no instance registry configured (--etcd_addr is empty)")
     # UnknownInstance / StaleIncarnation (409) and InvalidHeartbeat (400) are RequestErrors.
-    svc.registry.heartbeat(hb.name, hb.incarnation_id, hb.waiting_requests_num,
-                           hb.gpu_cache_usage_perc)
+    try:
+        svc.registry.heartbeat(hb.name, hb.incarnation_id, hb.waiting_requests_num,
+                               hb.gpu_cache_usage_perc)
+    except UnknownInstance:
+        counter.labels("unknown_instance").inc()
+        raise
+    except StaleIncarnation:
+        counter.labels("stale_incarnation").inc()
+        raise
+    except InvalidHeartbeat:
+        counter.labels("invalid_load").inc()
+        raise
+    counter.labels("ok").inc()
     return flask.jsonify(ok=True)
 
 
 def _health() -> flask.Response:
     return flask.jsonify(status="ok")
+
+
+def _metrics() -> flask.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return current_app.response_class(metrics().render(), mimetype=None,
+                                      content_type=CONTENT_TYPE_LATEST)
 
 
 def _ready() -> tuple[flask.Response, int]:

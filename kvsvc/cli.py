@@ -5,7 +5,10 @@ Subcommands:
 - ``serve``: validate the settings and the §8 file, export them as ``KVSVC_*`` variables and
   replace this process with gunicorn (``python -m gunicorn -c config/gunicorn.conf.py
   wsgi:app``) running in the foreground; Ctrl-C / SIGTERM stop it.
-- ``check-config``: validate a §8 file and print a summary.
+- ``check-config``: the same flags and ``KVSVC_*`` variables as ``serve``, and exactly its
+  validation (:func:`validate_service`: settings, the §8 file, the token source, the etcd and
+  discovery rules, the routing flags and tokenizer), then a summary; nothing is started. Meant
+  as systemd's ``ExecStartPre=`` (``config/kvsvc.service``).
 - ``sim``, ``demo``, ``soak``: the engine simulator, the demo and the chaos soak, imported
   only when used.
 
@@ -22,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .config import KvEventsConfig, ServiceSettings, load_kv_events_config, load_service_settings
+from .config import LOG_FORMATS, LOG_LEVELS, KvEventsConfig, ServiceSettings, load_service_settings
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ EXIT_CONFIG = 2
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GUNICORN_CONF = PROJECT_ROOT / "config" / "gunicorn.conf.py"
 
-_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_LOG_LEVELS = LOG_LEVELS
 
 #: Subcommands implemented elsewhere, imported on use: name -> (module, help).
 _LAZY_COMMANDS = {
@@ -51,9 +54,29 @@ _ROUTING_FLAGS = ("load_balance_policy", "car_prefill_lambda", "car_host_hit_wei
                   "upstream_read_timeout_s", "max_request_bytes")
 
 
+#: ``serve`` flags of logging and metrics, passed through as ``KVSVC_*``.
+_OPS_FLAGS = ("log_format", "access_log", "metrics_require_token")
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
                        description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.")
+    _add_service_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _bool_flag(value: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) for the boolean flags."""
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _add_service_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` (and of ``check-config``, which validates the same things)."""
     p.add_argument("--host", help="HTTP bind address (KVSVC_HOST, default 0.0.0.0)")
     p.add_argument("--port", type=int, help="HTTP port (KVSVC_PORT, default 8888)")
     p.add_argument("--kv_events_config_file",
@@ -66,6 +89,15 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max_query_tokens", type=int,
                    help="largest token_ids list of a query (KVSVC_MAX_QUERY_TOKENS)")
     p.add_argument("--log_level", choices=_LOG_LEVELS, help="log level (KVSVC_LOG_LEVEL)")
+    p.add_argument("--log_format", choices=LOG_FORMATS,
+                   help="json: one JSON object per line (default, for journald/log shippers); "
+                        "text: plain lines for a terminal (KVSVC_LOG_FORMAT)")
+    p.add_argument("--access_log", type=_bool_flag, nargs="?", const=True,
+                   help="gunicorn per-request access lines on stdout (KVSVC_ACCESS_LOG, "
+                        "default false)")
+    p.add_argument("--metrics_require_token", type=_bool_flag, nargs="?", const=True,
+                   help="require X-Internal-Token on GET /metrics too "
+                        "(KVSVC_METRICS_REQUIRE_TOKEN, default false)")
     p.add_argument("--etcd_addr",
                    help="etcd host:port of the instance registry (§9); required when the "
                         "config file enables discovery (KVSVC_ETCD_ADDR, default: no registry)")
@@ -94,12 +126,15 @@ def _add_serve(sub: Any) -> None:
                    help="upstream read timeout, s (KVSVC_UPSTREAM_READ_TIMEOUT_S, 600)")
     p.add_argument("--max_request_bytes", type=int,
                    help="largest OpenAI request body, bytes (KVSVC_MAX_REQUEST_BYTES, 16 MiB)")
-    p.set_defaults(func=cmd_serve)
 
 
 def _add_check_config(sub: Any) -> None:
-    p = sub.add_parser("check-config", help="validate a kv_events_config_file and summarise it")
-    p.add_argument("--kv_events_config_file", required=True, help="§8 JSON file")
+    p = sub.add_parser(
+        "check-config", help="validate what `serve` would run with (same flags and env)",
+        description="Validate exactly what `kvsvc serve` validates with the same flags and "
+                    "KVSVC_* variables (settings, §8 file, token source, etcd/discovery "
+                    "rules, routing); print a summary. Starts nothing. Exit 0 or 2.")
+    _add_service_flags(p)
     p.set_defaults(func=cmd_check_config)
 
 
@@ -135,16 +170,28 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         etcd_addr=args.etcd_addr, etcd_namespace=args.etcd_namespace,
         detect_disconnected_instance_interval=args.detect_disconnected_instance_interval,
         self_address=args.self_address,
-        **{name: getattr(args, name, None) for name in _ROUTING_FLAGS})
-    if settings.log_level.lower() not in _LOG_LEVELS:
-        raise ConfigError("--log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
-    settings.kv_events_config()
-    settings.token()
-    if settings.tokenizer_path:
-        from .tokenize import PromptTokenizer  # fails here, not in the gunicorn worker
-
-        PromptTokenizer.load(settings.tokenizer_path)
+        **{name: getattr(args, name, None) for name in _ROUTING_FLAGS + _OPS_FLAGS})
+    validate_service(settings)
     return settings
+
+
+def validate_service(settings: ServiceSettings) -> Optional[KvEventsConfig]:
+    """Everything the gunicorn worker's ``create_app`` checks, without starting anything: the
+    §8 file (and the etcd requirement of discovery), the token source, the registry settings,
+    the routing policy and the tokenizer. ``serve`` and ``check-config`` both call it, so a
+    configuration ``check-config`` accepts is one the worker accepts.
+
+    :returns: the validated §8 config (``None``: index disabled).
+    :raises ConfigError: naming the field.
+    """
+    from .app import create_app  # the app's own construction path: nothing starts there
+    from .routes import ROUTING_EXTENSION
+
+    kv_config = settings.kv_events_config()
+    app = create_app(settings, kv_config)
+    # The app is dropped; only the routing proxy's (still unused) session needs closing.
+    app.extensions[ROUTING_EXTENSION].close()
+    return kv_config
 
 
 def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[str, str]:
@@ -163,6 +210,9 @@ def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[s
         "KVSVC_KV_EVENTS_CONFIG_FILE": os.path.abspath(cfg) if cfg else "",
         "KVSVC_MAX_QUERY_TOKENS": str(settings.max_query_tokens),
         "KVSVC_LOG_LEVEL": settings.log_level.lower(),
+        "KVSVC_LOG_FORMAT": settings.log_format,
+        "KVSVC_ACCESS_LOG": "true" if settings.access_log else "false",
+        "KVSVC_METRICS_REQUIRE_TOKEN": "true" if settings.metrics_require_token else "false",
         "KVSVC_ETCD_ADDR": settings.etcd_addr,
         "KVSVC_ETCD_NAMESPACE": settings.etcd_namespace,
         "KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL":
@@ -206,6 +256,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached
 
 
+def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig]) -> list[str]:
+    """Human-readable lines describing validated service settings (never the token itself)."""
+    token = ("from KVSVC_INTERNAL_API_TOKEN" if settings.internal_api_token is not None else
+             f"from file {settings.internal_api_token_file}" if settings.internal_api_token_file
+             else "none (internal endpoints open)")
+    lines = [f"listen: {settings.host}:{settings.port}; internal token: {token}; "
+             f"/metrics token: {'required' if settings.metrics_require_token else 'not required'}",
+             f"registry: {settings.etcd_addr or 'none'}"
+             + (f" (namespace {settings.etcd_namespace!r})" if settings.etcd_addr else ""),
+             f"routing: {settings.load_balance_policy} (lambda {settings.car_prefill_lambda}, "
+             f"host hit weight {settings.car_host_hit_weight}); tokenizer: "
+             f"{settings.tokenizer_path or 'none'}",
+             f"logs: {settings.log_format}, level {settings.log_level}, access log "
+             f"{'on' if settings.access_log else 'off'}"]
+    if config is None:
+        lines.append("kv_events_config_file: empty: KV index disabled")
+    else:
+        lines.extend(summarize(settings.kv_events_config_file, config))
+    return lines
+
+
 def summarize(path: str, config: KvEventsConfig) -> list[str]:
     """Human-readable lines describing a validated §8 config."""
     kept = config.kept_streams()
@@ -232,12 +303,14 @@ def summarize(path: str, config: KvEventsConfig) -> list[str]:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """``kvsvc check-config``: 0 and a summary on stdout, or 2 and the field on stderr."""
+    """``kvsvc check-config``: 0 and a summary on stdout, or 2 and the field on stderr.
+    Validates exactly what ``serve`` does (:func:`resolve_serve_settings`)."""
     try:
-        config = load_kv_events_config(args.kv_events_config_file)
+        settings = resolve_serve_settings(args)
+        config = settings.kv_events_config()
     except ConfigError as exc:
         return _config_error(exc)
-    print("\n".join(summarize(args.kv_events_config_file, config)))
+    print("\n".join(summarize_service(settings, config)))
     return EXIT_OK
 
 

@@ -36,6 +36,9 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 MAX_U64 = 2**64 - 1
+#: Accepted ``--log_level`` and ``--log_format`` values.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("json", "text")
 
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -293,6 +296,15 @@ class ServiceSettings(BaseSettings):
     max_query_tokens: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 1 << 20
     """Largest ``token_ids`` list accepted by the query endpoint (§10)."""
     log_level: str = "info"
+    """Level of the app's and gunicorn's error logs: debug, info, warning, error, critical."""
+    log_format: str = "json"
+    """``json`` (one JSON object per line, python-json-logger; the default, for journald and
+    log shippers) or ``text`` (one human-readable line, for a terminal)."""
+    access_log: bool = False
+    """gunicorn's per-request access log (to stdout); off by default: every query and
+    heartbeat would be a line."""
+    metrics_require_token: bool = False
+    """Require ``X-Internal-Token`` on ``GET /metrics`` too (off: Prometheus scrapes freely)."""
     etcd_addr: str = ""
     """etcd endpoint ``host:port`` of the instance registry (§9), xllm-service's flag; empty means
     no registry (static streams only, heartbeats answered 503)."""
@@ -331,6 +343,20 @@ class ServiceSettings(BaseSettings):
         if value not in ("RR", "CAR"):
             raise ValueError(f"must be RR or CAR, got {value!r}")
         return value
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        if value not in LOG_FORMATS:
+            raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        return value.lower()
 
     @field_validator("etcd_addr")
     @classmethod

@@ -217,6 +217,23 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
     return Plan(MappingProxyType(streams), MappingProxyType(dict(sorted(excluded.items()))))
 
 
+#: Labels of discovery's metrics (kvsvc.metrics): fixed sets.
+CHANGE_KINDS = ("added", "replaced", "removed", "add_failed")
+EXCLUSION_KINDS = ("bad_name", "port_overflow", "bad_host", "endpoint_collision", "max_streams")
+_EXCLUSION_PREFIXES = (("instance name", "bad_name"), ("port overflow", "port_overflow"),
+                       ("no connectable endpoint", "bad_host"),
+                       ("endpoint collision", "endpoint_collision"),
+                       ("max_streams", "max_streams"))
+
+
+def exclusion_kind(reason: str) -> str:
+    """The :data:`EXCLUSION_KINDS` label of a :func:`plan_streams` exclusion reason."""
+    for prefix, kind in _EXCLUSION_PREFIXES:
+        if reason.startswith(prefix):
+            return kind
+    raise ValueError(f"unknown exclusion reason {reason!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
     """What one :meth:`Discovery.refresh` changed.
@@ -268,6 +285,12 @@ class Discovery:
         self._excluded: Mapping[str, str] = MappingProxyType({})
         self._refresh_lock = threading.Lock()
         self._refreshes = 0
+        # Metrics counters (kvsvc.metrics), under _counter_lock (never held across a refresh,
+        # which may wait for a stream's start): stream changes by kind and exclusions started
+        # (an instance newly excluded, or for a new reason) by kind.
+        self._counter_lock = threading.Lock()
+        self._changes = dict.fromkeys(CHANGE_KINDS, 0)
+        self._exclusions = dict.fromkeys(EXCLUSION_KINDS, 0)
 
     @property
     def refreshes(self) -> int:
@@ -278,6 +301,12 @@ class Discovery:
     def excluded(self) -> Mapping[str, str]:
         """The last plan's excluded instances: name -> reason (read-only)."""
         return self._excluded
+
+    def counters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Copies of (stream changes by :data:`CHANGE_KINDS`, exclusions started by
+        :data:`EXCLUSION_KINDS`) since construction (a short lock, never a refresh's)."""
+        with self._counter_lock:
+            return dict(self._changes), dict(self._exclusions)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -341,6 +370,10 @@ class Discovery:
             result = self._apply(plan)
             self._log_exclusions(plan.excluded)
             self._refreshes += 1
+            with self._counter_lock:
+                for kind, sids in (("added", result.added), ("replaced", result.replaced),
+                                   ("removed", result.removed), ("add_failed", result.failed)):
+                    self._changes[kind] += len(sids)
             return result
 
     def _apply(self, plan: Plan) -> ApplyResult:
@@ -399,6 +432,8 @@ class Discovery:
         before = self._excluded
         for name, reason in excluded.items():
             if before.get(name) != reason:
+                with self._counter_lock:
+                    self._exclusions[exclusion_kind(reason)] += 1
                 log.warning("discovery: instance %s excluded: %s", name, reason)
         for name in before:
             if name not in excluded:

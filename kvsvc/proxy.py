@@ -209,15 +209,22 @@ class Proxy:
         self._adapter = adapter
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
+        self._retries = 0
 
     def failures(self) -> dict[str, int]:
         """Upstream ``host:port`` -> attempts that failed before the first byte."""
         with self._lock:
             return dict(self._failures)
 
-    def _mark(self, target: str) -> None:
+    def retries(self) -> int:
+        """Attempts made on a next candidate after one failed before the first byte."""
+        with self._lock:
+            return self._retries
+
+    def _mark(self, target: str, retrying: bool) -> None:
         with self._lock:
             self._failures[target] = self._failures.get(target, 0) + 1
+            self._retries += retrying
 
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
                 headers: Mapping[str, str], max_attempts: int = 2) -> UpstreamReply:
@@ -260,11 +267,11 @@ class Proxy:
                 return UpstreamReply(target, response.status_code,
                                      downstream_headers(response.headers),
                                      UpstreamBody(response, target), tried)
-            self._mark(target)
+            retrying = len(tried) < min(max_attempts, len(targets))
+            self._mark(target, retrying)
             log.warning("upstream %s failed before the first byte (%s: %s)%s", target, why,
-                        type(cause).__name__,
-                        "" if len(tried) >= min(max_attempts, len(targets))
-                        else "; retrying on the next candidate")
+                        type(cause).__name__, "; retrying on the next candidate" if retrying
+                        else "")
             last.__cause__ = cause
         assert last is not None, "forward() needs at least one target"
         raise UpstreamError(last.status, f"{last.message} (tried {', '.join(tried)})") from \

@@ -40,6 +40,7 @@ from werkzeug.exceptions import HTTPException
 from .app import EXTENSION, MAX_TOKEN_ID, Service, parse_token_ids, read_body
 from .config import ServiceSettings
 from .errors import RequestError
+from .metrics import METRICS_EXTENSION, Metrics
 from .policy import Decision, Policy, make_policy
 from .proxy import Proxy, ProxySettings, UpstreamError, upstream_headers
 from .registry import RegistrySnapshot
@@ -73,15 +74,18 @@ class Router:
     :param proxy: upstream forwarding.
     :param models: served model names (empty: any name accepted).
     :param max_request_bytes: largest OpenAI body, bytes.
+    :param metrics: where decisions are recorded (:meth:`Metrics.routed`), ``None`` for none.
     """
 
     def __init__(self, policy: Policy, tokens: TokenSource, proxy: Proxy,
-                 models: tuple[str, ...], max_request_bytes: int) -> None:
+                 models: tuple[str, ...], max_request_bytes: int,
+                 metrics: Optional[Metrics] = None) -> None:
         self.policy = policy
         self.tokens = tokens
         self.proxy = proxy
         self.models = models
         self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings, index_enabled: bool) -> "Router":
@@ -108,13 +112,18 @@ class Router:
         :param svc: the app's service (registry and directory, either may be absent).
         :param token_ids: the prompt's tokens, ``None`` when unknown.
         """
+        started = time.perf_counter()
         snapshot = svc.registry.snapshot() if svc.registry is not None else _EMPTY_SNAPSHOT
         directory = svc.directory
         if directory is None:
-            return self.policy.choose(token_ids, snapshot, None, None)
-        identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
-        matches = directory.query(token_ids if token_ids is not None else [])
-        return self.policy.choose(token_ids, snapshot, matches, identities)
+            decision = self.policy.choose(token_ids, snapshot, None, None)
+        else:
+            identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
+            matches = directory.query(token_ids if token_ids is not None else [])
+            decision = self.policy.choose(token_ids, snapshot, matches, identities)
+        if self.metrics is not None:
+            self.metrics.routed(decision, time.perf_counter() - started)
+        return decision
 
     def close(self) -> None:
         """Close the proxy's pooled connections."""
@@ -139,6 +148,10 @@ def init_app(app: flask.Flask) -> Router:
     """
     svc: Service = app.extensions[EXTENSION]
     router = Router.from_settings(svc.settings, index_enabled=svc.directory is not None)
+    metrics: Optional[Metrics] = app.extensions.get(METRICS_EXTENSION)
+    if metrics is not None:
+        router.metrics = metrics
+        metrics.upstream_retries = router.proxy.retries
     app.extensions[ROUTING_EXTENSION] = router
     svc.add_closer(router.close)  # the proxy's pooled upstream connections
     app.register_blueprint(_openai_blueprint())
@@ -155,7 +168,22 @@ def _openai_blueprint() -> flask.Blueprint:
     bp.register_error_handler(RequestError, _openai_request_error)
     bp.register_error_handler(UpstreamError, _openai_upstream_error)
     bp.register_error_handler(HTTPException, _openai_http_error)
+    bp.after_request(_count_proxied)
     return bp
+
+
+#: Endpoint label of ``kvsvc_proxy_requests_total`` per proxied path.
+_PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
+
+
+def _count_proxied(response: flask.Response) -> flask.Response:
+    """Count every answer of a proxied endpoint by status (errors included: Flask runs
+    ``after_request`` on error handlers' responses too)."""
+    endpoint = _PROXIED.get(request.path)
+    metrics: Optional[Metrics] = current_app.extensions.get(METRICS_EXTENSION)
+    if endpoint is not None and metrics is not None:
+        metrics.proxied.labels(endpoint, str(response.status_code)).inc()
+    return response
 
 
 def _internal_blueprint() -> flask.Blueprint:

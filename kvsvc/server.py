@@ -8,6 +8,17 @@ and threads are only created after the fork: :func:`post_worker_init` starts the
 :func:`worker_exit` closes it (§6: stream threads are owned and joined).
 
 The arbiter's systemd READY=1 only means "socket bound"; readiness of the index is ``/ready``.
+(gunicorn 27 ``Arbiter.start``: ``systemd.sd_notify("READY=1...")`` right after the listeners are
+created, sent only when ``NOTIFY_SOCKET`` is set; ``kvsvc serve`` execs gunicorn, so the
+arbiter is the unit's main process, as ``Type=notify`` with the default ``NotifyAccess=main``
+needs.)
+
+Logging is configured once, by gunicorn, from :func:`log_config` (``logconfig_dict``): the
+arbiter, the worker and kvsvc's own loggers share it. ``--log_format json`` (default) writes one
+JSON object per line (python-json-logger: ``timestamp``, ``level``, ``logger``, ``process``,
+``message``, ``exc_info`` when there is one); ``text`` one plain line. gunicorn enables its
+access logger whenever ``logconfig_dict`` is set, so with ``--access_log`` off the
+``gunicorn.access`` logger is set to WARNING (it only logs at INFO) and writes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +40,13 @@ STREAM_TIMEOUT_S = 5.0
 
 _LEVELS = {"debug", "info", "warning", "error", "critical"}
 
+#: Fields of a JSON log line besides ``timestamp`` (renamed: levelname -> level, name -> logger).
+JSON_FIELDS = "%(levelname)s %(name)s %(process)d %(message)s"
+TEXT_FORMAT = "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+#: gunicorn access line: client, request line, status, bytes, seconds. No header is logged
+#: (the internal token travels in one).
+ACCESS_LOG_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s %(L)s'
+
 
 def bind_address(host: str, port: int) -> str:
     """gunicorn ``bind`` string; IPv6 literals get brackets.
@@ -39,15 +57,26 @@ def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def log_config(level: str) -> dict[str, Any]:
+def log_config(level: str, log_format: str = "json", access_log: bool = False) -> dict[str, Any]:
     """``logging.config.dictConfig`` document: kvsvc and gunicorn errors to stderr at ``level``,
-    access lines (gunicorn's access log is off unless enabled) to stdout, no duplicates."""
+    access lines to stdout when ``access_log`` (else the access logger writes nothing), no
+    duplicates.
+
+    :param level: ``debug`` .. ``critical``.
+    :param log_format: ``json`` (python-json-logger, one object per line) or ``text``.
+    :param access_log: write gunicorn's per-request access lines.
+    """
     level = level.upper()
-    fmt = "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+    if log_format == "json":
+        formatter: dict[str, Any] = {
+            "()": "pythonjsonlogger.json.JsonFormatter", "fmt": JSON_FIELDS, "timestamp": True,
+            "rename_fields": {"levelname": "level", "name": "logger"}}
+    else:
+        formatter = {"format": TEXT_FORMAT, "class": "logging.Formatter"}
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"generic": {"format": fmt, "class": "logging.Formatter"}},
+        "formatters": {"generic": formatter},
         "handlers": {
             "stderr": {"class": "logging.StreamHandler", "formatter": "generic",
                        "stream": "ext://sys.stderr"},
@@ -57,7 +86,8 @@ def log_config(level: str) -> dict[str, Any]:
         "root": {"level": level, "handlers": ["stderr"]},
         "loggers": {
             "gunicorn.error": {"level": level, "handlers": ["stderr"], "propagate": False},
-            "gunicorn.access": {"level": "INFO", "handlers": ["stdout"], "propagate": False},
+            "gunicorn.access": {"level": "INFO" if access_log else "WARNING",
+                                "handlers": ["stdout"], "propagate": False},
         },
     }
 
@@ -79,7 +109,8 @@ def gunicorn_settings() -> dict[str, Any]:
         "graceful_timeout": GRACEFUL_TIMEOUT_S,
         "timeout": 30,
         "loglevel": level,
-        "logconfig_dict": log_config(level),
+        "logconfig_dict": log_config(level, settings.log_format, settings.access_log),
+        "access_log_format": ACCESS_LOG_FORMAT,
         "proc_name": "kvsvc",
         # gunicorn >= 25.1 opens a control socket at one fixed per-user path by default; two
         # services on a host would fight over it, and kvsvc needs no runtime control surface.

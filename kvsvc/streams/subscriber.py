@@ -41,6 +41,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Container, Optional, Sequence
 
 import zmq
@@ -49,13 +51,17 @@ from zmq.utils.monitor import recv_monitor_message
 from ..config import KvEventsConfig, StreamConfig
 from ..errors import (
     BufferOverflow,
+    CapacityExceeded,
     DecodeError,
+    HashConflict,
     LifecycleError,
     SnapshotError,
+    SnapshotTimeout,
     StreamError,
+    UnknownParent,
 )
 from ..events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
-from ..index.tier_index import TierIndex
+from ..index.tier_index import IndexStats, TierIndex
 from .decoder import decode_batch
 from .frame import parse_live
 from .snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotResult
@@ -81,6 +87,83 @@ BUFFER_TOKEN_OVERHEAD = 4
 _NOT_YET = "not synchronized yet: waiting for the first snapshot"
 #: Resident keys of a stream that serves no hits (the fast path's "nothing here").
 _NO_KEYS: frozenset[int] = frozenset()
+
+
+#: Labels of the metrics counters (kvsvc.metrics); fixed sets, never free text.
+DECODE_ERROR_REASONS = ("frame", "payload", "event", "unknown_parent", "hash_conflict",
+                        "capacity")
+RECOVERY_TRIGGERS = ("start", "disconnect", "decode_error", "index_error", "sequence_gap",
+                     "sequence_backwards", "internal_error")
+SNAPSHOT_OUTCOMES = ("ok", "timeout", "buffer_overflow", "error")
+EVENT_TYPES = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved",
+               AllBlocksCleared: "AllBlocksCleared"}
+
+
+def error_reason(exc: StreamError) -> str:
+    """The decode-error label (:data:`DECODE_ERROR_REASONS`) of an error applying an event to
+    the index: ``event`` for a malformed event the index refused (block size, token count)."""
+    if isinstance(exc, UnknownParent):
+        return "unknown_parent"
+    if isinstance(exc, HashConflict):
+        return "hash_conflict"
+    if isinstance(exc, CapacityExceeded):
+        return "capacity"
+    return "event"
+
+
+def _trigger_of(reason: str) -> str:
+    return "index_error" if reason in ("unknown_parent", "hash_conflict", "capacity") \
+        else "decode_error"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCounters:
+    """Monotonic counters and last-snapshot figures of one stream, for ``/metrics`` (a copy
+    taken under the stream lock; all counts since the subscriber was built).
+
+    :param events_applied: event type name -> live events applied to the serving index
+        (a recovery's buffered tail and ``AllBlocksCleared`` baselines included; snapshot
+        contents not).
+    :param not_indexed: reason -> live events/hashes accepted without indexing (§2, §3, §5):
+        ``other_medium`` (events), ``excluded``, ``unknown_tokenless``, ``unknown_removal``
+        (block hashes).
+    :param decode_errors: :data:`DECODE_ERROR_REASONS` -> errors (live messages and events).
+    :param recoveries_started: :data:`RECOVERY_TRIGGERS` -> recoveries started (``start`` once
+        per thread, the others on each loss of synchronization).
+    :param snapshot_attempts: :data:`SNAPSHOT_OUTCOMES` -> snapshot attempts ended so.
+    :param snapshot_seconds_sum: total duration of successful snapshots, seconds.
+    :param last_snapshot_seconds: duration of the last successful snapshot (request to
+        swap), seconds; ``None`` before the first.
+    :param last_snapshot_bytes: wire bytes of the last successful snapshot reply.
+    :param last_snapshot_messages: data messages of the last successful snapshot reply.
+    :param buffered_bytes: live bytes (with record overhead) buffered by the attempt in flight.
+    :param seconds_since_event: seconds since the last live batch decoded; ``None`` before one.
+    :param topic_mismatches: live messages dropped for a topic not exactly equal (§1).
+    :param duplicates_dropped: batches covered by a swapped-in snapshot, dropped (§6).
+    """
+
+    events_applied: dict[str, int]
+    not_indexed: dict[str, int]
+    decode_errors: dict[str, int]
+    recoveries_started: dict[str, int]
+    snapshot_attempts: dict[str, int]
+    snapshot_seconds_sum: float
+    last_snapshot_seconds: Optional[float]
+    last_snapshot_bytes: int
+    last_snapshot_messages: int
+    buffered_bytes: int
+    seconds_since_event: Optional[float]
+    topic_mismatches: int
+    duplicates_dropped: int
+
+
+#: IndexStats field -> ``not_indexed`` label (orphan markers only come from snapshots).
+_NOT_INDEXED = {"not_indexed_medium": "other_medium", "excluded_blocks": "excluded",
+                "unknown_tokenless": "unknown_tokenless", "unknown_removals": "unknown_removal"}
+
+
+def _stats_tuple(stats: IndexStats) -> tuple[int, ...]:
+    return tuple(getattr(stats, name) for name in _NOT_INDEXED)
 
 
 def _backoff_s(failures: int) -> float:
@@ -147,12 +230,28 @@ class StreamSubscriber:
         self._topic_mismatches = 0
         self._live_messages = 0
         self._duplicates_dropped = 0
+        # Metrics counters (kvsvc.metrics): written by the stream thread, the dicts under
+        # _lock (counters() copies them under it); plain ints, no prometheus objects here.
+        self._events_applied = dict.fromkeys(EVENT_TYPES.values(), 0)
+        self._decode_errors = dict.fromkeys(DECODE_ERROR_REASONS, 0)
+        self._recoveries_started = dict.fromkeys(RECOVERY_TRIGGERS, 0)
+        self._snapshot_attempts = dict.fromkeys(SNAPSHOT_OUTCOMES, 0)
+        self._snapshot_seconds_sum = 0.0
+        self._last_snapshot: Optional[tuple[float, int, int]] = None  # seconds, bytes, messages
+        self._last_event_at: Optional[float] = None
+        # Live not-indexed counts: those of retired serving indexes, plus the serving index's
+        # stats minus what its snapshot had counted when it was swapped in (_stats_base).
+        self._not_indexed_retired = [0] * len(_NOT_INDEXED)
+        self._stats_base: tuple[int, ...] = (0,) * len(_NOT_INDEXED)
+        self._attempt_started: Optional[float] = None
 
         # Owned by the stream thread from start() on.
         self._sub: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
         self._wake: Optional[zmq.Socket] = None   # inproc PULL; close() pushes to it
-        self._wake_endpoint = f"inproc://kvsvc-stream-wake-{id(self):x}"
+        # Unique per subscriber, never id(self): a closed subscriber's inproc name is released
+        # by ZMQ's reaper asynchronously, and a new object may reuse the old one's id at once.
+        self._wake_endpoint = f"inproc://kvsvc-stream-wake-{uuid.uuid4().hex}"
         self._poller: Optional[zmq.Poller] = None
         self._reopen_pending = False              # replace the SUB at the next turn
         self._waiting_error_logged = False        # one warning per backoff wait
@@ -296,6 +395,53 @@ class StreamSubscriber:
         """Batches with seq <= the swap watermark received after the swap (covered by it)."""
         return self._duplicates_dropped
 
+    def counters(self) -> StreamCounters:
+        """Copy of the stream's metrics counters (O(1): a few dict copies under the stream
+        lock, never an index traversal)."""
+        now = time.monotonic()
+        with self._lock:
+            index = self._index
+            not_indexed = list(self._not_indexed_retired)
+            if index is not None:
+                for i, (cur, base) in enumerate(zip(_stats_tuple(index.stats), self._stats_base)):
+                    not_indexed[i] += cur - base
+            last = self._last_snapshot
+            last_event = self._last_event_at
+            return StreamCounters(
+                events_applied=dict(self._events_applied),
+                not_indexed=dict(zip(_NOT_INDEXED.values(), not_indexed)),
+                decode_errors=dict(self._decode_errors),
+                recoveries_started=dict(self._recoveries_started),
+                snapshot_attempts=dict(self._snapshot_attempts),
+                snapshot_seconds_sum=self._snapshot_seconds_sum,
+                last_snapshot_seconds=last[0] if last is not None else None,
+                last_snapshot_bytes=last[1] if last is not None else 0,
+                last_snapshot_messages=last[2] if last is not None else 0,
+                buffered_bytes=self._buffer_bytes,
+                seconds_since_event=now - last_event if last_event is not None else None,
+                topic_mismatches=self._topic_mismatches,
+                duplicates_dropped=self._duplicates_dropped)
+
+    def _count_locked(self, counts: dict[str, int], label: str) -> None:
+        """``counts[label] += 1`` under ``_lock`` (the dicts are copied under it)."""
+        with self._lock:
+            counts[label] += 1
+
+    def _count_events_locked(self, events: Sequence[object]) -> None:
+        """Add ``events`` to the applied-by-type counts; caller holds ``_lock``."""
+        applied = self._events_applied
+        for ev in events:
+            applied[EVENT_TYPES[type(ev)]] += 1
+
+    def _retire_stats_locked(self) -> None:
+        """Fold the serving index's live not-indexed counts into the retired totals before it
+        is replaced or discarded; caller holds ``_lock``."""
+        index = self._index
+        if index is None:
+            return
+        for i, (cur, base) in enumerate(zip(_stats_tuple(index.stats), self._stats_base)):
+            self._not_indexed_retired[i] += cur - base
+
     # ------------------------------------------------------------------ thread
 
     def _run(self) -> None:
@@ -310,6 +456,7 @@ class StreamSubscriber:
             log.info("stream %s: subscribed to %s topic %r (replay %s)", self._name,
                      self.stream.endpoint, self.stream.topic, self.stream.replay_endpoint)
             self._next_attempt_at = time.monotonic()  # §6: snapshot at once
+            self._count_locked(self._recoveries_started, "start")
             while not self._stop.is_set():
                 try:
                     self._turn()
@@ -321,7 +468,7 @@ class StreamSubscriber:
                     # leaving the stream dead for the life of the process.
                     log.exception("stream %s: internal error; recovering", self._name)
                     self._abandon_attempt()
-                    self._invalidate(f"internal error: {type(exc).__name__}")
+                    self._invalidate(f"internal error: {type(exc).__name__}", "internal_error")
                     self._failures += 1
                     self._next_attempt_at = time.monotonic() + _backoff_s(self._failures)
         except Exception:  # pragma: no cover - ZMQ failure; keep the stream visibly broken
@@ -447,7 +594,7 @@ class StreamSubscriber:
                 # A new connection may be a restarted engine counting from 0 again.
                 self._max_seen = None
                 self._reopen_pending = True
-                self._stream_error("disconnected")
+                self._stream_error("disconnected", "disconnect")
 
     # ------------------------------------------------------------------ live batches
 
@@ -461,7 +608,8 @@ class StreamSubscriber:
         try:
             frame = parse_live(frames, self.limits.max_message_bytes)
         except DecodeError as exc:
-            self._stream_error(str(exc))
+            self._count_locked(self._decode_errors, "frame")
+            self._stream_error(str(exc), "decode_error")
             return
         seq = frame.seq
         prev_max = self._max_seen
@@ -469,8 +617,10 @@ class StreamSubscriber:
         try:
             batch = decode_batch(frame.payload, self.stream.dp_rank)
         except DecodeError as exc:
-            self._stream_error(f"seq {seq}: {exc}")
+            self._count_locked(self._decode_errors, "payload")
+            self._stream_error(f"seq {seq}: {exc}", "decode_error")
             return
+        self._last_event_at = time.monotonic()
         if self._synced:
             self._on_live_synchronized(seq, batch, frame.wire_bytes, prev_max)
         else:
@@ -486,12 +636,15 @@ class StreamSubscriber:
                     self._index.apply(batch.events)  # type: ignore[union-attr]
                 except StreamError as exc:
                     failure = exc
+                    self._decode_errors[error_reason(exc)] += 1
                     self._invalidate_locked(f"seq {seq}: {exc}")
                 else:
                     self._sequence = seq
+                    self._count_events_locked(batch.events)
                     self._publish_locked()
             if failure is not None:
-                self._log_unsynchronized(f"seq {seq}: {failure}")
+                self._log_unsynchronized(f"seq {seq}: {failure}",
+                                         _trigger_of(error_reason(failure)))
                 self._restart_recovery()
                 return
             self._expected = seq + 1
@@ -509,12 +662,14 @@ class StreamSubscriber:
             return
         if seq > expected:
             reason = f"sequence gap: expected seq {expected}, got {seq}"
+            trigger = "sequence_gap"
         else:
+            trigger = "sequence_backwards"
             reason = f"sequence went backwards: expected seq {expected}, got {seq}"
             # A backward jump starts a new epoch (restarted engine): later batches of it must
             # not be judged against the old engine's numbers.
             self._max_seen = seq
-        self._invalidate(reason)
+        self._invalidate(reason, trigger)
         self._restart_recovery()
         # The new attempt's snapshot is requested after this batch: buffer it like any other.
         self._on_live_unsynchronized(seq, batch, wire_bytes, None)
@@ -530,7 +685,7 @@ class StreamSubscriber:
             # old engine's. Start over in the new epoch.
             self._max_seen = seq
             self._stream_error(f"sequence went backwards during recovery: got seq {seq} "
-                               f"after {prev_max}")
+                               f"after {prev_max}", "sequence_backwards")
             return
         if self._attempt is None:
             # Backoff: nothing to buffer into; the next snapshot is taken after this batch.
@@ -552,20 +707,29 @@ class StreamSubscriber:
         try:
             index.apply(batch.events)
         except StreamError as exc:
-            self._stream_error(f"seq {seq}: {exc}")
+            reason = error_reason(exc)
+            self._count_locked(self._decode_errors, reason)
+            self._stream_error(f"seq {seq}: {exc}", _trigger_of(reason))
             return
         self._abandon_attempt()
         self._max_seen = seq
+        # Every event of this batch is live: none of its not-indexed counts is a snapshot's.
         self._swap(index, expected=seq + 1, sequence=seq, resync=False,
-                   how=f"AllBlocksCleared batch seq {seq}")
+                   how=f"AllBlocksCleared batch seq {seq}", live_events=batch.events,
+                   stats_base=(0,) * len(_NOT_INDEXED))
 
     # ------------------------------------------------------------------ errors
 
-    def _stream_error(self, reason: str) -> None:
+    def _stream_error(self, reason: str, trigger: str) -> None:
         """An error of the stream: invalidate and recover when synchronized, else fail the
-        attempt in flight (or record the reason while waiting to retry)."""
+        attempt in flight (or record the reason while waiting to retry).
+
+        :param reason: the error text (``/ready``, logs).
+        :param trigger: the :data:`RECOVERY_TRIGGERS` label counted when this ends
+            synchronization.
+        """
         if self._synced:
-            self._invalidate(reason)
+            self._invalidate(reason, trigger)
             self._restart_recovery()
         elif self._attempt is not None:
             self._attempt_failed(StreamError(reason))
@@ -584,6 +748,7 @@ class StreamSubscriber:
 
     def _invalidate_locked(self, reason: str) -> None:
         """Discard the serving index and forget its sequence; caller holds ``_lock``."""
+        self._retire_stats_locked()
         self._index = None
         self._state = StreamState.UNSYNCHRONIZED
         self._error = reason
@@ -592,12 +757,14 @@ class StreamSubscriber:
         self._expected = None
         self._publish_locked()
 
-    def _invalidate(self, reason: str) -> None:
+    def _invalidate(self, reason: str, trigger: str) -> None:
         with self._lock:
             self._invalidate_locked(reason)
-        self._log_unsynchronized(reason)
+        self._log_unsynchronized(reason, trigger)
 
-    def _log_unsynchronized(self, reason: str) -> None:
+    def _log_unsynchronized(self, reason: str, trigger: str) -> None:
+        """The one log line (and recovery count) of a loss of synchronization."""
+        self._count_locked(self._recoveries_started, trigger)
         log.warning("stream %s: unsynchronized: %s", self._name, reason)
 
     # ------------------------------------------------------------------ attempts
@@ -631,6 +798,7 @@ class StreamSubscriber:
             self._attempt_failed(exc)
             return
         self._next_attempt_at = None
+        self._attempt_started = time.monotonic()
         self._poller.register(self._attempt.socket, zmq.POLLIN)  # type: ignore[union-attr]
         if resync:
             log.info("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
@@ -644,6 +812,9 @@ class StreamSubscriber:
         """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed
         resync leaves the stream synchronized and serving."""
         self._abandon_attempt()
+        outcome = ("timeout" if isinstance(exc, SnapshotTimeout) else
+                   "buffer_overflow" if isinstance(exc, BufferOverflow) else "error")
+        self._count_locked(self._snapshot_attempts, outcome)
         self._failures += 1
         delay = _backoff_s(self._failures)
         self._next_attempt_at = time.monotonic() + delay
@@ -665,6 +836,10 @@ class StreamSubscriber:
             return  # a drained message ended this attempt (error, AllBlocksCleared baseline)
         resync = self._synced
         index = result.index
+        # Not-indexed counts of the snapshot itself are not live ones; a recovery's buffered
+        # tail is (it never reached a serving index), a resync's tail was counted when applied.
+        stats_base = _stats_tuple(index.stats)
+        tail: list[Batch] = []
         if result.empty:
             # §7: empty state, unknown watermark: the first live batch becomes the baseline.
             expected: Optional[int] = None
@@ -682,6 +857,7 @@ class StreamSubscriber:
                         raise SnapshotError(f"gap after watermark {_wm(wm)}: expected seq "
                                             f"{expected}, got {seq}")
                     index.apply(batch.events)
+                    tail.append(batch)
                     expected = seq + 1
                     sequence = seq
             except StreamError as exc:
@@ -694,8 +870,18 @@ class StreamSubscriber:
                     f"snapshot watermark {_wm(wm)} is behind applied seq {self._expected - 1}"))
                 return
             how = f"snapshot watermark {_wm(wm)}, {result.messages} messages, tail to seq {_wm(sequence)}"
+        if resync:
+            stats_base = _stats_tuple(index.stats)
+            tail = []
+        started = self._attempt_started
+        duration = time.monotonic() - started if started is not None else 0.0
+        with self._lock:
+            self._snapshot_attempts["ok"] += 1
+            self._snapshot_seconds_sum += duration
+            self._last_snapshot = (duration, result.wire_bytes, result.messages)
         self._abandon_attempt()
-        self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how)
+        self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how,
+                   live_events=[ev for b in tail for ev in b.events], stats_base=stats_base)
 
     def _drain(self) -> None:
         """Handle pending monitor events, then pending live messages (bounded)."""
@@ -708,13 +894,23 @@ class StreamSubscriber:
             self._on_live(frames)
 
     def _swap(self, index: TierIndex, *, expected: Optional[int], sequence: Optional[int],
-              resync: bool, how: str) -> None:
-        """Make ``index`` the serving one, atomically (§6)."""
+              resync: bool, how: str, live_events: Sequence[object] = (),
+              stats_base: tuple[int, ...] = ()) -> None:
+        """Make ``index`` the serving one, atomically (§6).
+
+        :param live_events: live events ``index`` holds that no serving index counted yet
+            (a recovery's buffered tail, an ``AllBlocksCleared`` baseline batch).
+        :param stats_base: ``index.stats`` counts (as :func:`_stats_tuple`) not due to live
+            events, subtracted from the live not-indexed counts.
+        """
         difference = 0
         if resync and self._index is not None:
             # Only this thread writes the serving index, so reading it unlocked is safe.
             difference = index.difference(self._index)
         with self._lock:
+            self._retire_stats_locked()
+            self._stats_base = stats_base or (0,) * len(_NOT_INDEXED)
+            self._count_events_locked(live_events)
             self._index = index
             self._state = StreamState.SYNCHRONIZED
             self._error = None
