@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
+import requests
+
 from .demo import ServiceProcess, free_port_run
 from .errors import ConfigError, KvsvcError, LifecycleError
 from .events import DEVICE
@@ -102,6 +104,8 @@ class SoakOptions:
     :param replay_timeout_ms: the service's §8 ``replay_timeout_ms``.
     :param resync_interval_ms: the service's §8 ``resync_interval_ms``.
     :param ready_timeout_s: bound of the wait for the service's ``/ready``.
+    :param service_log: keep the service's output in this file (default: a temporary file,
+        deleted at the end; its tail is printed if the soak fails to run).
     """
 
     minutes: float = 10.0
@@ -118,6 +122,7 @@ class SoakOptions:
     replay_timeout_ms: int = 500
     resync_interval_ms: int = 5000
     ready_timeout_s: float = 60.0
+    service_log: str = ""
 
     def validate(self) -> None:
         """:raises ValueError: an option out of range."""
@@ -306,6 +311,7 @@ class Soak:
         self.ranks: list[_Rank] = []
         self.down: dict[str, float] = {}          # killed engine name -> restart time
         self._kinds: list[str] = []
+        self.service: Optional[ServiceProcess] = None
         self._next_rank = collections.Counter()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -358,8 +364,9 @@ class Soak:
                     rk.record(None)
                 cfg = Path(tmp) / "kv_events.json"
                 cfg.write_text(json.dumps(self._config(), indent=2), encoding="utf-8")
-                service = ServiceProcess(cfg, free_port_run(1), secrets.token_hex(16),
-                                         Path(tmp) / "service.log")
+                log_path = Path(self.opts.service_log or Path(tmp) / "service.log")
+                service = ServiceProcess(cfg, free_port_run(1), secrets.token_hex(16), log_path)
+                self.service = service
                 service.start(self.opts.ready_timeout_s)
                 print(f"kvsvc soak: {len(self.engines)} engines, {len(self.ranks)} streams, "
                       f"{self.opts.minutes:g} min, fault every {self.opts.fault_interval_s:g} s, "
@@ -528,9 +535,26 @@ class Soak:
         for rk in self.ranks:
             if rk.fault is not None and now - rk.fault[1] > self.opts.fault_timeout_s:
                 self.report.unrecovered += 1
-                log.error("soak: fault %s on %s/dp%d not over after %.0f s", rk.fault[0],
-                          rk.key[0], rk.key[1], self.opts.fault_timeout_s)
+                status = self._stream_status(rk)
+                log.error("soak: fault %s on %s/dp%d not over after %.0f s; engine seq %s "
+                          "(epoch %d); service says %s", rk.fault[0], rk.key[0], rk.key[1],
+                          self.opts.fault_timeout_s, rk.current()[0], rk.epoch, status)
+                if len(self.report.examples) < 10:
+                    self.report.examples.append(
+                        f"unrecovered {rk.fault[0]} on {rk.key[0]}/dp{rk.key[1]}: engine seq "
+                        f"{rk.current()[0]}, service {status}")
                 rk.fault = None
+
+    def _stream_status(self, rk: _Rank) -> Optional[dict]:
+        """The stream's ``/ready`` entry (diagnostics only), ``None`` if unavailable."""
+        if self.service is None:
+            return None
+        try:
+            r = self.service.session.get(self.service.base_url + "/ready", timeout=5.0)
+            return next((s for s in r.json()["streams"]
+                         if (s["instance_name"], s["dp_rank"]) == rk.key), None)
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
 
     # -- faults -----------------------------------------------------------------------------------
 
@@ -651,6 +675,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversation, synthetic or a JSONL path (default conversation)")
     parser.add_argument("--fault-interval-s", type=float, default=d.fault_interval_s,
                         help=f"seconds between faults (default {d.fault_interval_s:g})")
+    parser.add_argument("--service-log", default="",
+                        help="keep the service's output in this file (default: discarded)")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
 
@@ -665,7 +691,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         opts = SoakOptions(minutes=args.minutes, engines=args.engines, seed=args.seed,
-                           trace=args.trace, fault_interval_s=args.fault_interval_s)
+                           trace=args.trace, fault_interval_s=args.fault_interval_s,
+                           service_log=args.service_log)
         report = run_soak(opts)
     except KeyboardInterrupt:
         print("kvsvc soak: interrupted; everything stopped", file=sys.stderr)
