@@ -48,6 +48,7 @@ import flask
 from gunicorn.http.errors import ParseException as GunicornParseError
 import orjson
 from flask import current_app, request
+from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
 from .config import KvEventsConfig, ServiceSettings, check_discovery_needs_etcd
@@ -448,8 +449,6 @@ def _health() -> flask.Response:
 
 
 def _metrics() -> flask.Response:
-    from prometheus_client import CONTENT_TYPE_LATEST
-
     return current_app.response_class(metrics().render(), mimetype=None,
                                       content_type=CONTENT_TYPE_LATEST)
 

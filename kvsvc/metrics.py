@@ -32,7 +32,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -132,8 +132,6 @@ class Metrics:
 
     def render(self) -> bytes:
         """The text exposition of every metric (what ``GET /metrics`` answers)."""
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry)
 
 

@@ -801,7 +801,8 @@ class StreamSubscriber:
         self._attempt_started = time.monotonic()
         self._poller.register(self._attempt.socket, zmq.POLLIN)  # type: ignore[union-attr]
         if resync:
-            log.info("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
+            # Periodic and uneventful (every resync_interval_ms per stream): not a state change.
+            log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
         else:
             with self._lock:
                 self._state = StreamState.RECOVERING
