@@ -82,6 +82,9 @@ FAULT_KINDS = ("drop", "publisher", "restart", "kill", "delay", "truncate", "dis
 
 #: Recorded residency states kept per rank (an answer older than that is "unauditable").
 HISTORY_STATES = 48
+#: After a restart, answers may still describe the previous epoch for this long (the service
+#: learns of it from the disconnect or the backward seq); later such an answer is stale.
+EPOCH_GRACE_S = 2.0
 #: Offset added to trace hash ids on each further pass over the trace (new content).
 PASS_ID_OFFSET = 10_000_000
 
@@ -183,6 +186,9 @@ class SoakReport:
     :param unauditable: synchronized answers at a seq no recorded state has (too old).
     :param epoch_ambiguous: checked answers that differ from the current state but equal the
         state of an earlier epoch with the same seq (a restart not yet seen by the service).
+    :param stale_epoch: synchronized answers at a seq of an earlier epoch that the current one
+        has not reached, more than ``EPOCH_GRACE_S`` after the restart (compared with the
+        current state: false hits if they promise more).
     :param unsync_s: fault kind -> unsynchronized time of every (fault, stream), seconds.
     :param faults: fault kind -> faults injected.
     :param unrecovered: faults not over within ``fault_timeout_s``.
@@ -200,6 +206,7 @@ class SoakReport:
     unsynchronized_hits: int = 0
     unauditable: int = 0
     epoch_ambiguous: int = 0
+    stale_epoch: int = 0
     hit_tokens_checked: int = 0
     unsync_s: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in FAULT_KINDS})
     faults: dict[str, int] = field(default_factory=lambda: {k: 0 for k in FAULT_KINDS})
@@ -226,6 +233,7 @@ class SoakReport:
             ("hits while unsynchronized", f"{self.unsynchronized_hits}"),
             ("unauditable answers (state too old)", f"{self.unauditable}"),
             ("answers exact for an earlier epoch's same seq", f"{self.epoch_ambiguous}"),
+            ("answers still at an earlier epoch's seq after 2 s", f"{self.stale_epoch}"),
             ("recoveries (reported by /ready)",
              "-" if self.recoveries_reported is None else f"{self.recoveries_reported}"),
             ("live messages dropped by faults", f"{self.dropped}"),
@@ -251,6 +259,7 @@ class _Rank:
     history: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=HISTORY_STATES))
     fault: Optional[tuple[str, float]] = None   # (kind, injected at) while a fault is open
+    epoch_started: float = 0.0                   # monotonic time the current epoch began
 
     @property
     def key(self) -> tuple[str, int]:
@@ -260,8 +269,13 @@ class _Rank:
         """Remember the rank's residency after batch ``seq`` (``None``: no batch yet)."""
         self.history.append((self.epoch, seq, self.engine.resident(self.rank)))
 
-    def states_at(self, seq: Optional[int]) -> list[dict[int, int]]:
-        return [res for _, s, res in self.history if s == seq]
+    def states_at(self, seq: Optional[int], now: float = 0.0) -> list[dict[int, int]]:
+        """Recorded states with ``seq``: of any epoch within ``EPOCH_GRACE_S`` of the current
+        epoch's start (the service may not have seen the restart yet), else of the current
+        epoch only (an answer then matching only an older epoch is a stale state, §6)."""
+        any_epoch = now - self.epoch_started <= EPOCH_GRACE_S
+        return [res for ep, s, res in self.history
+                if s == seq and (any_epoch or ep == self.epoch)]
 
     def current(self) -> tuple[Optional[int], dict[int, int]]:
         _, seq, res = self.history[-1]
@@ -495,7 +509,7 @@ class Soak:
                 self.report.checked += 1
                 self.report.hit_tokens_checked += pred[0] + pred[1]
                 if pred != truth_now:
-                    older = [_truth(hashes, res, bs) for res in rk.states_at(seq)[:-1]]
+                    older = [_truth(hashes, res, bs) for res in rk.states_at(seq, now)[:-1]]
                     if pred in older:
                         # The same seq in an earlier epoch (a restart the service has not
                         # seen yet): exact for that state, so neither false nor missed.
@@ -512,9 +526,18 @@ class Soak:
                     rk.fault = None
                 continue
             all_caught_up = all_caught_up and down
-            states = rk.states_at(seq)
+            states = rk.states_at(seq, now)
             if not states:
-                self.report.unauditable += 1
+                if now - rk.epoch_started <= EPOCH_GRACE_S or seq is None or (
+                        cur_seq is not None and seq <= cur_seq):
+                    self.report.unauditable += 1   # too old for the recorded window
+                    continue
+                # A seq the current epoch has not reached, long after the restart: the
+                # service still serves the previous engine's state (§6: stale).
+                self.report.stale_epoch += 1
+                if _false(pred, truth_now):
+                    self.report.false_hits += 1
+                    self._fail("false hit (previous epoch's state)", rk, m, truth_now)
                 continue
             truths = [_truth(hashes, res, bs) for res in states]
             if all(_false(pred, t) for t in truths):
@@ -633,6 +656,7 @@ class Soak:
 
     def _new_epoch(self, rk: _Rank, resident: Optional[dict[int, int]] = None) -> None:
         rk.epoch += 1
+        rk.epoch_started = time.monotonic()
         if resident is None:
             rk.record(None)
         else:
