@@ -139,11 +139,10 @@ def test_cli_short_soak_passes():
     assert re.search(r"\n  verdict +PASS\n", proc.stdout), proc.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="subscriber.py: after a disconnect resets _max_seen, a "
-                   "snapshot swap at watermark W leaves it None; a publisher restarted without a "
-                   "disconnect (seq back to 0) then has its batches 0..W dropped as 'covered by "
-                   "the snapshot' and the stream stays synchronized on the old state (found by "
-                   "the 10-minute soak: 'publisher' fault not over, service at seq 33, engine 17)")
+# Found by the 10-minute soak: after a disconnect reset the connection's highest seq, a
+# snapshot swap at watermark W left nothing seen on the connection; a publisher restarted
+# without a disconnect (seq back to 0) then had its batches 0..W dropped as "covered by the
+# snapshot" and the stream stayed synchronized on the old state.
 def test_publisher_restart_after_reconnect_is_noticed(zmq_ctx):
     from kvsvc.config import KvEventsConfig, StreamConfig
     from kvsvc.index.keys import prompt_keys

@@ -232,10 +232,15 @@ def test_in_flight_duplicates_after_swap_are_dropped_but_repeats_are_not(h):
     sub = h.subscriber(pub)
     pub.wait_subscribed()
     wait_for(lambda: pub.requests == [0], what="snapshot request")
+    # Seq 1 arrives during the recovery (buffered, then covered by the snapshot): this
+    # connection has now seen seq 1.
+    pub.publish([stored([2], 1, blk(2), BS)], seq=1)
+    wait_for(lambda: sub.live_messages == 1, what="seq 1 received")
     pub.set_snapshot([stored([1, 2, 3, 4], None, blk(1, 2, 3, 4), BS)], watermark=3)
     pub.release_replies()
     synced_at(sub, 3)
-    # Batches 2 and 3 were published before the snapshot but arrive after it: covered by it.
+    # Batches 2 and 3 were published before the snapshot but arrive after it: above the highest
+    # seq seen on the connection and not above the watermark, so covered by the snapshot.
     pub.publish([stored([3], 2, blk(3), BS)], seq=2)
     pub.publish([stored([4], 3, blk(4), BS)], seq=3)
     pub.publish([stored([5], 4, blk(5), BS)], seq=4)
@@ -250,6 +255,49 @@ def test_in_flight_duplicates_after_swap_are_dropped_but_repeats_are_not(h):
     pub.release_replies()
     st = synced_at(sub, 4)
     assert (sub.duplicates_dropped, st.recoveries, st.device_blocks) == (2, 2, 4)
+
+
+def test_old_seq_with_nothing_seen_on_the_connection_recovers(h):
+    """With no live batch seen on the connection, an old seq after a swap may be a publisher
+    whose counter restarted after the snapshot (found by the soak): it is not dropped as
+    covered, the stream recovers and serves the new state."""
+    pub = h.publisher()
+    pub.hold_replies()
+    sub = h.subscriber(pub)
+    pub.wait_subscribed()
+    wait_for(lambda: pub.requests == [0], what="snapshot request")
+    pub.set_snapshot([stored([1, 2], None, blk(1, 2), BS)], watermark=5)
+    pub.release_replies()
+    synced_at(sub, 5)
+    assert hits(sub, 1, 2) == (True, 8, 0)
+    # The publisher restarts its counter (new process state: nothing cached) and says so at 0.
+    pub.hold_replies()
+    pub.publish([stored([7], None, blk(7), BS)], seq=0)
+    error_contains(sub, "sequence went backwards: expected seq 6, got 0")
+    assert hits(sub, 1, 2) == (False, 0, 0)
+    pub.set_snapshot([stored([7], None, blk(7), BS)], watermark=0)
+    pub.release_replies()
+    st = synced_at(sub, 0)
+    assert (sub.duplicates_dropped, st.recoveries, st.device_blocks) == (0, 2, 1)
+    assert hits(sub, 1, 2) == (True, 0, 0)
+    assert hits(sub, 7) == (True, 4, 0)
+
+
+def test_resync_behind_the_applied_seq_invalidates(h):
+    """A periodic resync whose watermark is behind the applied seq means the engine's counter
+    restarted unseen: the serving index is stale and must go, not just the attempt."""
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=9,
+                            resync_interval_ms=1000)
+    assert hits(sub, 1) == (True, 4, 0)
+    pub.hold_replies()
+    pub.set_snapshot([], watermark=2)              # the restarted engine: 3 batches, no blocks
+    pub.release_replies(budget=1)                  # lets exactly the resync reply through
+    st = error_contains(sub, "snapshot watermark 2 is behind applied seq 9", timeout_s=5.0)
+    assert (st.sequence, st.device_blocks) == (None, 0)
+    pub.release_replies()
+    st = synced_at(sub, 2)
+    assert (st.device_blocks, st.recoveries) == (0, 2)
+    assert hits(sub, 1) == (True, 0, 0)
 
 
 def test_gap_after_watermark_fails_attempt_then_retry(h):

@@ -652,10 +652,13 @@ class StreamSubscriber:
                 # Background resync: the new index needs this batch too.
                 self._buffer_batch(seq, batch, wire_bytes)
             return
-        if seq < expected and (prev_max is None or seq > prev_max):
+        if seq < expected and prev_max is not None and seq > prev_max:
             # Published before the snapshot we swapped in at watermark >= seq, received after
             # it: already covered. Never a repeat (seq is above anything seen on this
-            # connection), so it cannot hide an engine restart.
+            # connection), so it cannot hide an engine restart. With nothing seen on this
+            # connection yet (prev_max None) an old seq may just as well be a publisher that
+            # restarted its counter after the snapshot: that case recovers (one extra snapshot
+            # at worst), because dropping it could keep a stale index synchronized.
             self._duplicates_dropped += 1
             log.debug("stream %s: dropped seq %d covered by the snapshot (next %d)",
                       self._name, seq, expected)
@@ -866,9 +869,14 @@ class StreamSubscriber:
                                      else SnapshotError(f"seq {seq} after snapshot: {exc}"))
                 return
             if resync and self._expected is not None and expected < self._expected:
-                # A consistent engine cannot do this; serving an older state would be stale.
-                self._attempt_failed(SnapshotError(
-                    f"snapshot watermark {_wm(wm)} is behind applied seq {self._expected - 1}"))
+                # A consistent engine cannot do this: its counter restarted (a new process or
+                # publisher) without a live batch telling us. The serving index describes the
+                # old counter's state, so it must go, not just this attempt.
+                reason = (f"snapshot watermark {_wm(wm)} is behind applied seq "
+                          f"{self._expected - 1}: the engine's sequence restarted")
+                self._abandon_attempt()
+                self._invalidate(reason, "sequence_backwards")
+                self._restart_recovery()
                 return
             how = f"snapshot watermark {_wm(wm)}, {result.messages} messages, tail to seq {_wm(sequence)}"
         if resync:
