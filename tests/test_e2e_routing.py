@@ -276,3 +276,35 @@ def test_write_section_replaces_only_the_routing_section(tmp_path):
     path.write_text(path.read_text() + "\n## tail\n", encoding="utf-8")
     write_section("second", path)
     assert path.read_text() == f"# head\n\nbody\n\n{BEGIN}\nsecond\n{END}\n\n## tail\n"
+
+
+def test_arrivals_spread_buckets_evenly_in_trace_order():
+    from kvsvc.bench_routing import arrival_ms
+    from kvsvc.traces import TraceRequest
+
+    reqs = [TraceRequest(ts, 1, 1, (0,)) for ts in (1000, 1000, 1000, 1000, 4000, 7000, 7000)]
+    assert arrival_ms(reqs, "trace") == [0, 0, 0, 0, 3000, 6000, 6000]
+    # Buckets spread over the gap to the next timestamp; the last over the median gap (3 s).
+    assert arrival_ms(reqs) == [0, 750, 1500, 2250, 3000, 6000, 7500]
+    with pytest.raises(ValueError):
+        arrival_ms(reqs, "poisson")
+
+
+def test_policies_flag_and_targets():
+    from kvsvc.bench_routing import RunResult, parse_policies
+
+    assert parse_policies("RR, CAR:0.5,car:1") == (("RR", None), ("CAR", 0.5), ("CAR", 1.0))
+    for bad in ("", "LEAST", "CAR:2", "RR:1"):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+    rr = RunResult("conversation", "RR", requests=4, prompt_tokens=100, cached_tokens=10,
+                   ideal_ratio=0.3, ttft_ms=[1.0, 2.0, 3.0, 10.0],
+                   per_engine={"a": 2, "b": 2})
+    car = RunResult("conversation", "CAR λ=0.5", requests=4, prompt_tokens=100,
+                    cached_tokens=25, ideal_ratio=0.3, ttft_ms=[1.0, 1.0, 2.0, 5.0],
+                    per_engine={"a": 3, "b": 1})
+    assert (car.hit_ratio, car.load_imbalance, car.ttft(0.9), rr.ttft(0.5)) == \
+        (0.25, 1.5, 5.0, 2.0)
+    assert [ok for _, ok in targets([rr, car])] == [True, True, True, True, True]
+    car.per_engine = {"a": 4, "b": 0}
+    assert [ok for _, ok in targets([rr, car])] == [True, True, False, True, True]

@@ -264,3 +264,61 @@ def test_serving_needs_http_port_and_sane_config():
         ServingConfig(max_num_seqs=0)
     with pytest.raises(ValueError):
         ServingConfig(prefill_us_per_token=0)
+
+
+def test_load_listeners_hear_every_queue_change(engine):
+    calls: list[int] = []
+    engine.serving.add_load_listener(lambda: calls.append(engine.waiting_requests()))
+    requests.post(url(engine), json={"prompt": [1, 2, 3, 4], "max_tokens": 1}, timeout=10)
+    # Joined the queue (1 waiting), then left it for prefill (0 waiting).
+    assert calls == [1, 0]
+
+
+def test_registration_heartbeats_early_on_load_change(etcd_server):
+    import http.server
+
+    from kvsvc.etcd import EtcdClient
+    from kvsvc.sim.registration import MASTER_KEY, EtcdRegistration, Load
+
+    bodies: list[dict] = []
+
+    class Master(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Master)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    client = EtcdClient(etcd_server.addr)
+    waiting = [0]
+    reg = EtcdRegistration(etcd_server.addr, "127.0.0.1:1", 1, lambda: Load(waiting[0], 0.25),
+                           heartbeat_interval_s=60.0, min_heartbeat_gap_s=0.05,
+                           master_refresh_s=60.0)
+    try:
+        client.put(MASTER_KEY, f"127.0.0.1:{server.server_address[1]}")
+        reg.start()
+        wait_for(lambda: len(bodies) == 1, 5.0, what="the first heartbeat")
+        waiting[0] = 3
+        reg.load_changed()
+        reg.load_changed()  # coalesced with the first: one early heartbeat
+        wait_for(lambda: len(bodies) == 2, 5.0, what="the early heartbeat")
+        assert bodies[1]["load_metrics"] == {"waiting_requests_num": 3,
+                                             "gpu_cache_usage_perc": 0.25}
+        # The counter moves once the answer is back, just after the master saw the body.
+        wait_for(lambda: reg.stats().heartbeats_ok == 2, 5.0, what="two heartbeats counted")
+        reg.load_changed()
+        wait_for(lambda: len(bodies) == 3, 5.0, what="a later early heartbeat")
+        wait_for(lambda: reg.stats().heartbeats_ok == 3, 5.0, what="three heartbeats counted")
+        assert len(bodies) == 3
+    finally:
+        reg.close()
+        client.close()
+        server.shutdown()
+        thread.join(5)
+        server.server_close()

@@ -90,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-path", default="",
                         help="tokenizer.json (or its directory) for text prompts; default: "
                              "one token per UTF-8 byte")
+    parser.add_argument("--heartbeat-on-change-ms", type=float, default=0.0,
+                        help="with --serve: heartbeat early when the waiting queue changes, at "
+                             "most once per this many ms (0: only every interval)")
+    parser.add_argument("--master-refresh-s", type=float, default=0.0,
+                        help="re-read the master's address after this long (0: every heartbeat)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -164,7 +169,12 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 args.etcd, f"{args.host}:{args.port}", args.dp,
                 lambda: Load(engine.waiting_requests(), engine.device_usage()),
                 instance_type=RegisteredType[args.type], namespace=args.etcd_namespace,
-                token=token, heartbeat_interval_s=args.heartbeat_interval_s)
+                token=token, heartbeat_interval_s=args.heartbeat_interval_s,
+                min_heartbeat_gap_s=(args.heartbeat_on_change_ms / 1000.0
+                                     if args.heartbeat_on_change_ms > 0 else None),
+                master_refresh_s=args.master_refresh_s)
+            if engine.serving is not None:
+                engine.serving.add_load_listener(registration.load_changed)
             registration.start()
     except (LifecycleError, ConfigError) as exc:
         log.error("%s", exc)

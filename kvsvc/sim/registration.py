@@ -10,8 +10,13 @@ an xLLM engine does it, so the service discovers it with no address list.
 - keeps the lease alive every ``keepalive_interval_s``; a lease that expired anyway (etcd
   restarted, a long stall) is granted again and the key re-put with the same incarnation (a
   refresh: the service keeps the streams);
-- every ``heartbeat_interval_s`` reads the master's address from ``XLLM:SERVICE:MASTER`` and
-  posts ``POST /v1/internal/heartbeat`` with the engine's waiting-queue length and Device usage.
+- every ``heartbeat_interval_s`` posts ``POST /v1/internal/heartbeat`` with the engine's
+  waiting-queue length and Device usage to the master, whose address it reads from
+  ``XLLM:SERVICE:MASTER`` (re-read every ``master_refresh_s``, by default before every
+  heartbeat, and after a failed one);
+- with ``min_heartbeat_gap_s`` set, :meth:`EtcdRegistration.load_changed` asks for an early
+  heartbeat (an engine pushing its load when its queue changes), at most one per
+  ``min_heartbeat_gap_s``, so the router's queue view is not a whole interval old.
 
 ``reincarnate()`` models a process restart (new ``incarnation_id`` and ``register_ts_ms``, same
 address): the service then replaces the instance's streams. ``close()`` revokes the lease
@@ -110,6 +115,11 @@ class EtcdRegistration:
     :param heartbeat_interval_s: heartbeat period, seconds.
     :param etcd_timeout_s: bound of one etcd request, seconds.
     :param http_timeout_s: bound of one heartbeat request, seconds.
+    :param min_heartbeat_gap_s: ``None``: heartbeats only every ``heartbeat_interval_s``;
+        else :meth:`load_changed` triggers one early, at least this many seconds after the
+        previous one.
+    :param master_refresh_s: the master's address is re-read from etcd after this long,
+        seconds (0: before every heartbeat).
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -118,7 +128,9 @@ class EtcdRegistration:
                  instance_type: RegisteredType = RegisteredType.DEFAULT, namespace: str = "",
                  token: Optional[str] = None, lease_ttl_s: int = 3,
                  keepalive_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
-                 etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0) -> None:
+                 etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
+                 min_heartbeat_gap_s: Optional[float] = None,
+                 master_refresh_s: float = 0.0) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -133,6 +145,11 @@ class EtcdRegistration:
         self._lease_ttl_s = int(lease_ttl_s)
         self._keepalive_interval_s = keepalive_interval_s
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._min_gap_s = min_heartbeat_gap_s
+        self._master_refresh_s = master_refresh_s
+        # (address, monotonic time read) of the master; registration thread only.
+        self._master: Optional[tuple[str, float]] = None
+        self._load_dirty = threading.Event()
         self._etcd_timeout_s = etcd_timeout_s
         self._http_timeout_s = http_timeout_s
         # Guards the identity and the counters (read by other threads).
@@ -193,6 +210,13 @@ class EtcdRegistration:
         log.info("sim %s: reincarnated as %s", self.name, new_id)
         return new_id
 
+    def load_changed(self) -> None:
+        """The engine's load changed: heartbeat early (within ``min_heartbeat_gap_s`` of the
+        previous one). Thread-safe and cheap; a no-op without ``min_heartbeat_gap_s``."""
+        if self._min_gap_s is not None and not self._load_dirty.is_set():
+            self._load_dirty.set()
+            self._wake.set()
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
@@ -251,6 +275,7 @@ class EtcdRegistration:
         lease_id: Optional[int] = None
         etcd_ok: Optional[bool] = None
         next_keepalive = next_heartbeat = time.monotonic()
+        last_heartbeat = float("-inf")
         self._running.set()
         try:
             while not self._stop.is_set():
@@ -268,10 +293,17 @@ class EtcdRegistration:
                     etcd_ok = False
                 if now >= next_keepalive:
                     next_keepalive = now + self._keepalive_interval_s
-                if now >= next_heartbeat:
+                early = (self._load_dirty.is_set() and self._min_gap_s is not None
+                         and now >= last_heartbeat + self._min_gap_s)
+                if now >= next_heartbeat or early:
+                    self._load_dirty.clear()
+                    last_heartbeat = now
                     next_heartbeat = now + self._heartbeat_interval_s
                     self._heartbeat(client, http)
-                delay = min(next_keepalive, next_heartbeat) - time.monotonic()
+                due = min(next_keepalive, next_heartbeat)
+                if self._load_dirty.is_set() and self._min_gap_s is not None:
+                    due = min(due, last_heartbeat + self._min_gap_s)
+                delay = due - time.monotonic()
                 self._wake.wait(max(0.0, delay))
                 self._wake.clear()
         finally:
@@ -317,12 +349,8 @@ class EtcdRegistration:
         """One heartbeat to the master found in etcd (§9); failures are counted and logged on
         change only."""
         status: Optional[int] = None
-        try:
-            master = client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
-        except EtcdError:
-            master = None
-        if master is not None:
-            address = master_address(master.value)
+        address = self._master_address(client)
+        if address is not None:
             load = self._load()
             body = {"name": self.name, "incarnation_id": self.incarnation_id,
                     "load_metrics": {"waiting_requests_num": load.waiting_requests_num,
@@ -333,6 +361,8 @@ class EtcdRegistration:
                                    timeout=self._http_timeout_s).status_code
             except requests.RequestException:
                 status = None
+            if status != 200:
+                self._master = None  # the master may have changed: read it again next time
         with self._lock:
             before = self._stats.last_heartbeat_status
             self._stats = _bump(self._stats, heartbeats_ok=1 if status == 200 else 0,
@@ -341,6 +371,20 @@ class EtcdRegistration:
         if status != before:
             log.info("sim %s: heartbeat answered %s", self.name,
                      status if status is not None else "nothing (no master or unreachable)")
+
+
+    def _master_address(self, client: EtcdClient) -> Optional[str]:
+        """The master's address, read from etcd at most every ``master_refresh_s``; ``None``
+        when there is none or etcd cannot be read."""
+        now = time.monotonic()
+        if self._master is not None and now - self._master[1] < self._master_refresh_s:
+            return self._master[0]
+        try:
+            master = client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
+        except EtcdError:
+            master = None
+        self._master = (master_address(master.value), now) if master is not None else None
+        return self._master[0] if self._master is not None else None
 
 
 def master_address(value: bytes) -> str:

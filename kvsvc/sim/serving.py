@@ -317,7 +317,17 @@ class Serving:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._ids = itertools.count(1)
-        self._counts = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on a request thread, no lock held; it must be quick) whenever
+        the waiting queue changes, e.g. :meth:`~kvsvc.sim.registration.EtcdRegistration.load_changed`."""
+        self._listeners.append(listener)
+
+    def _load_changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -431,8 +441,14 @@ class Serving:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if _peer_closed(conn, min(left, _CHECK_S)):
+            step = min(left, _CHECK_S)
+            started = time.monotonic()
+            if _peer_closed(conn, step):
                 raise Disconnected("client closed")
+            if time.monotonic() - started < step / 2:
+                # Readable but not closed: the client sent more bytes (never read); wait on
+                # close() instead so that this does not spin.
+                self._closing.wait(step)
 
     def _prefill(self, req: SimRequest, conn: socket.socket) -> tuple[Prefilled, int]:
         """Queue, then prefill (executing the prompt on the rank). Returns the prefill outcome
@@ -444,6 +460,7 @@ class Serving:
         cfg = self.config
         with q.cond:
             q.waiting.append(ticket)
+        self._load_changed()
         try:
             while True:
                 with q.cond:
@@ -463,7 +480,9 @@ class Serving:
                 if ticket in q.waiting:
                     q.waiting.remove(ticket)
                 q.cond.notify_all()
+            self._load_changed()
             raise
+        self._load_changed()
         try:
             admitted = time.monotonic()
             queue_ms = (admitted - arrived) * 1000.0 * cfg.time_scale
