@@ -599,9 +599,9 @@ def report(results: Sequence[RunResult], opts: BenchOptions) -> str:
               "a burst is routed on the same load report, so CAR piles the burst onto the "
               "engines holding common prefixes (measured: max/mean 1.6-2.0, TTFT p90 above "
               "RR's). The default spreads each bucket evenly over its 3 seconds.",
-              "- CAR λ=0.5 is unstable on the conversation trace even then: over 4 runs with "
+              "- CAR λ=0.5 is unstable on the conversation trace even then: over 3 runs with "
               "the defaults its max/mean load was 1.29-1.81 and its TTFT p90 1951-2725 ms "
-              "against RR's 2231-2426 ms (hit 85-97% of the ideal, about 3x RR, in every "
+              "against RR's 2231-2585 ms (hit 87-97% of the ideal, 3.0-3.6x RR, in every "
               "run). Cause: §11's queue term only moves when an engine heartbeats; requests "
               "the router sent since an instance's last report are invisible, and the "
               "max-normalised cost jumps from 0 to its full weight at one waiting request. "
