@@ -168,6 +168,8 @@ def test_publisher_restart_after_reconnect_is_noticed(zmq_ctx):
         eng.disconnect(0)                                   # reconnect + snapshot at seq 3
         wait_for(lambda: (lambda st: st.recoveries == 2 and st.sequence == 3
                           and st.state.value == "synchronized")(sub.status()), what="resync")
+        # Live batches reach only a subscriber the re-bound socket already knows.
+        wait_for(lambda: eng.subscriptions(0) >= 1, what="resubscription")
         eng.restart_publisher(0)
         eng.execute([t + 5000 for t in a], 0)               # new seq 0: evicts A
         assert eng.true_prefix(0, a) == (0, 0)
