@@ -159,6 +159,40 @@ def churn_payloads(n_stored: int, seed: int, blocks_per_event: int = 16,
     return out, 2 * n_stored * blocks_per_event
 
 
+def chain_events(tokens: Sequence[int], first_hash: int, blocks_per_event: int = 16) -> list[dict]:
+    """Root-chained ``BlockStored`` events covering ``tokens`` (whole blocks), hashes from
+    ``first_hash`` on; each event's parent is the previous event's last block."""
+    out = []
+    parent = None
+    n_blocks = len(tokens) // BLOCK_SIZE
+    for b in range(0, n_blocks, blocks_per_event):
+        k = min(blocks_per_event, n_blocks - b)
+        hashes = list(range(first_hash + b, first_hash + b + k))
+        out.append(stored_map(hashes, parent, tokens[b * BLOCK_SIZE:(b + k) * BLOCK_SIZE],
+                              BLOCK_SIZE))
+        parent = hashes[-1]
+    return out
+
+
+def bind_stream_sockets(ctx: zmq.Context, streams: Sequence["ServedStream"],
+                        sndhwm: Optional[int] = None) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
+    """One bound ``XPUB`` (live) and ``ROUTER`` (snapshot) per stream, linger 0, for a
+    benchmark's server process; the caller closes them. ``sndhwm`` 0 = never drop."""
+    pubs, routers = [], []
+    for s in streams:
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:
+            pub.setsockopt(zmq.SNDHWM, sndhwm)
+        pub.bind(s.endpoint)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(s.replay_endpoint)
+        pubs.append(pub)
+        routers.append(router)
+    return pubs, routers
+
+
 def snapshot_payloads(events: Sequence[dict], events_per_message: int = 64) -> list[bytes]:
     """Snapshot reply payloads (§7) of ``events``, ``events_per_message`` per batch."""
     return [batch(events[i:i + events_per_message])
@@ -193,16 +227,7 @@ def _serve(streams: list[ServedStream], ready, go, stop, subscribed) -> None:
     ctx = zmq.Context()
     pubs, routers = [], []
     try:
-        for s in streams:
-            pub = ctx.socket(zmq.XPUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.SNDHWM, 0)
-            pub.bind(s.endpoint)
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(s.replay_endpoint)
-            pubs.append(pub)
-            routers.append(router)
+        pubs, routers = bind_stream_sockets(ctx, streams, sndhwm=0)
         empty = [batch([])]
         poller = zmq.Poller()
         for sock in pubs + routers:

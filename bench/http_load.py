@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import requests
@@ -32,7 +31,8 @@ from ._common import (
     token_pool,
     wait_until,
 )
-from .query import _events, _filler
+from ._common import chain_events
+from .query import _filler
 from tests.util import free_port
 
 QUERY_TOKENS = 4096
@@ -61,7 +61,7 @@ def bench_http(seconds: int = 10, connections: int = 32) -> Result:
     pool = token_pool(QUERY_TOKENS + 2048 * 128, seed=17)
     prompt, rest = pool[:QUERY_TOKENS], pool[QUERY_TOKENS:]
     streams = make_streams(N_STREAMS)
-    with_prompt = snapshot_payloads(_events(prompt, 1) + _filler(rest, 2048 - QUERY_TOKENS // 128))
+    with_prompt = snapshot_payloads(chain_events(prompt, 1) + _filler(rest, 2048 - QUERY_TOKENS // 128))
     without = snapshot_payloads(_filler(rest, 2048))
     for i, s in enumerate(streams):
         s.snapshot = with_prompt if i == 0 else without

@@ -49,12 +49,13 @@ from ._common import (
     Result,
     ServedStream,
     all_synchronized,
+    bind_stream_sockets,
+    chain_events,
     check_fork_safe,
     directory_config,
     make_streams,
     percentile,
     snapshot_payloads,
-    stored_map,
     token_pool,
     wait_until,
 )
@@ -67,33 +68,12 @@ IDLE_SAMPLES_PER_ROUND = 400
 _FORK = mp.get_context("fork")
 
 
-def _chain_events(tokens: Sequence[int], first_hash: int, per_event: int = 16) -> list[dict]:
-    """Root-chained BlockStored events covering ``tokens`` (whole blocks)."""
-    out, parent = [], None
-    n = len(tokens) // BLOCK_SIZE
-    for b in range(0, n, per_event):
-        k = min(per_event, n - b)
-        hashes = list(range(first_hash + b, first_hash + b + k))
-        out.append(stored_map(hashes, parent, tokens[b * BLOCK_SIZE:(b + k) * BLOCK_SIZE],
-                              BLOCK_SIZE))
-        parent = hashes[-1]
-    return out
-
-
 def _serve(streams: list[ServedStream], ready, stop, trigger, subscribed) -> None:
     """Server process: snapshots on demand; one malformed live message per stream per trigger."""
     ctx = zmq.Context()
     pubs, routers = [], []
     try:
-        for s in streams:
-            pub = ctx.socket(zmq.XPUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.bind(s.endpoint)
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(s.replay_endpoint)
-            pubs.append(pub)
-            routers.append(router)
+        pubs, routers = bind_stream_sockets(ctx, streams)
         poller = zmq.Poller()
         for sock in pubs + routers:
             poller.register(sock, zmq.POLLIN)
@@ -140,12 +120,12 @@ def bench_load_recovering(rounds: int = ROUNDS) -> Result:
     prompt, rest = pool[:PROMPT_TOKENS], pool[PROMPT_TOKENS:]
     n_prompt = PROMPT_TOKENS // BLOCK_SIZE
     filler_tokens = rest[:(BLOCKS_PER_STREAM - n_prompt // 2) * BLOCK_SIZE]
-    full = snapshot_payloads(_chain_events(prompt, 1)
-                             + _chain_events(rest[:(BLOCKS_PER_STREAM - n_prompt) * BLOCK_SIZE],
+    full = snapshot_payloads(chain_events(prompt, 1)
+                             + chain_events(rest[:(BLOCKS_PER_STREAM - n_prompt) * BLOCK_SIZE],
                                              1_000_000))
-    half = snapshot_payloads(_chain_events(prompt[:PROMPT_TOKENS // 2], 1)
-                             + _chain_events(filler_tokens, 1_000_000))
-    none = snapshot_payloads(_chain_events(rest, 1_000_000))
+    half = snapshot_payloads(chain_events(prompt[:PROMPT_TOKENS // 2], 1)
+                             + chain_events(filler_tokens, 1_000_000))
+    none = snapshot_payloads(chain_events(rest, 1_000_000))
     streams = make_streams(N_STREAMS)
     for i, s in enumerate(streams):
         s.snapshot = full if i == 0 else half if i <= 8 else none

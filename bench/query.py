@@ -28,11 +28,11 @@ from ._common import (
     Result,
     StreamServer,
     all_synchronized,
+    chain_events,
     directory_config,
     make_streams,
     percentile,
     snapshot_payloads,
-    stored_map,
     token_pool,
     wait_until,
 )
@@ -42,27 +42,12 @@ BLOCKS_PER_STREAM = 2048
 PROMPT_TOKENS = 16_384
 
 
-def _events(tokens: list[int], first_hash: int, blocks_per_event: int = 16) -> list[dict]:
-    """Root-chained ``BlockStored`` events covering ``tokens`` (whole blocks), hashes from
-    ``first_hash`` on; each event's parent is the previous event's last block."""
-    out = []
-    parent = None
-    n_blocks = len(tokens) // BLOCK_SIZE
-    for b in range(0, n_blocks, blocks_per_event):
-        k = min(blocks_per_event, n_blocks - b)
-        hashes = list(range(first_hash + b, first_hash + b + k))
-        out.append(stored_map(hashes, parent, tokens[b * BLOCK_SIZE:(b + k) * BLOCK_SIZE],
-                              BLOCK_SIZE))
-        parent = hashes[-1]
-    return out
-
-
 def _filler(pool: list[int], n_blocks: int) -> list[dict]:
     """``n_blocks`` blocks unrelated to the prompt, as independent 16-block chains."""
     out = []
     for c in range(0, n_blocks, 16):
         k = min(16, n_blocks - c)
-        out += _events(pool[c * BLOCK_SIZE:(c + k) * BLOCK_SIZE], 1_000_000 + c)
+        out += chain_events(pool[c * BLOCK_SIZE:(c + k) * BLOCK_SIZE], 1_000_000 + c)
     return out
 
 
@@ -72,8 +57,8 @@ def bench_query(rounds: int = 3000) -> Result:
     pool = token_pool(PROMPT_TOKENS + BLOCKS_PER_STREAM * BLOCK_SIZE, seed=5)
     prompt, rest = pool[:PROMPT_TOKENS], pool[PROMPT_TOKENS:]
     n_prompt = PROMPT_TOKENS // BLOCK_SIZE
-    full = snapshot_payloads(_events(prompt, 1) + _filler(rest, BLOCKS_PER_STREAM - n_prompt))
-    half = snapshot_payloads(_events(prompt[:PROMPT_TOKENS // 2], 1)
+    full = snapshot_payloads(chain_events(prompt, 1) + _filler(rest, BLOCKS_PER_STREAM - n_prompt))
+    half = snapshot_payloads(chain_events(prompt[:PROMPT_TOKENS // 2], 1)
                              + _filler(rest, BLOCKS_PER_STREAM - n_prompt // 2))
     none = snapshot_payloads(_filler(rest, BLOCKS_PER_STREAM))
     streams = make_streams(N_STREAMS)

@@ -45,7 +45,8 @@ from ._common import (
     token_pool,
     wait_until,
 )
-from .query import _events, _filler
+from ._common import chain_events
+from .query import _filler
 
 SNAPSHOT_BLOCKS = 262_144
 PROMPT_BLOCKS = 128
@@ -140,7 +141,7 @@ def bench_snapshot() -> Result:
     prompt, rest = pool[:QUERY_TOKENS], pool[QUERY_TOKENS:]
     n_prompt = QUERY_TOKENS // BLOCK_SIZE
     others = make_streams(16)
-    with_prompt = snapshot_payloads(_events(prompt, 1) + _filler(rest, 2048 - n_prompt))
+    with_prompt = snapshot_payloads(chain_events(prompt, 1) + _filler(rest, 2048 - n_prompt))
     without = snapshot_payloads(_filler(rest, 2048))
     for i, s in enumerate(others):
         s.snapshot = with_prompt if i == 0 else without

@@ -46,3 +46,18 @@ def etcd_server():
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def raw_engine(zmq_ctx):
+    """A started :class:`tests.publisher.ProtocolPublisher` on free loopback ports (a protocol
+    engine whose every batch the test chooses), closed after the test."""
+    from tests.publisher import ProtocolPublisher
+    from tests.util import free_ports
+
+    event_port, replay_port = free_ports(2)
+    pub = ProtocolPublisher(zmq_ctx, event_port, replay_port).start()
+    try:
+        yield pub
+    finally:
+        pub.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import flask
 import prometheus_client
@@ -18,7 +18,7 @@ from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_
 from kvsvc.etcd import EtcdClient
 from kvsvc.metrics import METRICS_EXTENSION
 from kvsvc.streams.frame import encode_live
-from tests.publisher import ProtocolPublisher, removed, stored
+from tests.publisher import removed, stored
 from tests.util import free_port, free_ports, wait_for
 
 TOKEN = "metrics-test-token"
@@ -72,16 +72,6 @@ def scrape(client, headers: Optional[dict] = None) -> Scrape:
     return Scrape(response.get_data(as_text=True))
 
 
-@pytest.fixture
-def engine(zmq_ctx) -> Iterator[ProtocolPublisher]:
-    event_port, replay_port = free_ports(2)
-    pub = ProtocolPublisher(zmq_ctx, event_port, replay_port).start()
-    try:
-        yield pub
-    finally:
-        pub.close()
-
-
 def running(settings_kwargs: dict, kv_config: Optional[KvEventsConfig]):
     settings = load_service_settings(**settings_kwargs)
     app = create_app(settings, kv_config)
@@ -124,19 +114,19 @@ def check_stream_label_sets(m: Scrape) -> None:
         assert m.labels(name) == {frozenset({"instance", "dp_rank", *extra})}, name
 
 
-def test_stream_metrics_count_exactly_what_the_engine_sent(engine):
-    engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
-    app = running({"internal_api_token": TOKEN}, stream_config(engine.event_port,
-                                                               engine.replay_port))
+def test_stream_metrics_count_exactly_what_the_engine_sent(raw_engine):
+    raw_engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
+    app = running({"internal_api_token": TOKEN}, stream_config(raw_engine.event_port,
+                                                               raw_engine.replay_port))
     try:
         client = app.test_client()
         wait_for(lambda: status(app).synchronized_once, timeout_s=10, what="first snapshot")
-        engine.wait_subscribed()
-        engine.publish([stored([3], 2, range(8, 12), BS)])                       # seq 0
-        engine.publish([stored([10, 11], None, range(8), BS, lora_id=7)])        # 1: excluded
-        engine.publish([stored([20], None, range(4), BS, medium="disk")])        # 2: other medium
-        engine.publish([removed([3])])                                           # 3
-        engine.publish([stored([30], None, range(100, 104), BS, medium="cpu")])  # 4: Host
+        raw_engine.wait_subscribed()
+        raw_engine.publish([stored([3], 2, range(8, 12), BS)])                       # seq 0
+        raw_engine.publish([stored([10, 11], None, range(8), BS, lora_id=7)])        # 1: excluded
+        raw_engine.publish([stored([20], None, range(4), BS, medium="disk")])        # 2: other medium
+        raw_engine.publish([removed([3])])                                           # 3
+        raw_engine.publish([stored([30], None, range(100, 104), BS, medium="cpu")])  # 4: Host
         wait_for(lambda: status(app).sequence == 4, timeout_s=10, what="seq 4 applied")
         for _ in range(2):
             assert client.post(QUERY_PATH, json={"token_ids": list(range(8))},
@@ -183,8 +173,8 @@ def test_stream_metrics_count_exactly_what_the_engine_sent(engine):
 
         # A payload that is not MessagePack (seq 5): one decode error, one recovery it
         # triggered, then a second snapshot (state at watermark 5) swapped in.
-        engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=5)
-        engine._send(encode_live(b"", 5, b"\xc1"))
+        raw_engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=5)
+        raw_engine._send(encode_live(b"", 5, b"\xc1"))
         wait_for(lambda: status(app).recoveries == 2 and status(app).sequence == 5,
                  timeout_s=10, what="second snapshot")
         m = scrape(client)
@@ -338,20 +328,20 @@ def test_health_touches_neither_registry_nor_directory(monkeypatch):
         svc.close(timeout_s=5.0)
 
 
-def test_ready_static_streams_ignore_registry_freshness_but_need_a_first_sync(engine):
+def test_ready_static_streams_ignore_registry_freshness_but_need_a_first_sync(raw_engine):
     """Static streams + unreachable etcd: 503 until the stream synchronized once, then 200
     with the registry reported not fresh."""
     dead_etcd = f"127.0.0.1:{free_port()}"
-    engine.hold_replies()
-    app = running({"etcd_addr": dead_etcd}, stream_config(engine.event_port, engine.replay_port))
+    raw_engine.hold_replies()
+    app = running({"etcd_addr": dead_etcd}, stream_config(raw_engine.event_port, raw_engine.replay_port))
     svc = app.extensions[EXTENSION]
     try:
         client = app.test_client()
-        wait_for(lambda: engine.requests, timeout_s=10, what="snapshot request")
+        wait_for(lambda: raw_engine.requests, timeout_s=10, what="snapshot request")
         first = client.get("/ready")
         assert first.status_code == 503
         assert first.get_json()["streams"][0]["synchronized_once"] is False
-        engine.release_replies()
+        raw_engine.release_replies()
         wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=10, what="ready")
         body = client.get("/ready").get_json()
         assert (body["ready"], body["registry"]["fresh"], body["streams"][0]["state"],

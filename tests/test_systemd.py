@@ -14,15 +14,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.server import GRACEFUL_TIMEOUT_S, STREAM_TIMEOUT_S
-from tests.publisher import ProtocolPublisher, removed, stored
-from tests.util import free_port, free_ports, wait_for
+from tests.publisher import removed, stored
+from tests.util import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "config" / "kvsvc.service"
@@ -218,24 +218,14 @@ def wait_healthy(run: Running, base: str) -> None:
     wait_for(healthy, timeout_s=30, interval_s=0.05, what="/health")
 
 
-@pytest.fixture
-def engine(zmq_ctx) -> Iterator[ProtocolPublisher]:
-    event_port, replay_port = free_ports(2)
-    pub = ProtocolPublisher(zmq_ctx, event_port, replay_port).start()
-    try:
-        yield pub
-    finally:
-        pub.close()
-
-
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
     return {(s.name, frozenset(s.labels.items())): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, engine):
-    dep = Deployment(tmp_path, engine.event_port, engine.replay_port)
-    engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
+def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine):
+    dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port)
+    raw_engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
 
     pre = subprocess.run(command(one(dep.svc, "ExecStartPre"), dep.creds), env=dep.env,
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -256,10 +246,10 @@ def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, engine):
         wait_healthy(run, dep.base)
         wait_for(lambda: requests.get(dep.base + "/ready", timeout=2).status_code == 200,
                  timeout_s=15, what="/ready 200")
-        engine.wait_subscribed()
-        engine.publish([stored([3], 2, range(8, 12), BS)])                  # seq 0
-        engine.publish([stored([9], None, range(4), BS, medium="disk")])    # 1: other medium
-        engine.publish([removed([3])])                                      # 2
+        raw_engine.wait_subscribed()
+        raw_engine.publish([stored([3], 2, range(8, 12), BS)])                  # seq 0
+        raw_engine.publish([stored([9], None, range(4), BS, medium="disk")])    # 1: other medium
+        raw_engine.publish([removed([3])])                                      # 2
 
         def seq2() -> bool:
             body = requests.get(dep.base + "/ready", timeout=2).json()
@@ -303,7 +293,7 @@ def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, engine):
     assert TOKEN not in run.log()
 
 
-def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, engine):
+def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, raw_engine):
     """ExecStartPre fails (exit 2, field named) for each class of setting serve validates: the
     token source, the §8 file, the discovery/etcd rule, the routing flags."""
     cases = [
@@ -318,7 +308,7 @@ def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, engine):
     for i, (extra, token_state, field) in enumerate(cases):
         case_dir = tmp_path / f"case{i}"
         case_dir.mkdir()
-        dep = Deployment(case_dir, engine.event_port, engine.replay_port, extra)
+        dep = Deployment(case_dir, raw_engine.event_port, raw_engine.replay_port, extra)
         if token_state == "missing":
             (dep.creds / "token").unlink()
         proc = subprocess.run(command(one(dep.svc, "ExecStartPre"), dep.creds), env=dep.env,
