@@ -115,8 +115,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 def token_pool(n: int, seed: int) -> list[int]:
     """``n`` random token ids in ``[0, VOCAB)`` as a list of Python ints (like decoded JSON or
     MessagePack would give)."""
-    import numpy as np  # only the bench needs it; fast bulk random numbers
-    return np.random.default_rng(seed).integers(0, VOCAB, size=n, dtype=np.int64).tolist()
+    # random.choices over a range object draws in C without a per-item Python call.
+    return random.Random(seed).choices(range(VOCAB), k=n)
 
 
 def stored_map(hashes: Sequence[int], parent: Optional[int], tokens: Sequence[int],

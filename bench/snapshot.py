@@ -19,6 +19,7 @@ Steps, all in one run:
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import threading
 import time
 from typing import Optional
@@ -56,17 +57,15 @@ _FORK = mp.get_context("fork")
 
 def _run_sim(event_port: int, replay_port: int, ready, stop) -> None:
     """Sim process: fill one rank to exactly ``SNAPSHOT_BLOCKS`` Device blocks, then serve."""
-    import numpy as np
-
     from kvsvc.sim.engine import SimEngine
 
     engine = SimEngine("bench-sim:1", event_port, replay_port, device_blocks=SNAPSHOT_BLOCKS,
                        max_snapshot_message_bytes=1 << 20)
     engine.start()
     try:
-        rng = np.random.default_rng(11)
+        rng = random.Random(11)
         for _ in range(SNAPSHOT_BLOCKS // PROMPT_BLOCKS):
-            prompt = rng.integers(0, 150_000, size=PROMPT_BLOCKS * BLOCK_SIZE).tolist()
+            prompt = rng.choices(range(150_000), k=PROMPT_BLOCKS * BLOCK_SIZE)
             engine.execute(prompt, rank=0)
         ready.set()
         stop.wait(900)
