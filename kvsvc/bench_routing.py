@@ -488,7 +488,7 @@ def _replay(client: _Client, reqs: Sequence[TraceRequest], bodies: Sequence[byte
     order = sorted(range(len(reqs)), key=lambda i: (at[i], i))
     by_index: dict[int, concurrent.futures.Future] = {}
     for i in order:
-        req, body = reqs[i], bodies[i]
+        body = bodies[i]
         due = t0 + at[i] / 1000.0 / time_scale
         delay = due - time.monotonic()
         if delay > 0:
@@ -595,22 +595,22 @@ def report(results: Sequence[RunResult], opts: BenchOptions) -> str:
               "uncached token), so TTFT = FIFO queue wait + prefill; `waiting_requests_num` is "
               "the queue of requests not yet prefilling, heartbeated periodically (§9).",
               "- The conversation trace is recorded in 3-second buckets (up to 28 requests "
-              "share one timestamp). Replayed as bursts (`--arrivals trace`), every request of "
-              "a burst is routed on the same load report, so CAR piles the burst onto the "
-              "engines holding common prefixes (measured: max/mean 1.6-2.0, TTFT p90 above "
-              "RR's). The default spreads each bucket evenly over its 3 seconds.",
-              "- CAR λ=0.5 is unstable on the conversation trace even then: over 3 runs with "
-              "the defaults its max/mean load was 1.29-1.81 and its TTFT p90 1951-2725 ms "
-              "against RR's 2231-2585 ms (hit 87-97% of the ideal, 3.0-3.6x RR, in every "
-              "run). Cause: §11's queue term only moves when an engine heartbeats; requests "
-              "the router sent since an instance's last report are invisible, and the "
-              "max-normalised cost jumps from 0 to its full weight at one waiting request. "
-              "Fresher heartbeats alone (`--heartbeat-gap-s`) did not help. A prototype "
-              "router that adds its own dispatches since each instance's last report to "
-              "`waiting_requests_num` (not merged; policy/routes change) measured max/mean "
-              "1.11 and TTFT p90 1810 vs RR 2255 ms (hit 79% of ideal, 2.7x RR) with spread "
-              "arrivals, and 1.05 and 2354 vs 2669 ms (80% of ideal, 3.2x RR) with the "
-              "recorded bursts.",
+              "share one timestamp); the default spreads each bucket evenly over its 3 "
+              "seconds (`--arrivals trace` replays the recorded bursts).",
+              "- CAR's queue term counts the router's own requests (README \"Where the spec is "
+              "silent\"): §11's `waiting_requests_num` only moves when an engine heartbeats, so "
+              "the router adds the requests it has in flight to an instance that it sent after "
+              "the instance's last report, less one after a report of an empty queue (that "
+              "one is admitted, not queued). Without it, over 3 runs CAR λ=0.5 had max/mean "
+              "1.29-1.81 and TTFT p90 1951-2725 ms against RR's 2231-2585 ms: a burst "
+              "sharing a prefix all landed on the engine caching it.",
+              "- Spread over 4 earlier runs of RR and CAR λ=0.5 (conversation, defaults, on a "
+              "shared 2-core machine whose load varied between runs): CAR hit 89.0-91.1% of "
+              "the ideal, 2.80-3.02x RR, max/mean 1.08-1.32, TTFT p90 0.83-1.03x RR's "
+              "(better in 3 of 4; RR's own p90 moved 1812-2127 ms between runs). Counting "
+              "every request sent after the report (without the admitted one) balanced "
+              "harder, max/mean 1.06-1.09 and TTFT p90 0.78-0.89x RR's, but cached less: "
+              "76.5-88.2% of the ideal over 2 runs and 71.5% with `--arrivals trace`.",
               "- CAR λ=1 ignores the queue entirely: every request with any cached prefix "
               "(even one shared system-prompt block) goes to the engine holding it, which can "
               "take the whole load (max/mean up to 8.00 with 8 engines) and queue for minutes; "

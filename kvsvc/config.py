@@ -334,6 +334,11 @@ class ServiceSettings(BaseSettings):
     """Bound of the wait for an upstream's response head and between body reads, seconds."""
     max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
     """Largest OpenAI request body accepted, bytes (413 above)."""
+    worker_threads: Annotated[int, Field(ge=4, le=4096)] = 128
+    """Threads of the one gunicorn gthread worker: requests served at once. Each proxied
+    request holds one for its whole duration (a streamed answer: until its last token), so
+    this caps the requests in flight to all instances together; also the proxy's kept-alive
+    connections per instance. At least 4: heartbeats and ``/ready`` share these threads."""
 
     @field_validator("load_balance_policy")
     @classmethod

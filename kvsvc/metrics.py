@@ -71,6 +71,9 @@ class Metrics:
     :param service: the app's :class:`~kvsvc.app.Service` (read at scrape time only).
     :param upstream_retries: callable returning the proxy's retry count, or ``None`` before
         routing is set up (:func:`kvsvc.routes.init_app` sets :attr:`upstream_retries`).
+    :ivar upstream_in_flight: callable returning instance -> requests this worker has in flight
+        to it (:meth:`kvsvc.policy.InFlight.counts`), or ``None`` before routing is set up
+        (:func:`kvsvc.routes.init_app` sets it).
 
     :ivar registry: the app's own ``CollectorRegistry``.
     :ivar query_seconds: histogram of ``POST /v1/internal/kv-cache/query`` handling, seconds
@@ -88,6 +91,7 @@ class Metrics:
                  upstream_retries: Optional[Callable[[], int]] = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.upstream_retries = upstream_retries
+        self.upstream_in_flight: Optional[Callable[[], dict[str, int]]] = None
         reg = self.registry
         self.query_seconds = Histogram(
             "kvsvc_query_duration_seconds", "KV-cache query request handling time (§10).",
@@ -173,6 +177,20 @@ class ServiceCollector(Collector):
                 "kvsvc_proxy_upstream_retries_total",
                 "Upstream attempts on the next-best prefill after one failed before the "
                 "first byte.", retries())
+        in_flight = self._metrics.upstream_in_flight
+        if in_flight is not None:
+            counts = in_flight()
+            if svc.registry is not None:
+                # Registered instances with nothing in flight show 0 rather than no series.
+                counts = {**dict.fromkeys(svc.registry.snapshot().instances, 0), **counts}
+            family = GaugeMetricFamily(
+                "kvsvc_proxy_in_flight_requests",
+                "Requests this worker has sent to the instance and not finished relaying "
+                "(CAR adds those sent after the last load report to its waiting).",
+                labels=("instance",))
+            for name, count in sorted(counts.items()):
+                family.add_metric((name,), float(count))
+            yield family
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -19,6 +19,17 @@ P side: ``role`` DEFAULT or PREFILL (a MIX instance's role is PREFILL or DECODE,
 instances may serve (alone); when it is not, the P is chosen among the whole P side and paired
 with a D (the reading of "only DEFAULT may serve alone when there is no D" kept here).
 
+The router's own load (README "Where the spec is silent"): §11's ``waiting`` only moves when an
+instance reports load (heartbeats, about once a second), so a burst routed between two reports
+would all see the same queues. :class:`InFlight` (one per app, fed by the proxy) counts the
+requests this worker has dispatched and not yet finished; CAR's ``waiting`` of an instance is
+its reported ``waiting_requests_num`` plus the requests in flight that were dispatched *after*
+that report was received, the first of them excepted when the report showed an empty queue
+(that one is admitted, not queued) (:func:`waiting_estimate`). Requests dispatched before the
+report are already in it (queued ones in ``waiting``, admitted ones not waiting at all), so
+adding them would count them twice. With nothing in flight the estimate is the reported value:
+§11 exactly.
+
 Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-of-range
 ``lambda``/``host_weight``; choosing never raises (no candidate gives a :class:`Decision` with
 ``prefill=None``).
@@ -26,10 +37,14 @@ Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol, Sequence
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from .discovery import instance_identity
 from .errors import ConfigError
@@ -95,6 +110,10 @@ class CandidateScore:
     :ivar tied: CAR: within :data:`TIE_EPSILON` of the side's minimum (then rotated).
     :ivar waiting_requests_num: the instance's reported queue length.
     :ivar gpu_cache_usage_perc: the instance's reported Device usage, fraction in [0, 1].
+    :ivar in_flight: requests this worker has in flight to the instance.
+    :ivar in_flight_after_report: the part of ``in_flight`` dispatched after the instance's
+        load report, which CAR's queue term adds to ``waiting_requests_num`` (less one after
+        a report of an empty queue, :func:`waiting_estimate`).
     """
 
     name: str
@@ -106,6 +125,8 @@ class CandidateScore:
     tied: bool
     waiting_requests_num: int
     gpu_cache_usage_perc: float
+    in_flight: int = 0
+    in_flight_after_report: int = 0
 
     def to_json(self) -> dict:
         """JSON object of this candidate (``POST /v1/internal/route``)."""
@@ -113,7 +134,9 @@ class CandidateScore:
                 "ranks": [r.to_json() for r in self.ranks], "hit_ratio": self.hit_ratio,
                 "queue_cost": self.queue_cost, "score": self.score, "tied": self.tied,
                 "waiting_requests_num": self.waiting_requests_num,
-                "gpu_cache_usage_perc": self.gpu_cache_usage_perc}
+                "gpu_cache_usage_perc": self.gpu_cache_usage_perc,
+                "in_flight": self.in_flight,
+                "in_flight_after_report": self.in_flight_after_report}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +175,133 @@ class Decision:
 Identities = Mapping[StreamId, Optional[str]]
 
 
+# -- the router's own load -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InFlightSnapshot:
+    """The requests one worker had in flight at one moment, per instance.
+
+    :ivar dispatched_at: instance ``host:port`` -> the ``time.monotonic()`` seconds at which
+        each request still in flight was sent to it, ascending (the clock of
+        :attr:`~kvsvc.registry.LoadMetrics.received_at`).
+    """
+
+    dispatched_at: Mapping[str, tuple[float, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def total(self, name: str) -> int:
+        """Requests in flight to ``name``."""
+        return len(self.dispatched_at.get(name, ()))
+
+    def after(self, name: str, since: float) -> int:
+        """Requests in flight to ``name`` dispatched strictly after ``since`` (monotonic s)."""
+        times = self.dispatched_at.get(name, ())
+        return len(times) - bisect.bisect_right(times, since)
+
+
+#: Nothing in flight (policies called without a ledger).
+NO_IN_FLIGHT = InFlightSnapshot()
+
+
+class Dispatch:
+    """One request in flight, counted against each of its instances until :meth:`release`.
+
+    Built by :meth:`InFlight.begin` only.
+    """
+
+    __slots__ = ("_ledger", "_key", "names")
+
+    def __init__(self, ledger: "InFlight", key: int, names: tuple[str, ...]) -> None:
+        self._ledger = ledger
+        self._key = key
+        self.names = names
+
+    def release(self) -> bool:
+        """Stop counting this request. Idempotent and thread-safe: only the first call counts.
+
+        :returns: True on the call that released it, False on later calls.
+        """
+        return self._ledger._end(self._key, self.names)
+
+
+class InFlight:
+    """Requests this worker has dispatched upstream and not yet finished, per instance
+    (README "Where the spec is silent": CAR's waiting estimate). One per app, built by the
+    app factory (:func:`kvsvc.routes.init_app`); the proxy calls :meth:`begin` when it sends a
+    request and releases the :class:`Dispatch` exactly once when the response has been
+    relayed, failed, or the client went away; the policy reads a :meth:`snapshot` on the
+    request path (a copy under the lock, no I/O). Thread-safe.
+
+    :param clock: monotonic seconds, the registry's clock (``time.monotonic``).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        # name -> dispatch key -> dispatch time. Times are taken under the lock, so each dict
+        # is in ascending time order (insertion order survives deletions).
+        self._open: dict[str, dict[int, float]] = {}
+
+    def begin(self, names: Sequence[str]) -> Dispatch:
+        """Count one request as in flight on each of ``names`` (e.g. its P and its D), from
+        now.
+
+        :param names: instance ``host:port`` names; duplicates count once.
+        :returns: the handle whose :meth:`Dispatch.release` ends the count.
+        """
+        unique = tuple(dict.fromkeys(names))
+        with self._lock:
+            key = next(self._keys)
+            now = self._clock()
+            for name in unique:
+                self._open.setdefault(name, {})[key] = now
+        return Dispatch(self, key, unique)
+
+    def _end(self, key: int, names: tuple[str, ...]) -> bool:
+        ended = False
+        with self._lock:
+            for name in names:
+                open_ = self._open.get(name)
+                if open_ is not None and open_.pop(key, None) is not None:
+                    ended = True
+                    if not open_:
+                        del self._open[name]
+        return ended
+
+    def counts(self) -> dict[str, int]:
+        """Instance ``host:port`` -> requests in flight (instances with none are absent)."""
+        with self._lock:
+            return {name: len(open_) for name, open_ in self._open.items()}
+
+    def snapshot(self) -> InFlightSnapshot:
+        """The dispatch times of every request in flight (copied under the lock)."""
+        with self._lock:
+            copy = {name: tuple(open_.values()) for name, open_ in self._open.items()}
+        return InFlightSnapshot(MappingProxyType(copy))
+
+
+def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
+    """CAR's ``waiting`` of a candidate (README "Where the spec is silent"): its reported
+    ``waiting_requests_num`` plus the requests this worker dispatched to it after that report
+    was received and that are still in flight, less one when the report showed an empty queue.
+
+    ``waiting`` counts queued requests, not admitted ones. Dispatches made before the report
+    are part of it (queued or admitted), so they are not added again. After a report of a
+    non-empty queue every new request queues behind it; after a report of an empty queue the
+    instance admits the first new request at once, and only the ones after it queue.
+
+    :returns: requests, >= 0; 0 without a load report.
+    """
+    if inst.load is None:
+        return 0
+    reported = inst.load.waiting_requests_num
+    unreported = in_flight.after(inst.name, inst.load.received_at)
+    if reported == 0:
+        return max(0, unreported - 1)
+    return reported + unreported
+
+
 class Policy(Protocol):
     """A routing policy (§11). Implementations are thread-safe: request threads call
     :meth:`choose` concurrently."""
@@ -160,7 +310,8 @@ class Policy(Protocol):
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
-               identities: Optional[Identities] = None) -> Decision:
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
         """Pick P and D for one request.
 
         :param token_ids: the prompt's token ids; ``None`` when unknown (no tokenizer), which
@@ -171,6 +322,8 @@ class Policy(Protocol):
         :param identities: stream -> identity, read *before* ``matches`` (so a stream replaced
             in between is judged by its predecessor's identity and counts 0); ``None`` or a
             ``None`` value skips the incarnation check (static streams).
+        :param in_flight: this worker's requests in flight (:meth:`InFlight.snapshot`); CAR
+            adds those dispatched after each load report to ``waiting``.
         """
         ...
 
@@ -238,9 +391,10 @@ class RoundRobin:
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
-               identities: Optional[Identities] = None) -> Decision:
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
         """See :meth:`Policy.choose`; ``token_ids``, ``matches`` and ``identities`` are
-        ignored."""
+        ignored, ``in_flight`` is only shown in the candidates."""
         pools = candidate_pools(snapshot)
         n_tokens = len(token_ids) if token_ids is not None else 0
         if not pools.prefill:
@@ -253,15 +407,17 @@ class RoundRobin:
             d_start = _rotate(self._counters[DECODE_SIDE], self._lock, len(pools.decode))
             d_ranking = pools.decode[d_start:] + pools.decode[:d_start]
             decode = d_ranking[0]
-        cands = tuple(_plain(i, PREFILL_SIDE) for i in ranking) + tuple(
-            _plain(i, DECODE_SIDE) for i in d_ranking)
+        cands = tuple(_plain(i, PREFILL_SIDE, in_flight) for i in ranking) + tuple(
+            _plain(i, DECODE_SIDE, in_flight) for i in d_ranking)
         return Decision(self.name, ranking[0], decode, cands, ranking, n_tokens)
 
 
-def _plain(inst: Instance, side: str) -> CandidateScore:
+def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateScore:
     assert inst.load is not None
     return CandidateScore(inst.name, side, (), None, None, None, False,
-                          inst.load.waiting_requests_num, inst.load.gpu_cache_usage_perc)
+                          inst.load.waiting_requests_num, inst.load.gpu_cache_usage_perc,
+                          in_flight.total(inst.name),
+                          in_flight.after(inst.name, inst.load.received_at))
 
 
 # -- CAR -------------------------------------------------------------------------------------------
@@ -338,8 +494,10 @@ class CacheAware:
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
-               identities: Optional[Identities] = None) -> Decision:
-        """See :meth:`Policy.choose`."""
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+        """See :meth:`Policy.choose`. ``waiting`` in both queue terms is
+        :func:`waiting_estimate` (the reported value when nothing is in flight)."""
         pools = candidate_pools(snapshot)
         n_tokens = len(token_ids) if token_ids is not None else 0
         if not pools.prefill:
@@ -347,7 +505,7 @@ class CacheAware:
         by_stream = (None if matches is None else
                      {(m.instance_name, m.dp_rank): m for m in matches})
         lam = self.prefill_lambda
-        queue = _queue_costs(pools.prefill)
+        queue = _queue_costs(pools.prefill, in_flight)
         p_scored: list[tuple[float, Instance, tuple[RankHit, ...], float, float]] = []
         for inst, q in zip(pools.prefill, queue):
             ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
@@ -360,11 +518,13 @@ class CacheAware:
             assert inst.load is not None  # candidate_pools keeps only instances with a load
             cands.append(CandidateScore(inst.name, PREFILL_SIDE, ranks, hit, q, score,
                                         i in p_tied, inst.load.waiting_requests_num,
-                                        inst.load.gpu_cache_usage_perc))
+                                        inst.load.gpu_cache_usage_perc,
+                                        in_flight.total(inst.name),
+                                        in_flight.after(inst.name, inst.load.received_at)))
         ranking = tuple(p_scored[i][1] for i in p_order)
         decode = None
         if pools.decode:
-            d_queue = _queue_costs(pools.decode)
+            d_queue = _queue_costs(pools.decode, in_flight)
             d_scores = [_usage(inst) + q for inst, q in zip(pools.decode, d_queue)]
             d_order, d_tied = self._pick(d_scores, DECODE_SIDE)
             for i in d_order:
@@ -373,7 +533,9 @@ class CacheAware:
                 cands.append(CandidateScore(inst.name, DECODE_SIDE, (), None, d_queue[i],
                                             d_scores[i], i in d_tied,
                                             inst.load.waiting_requests_num,
-                                            inst.load.gpu_cache_usage_perc))
+                                            inst.load.gpu_cache_usage_perc,
+                                            in_flight.total(inst.name),
+                                            in_flight.after(inst.name, inst.load.received_at)))
             decode = pools.decode[d_order[0]]
         return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens)
 
@@ -395,9 +557,10 @@ def _usage(inst: Instance) -> float:
     return inst.load.gpu_cache_usage_perc if inst.load is not None else 0.0
 
 
-def _queue_costs(pool: Sequence[Instance]) -> list[float]:
-    """§11 ``waiting / max(waiting over the pool)``, 0 when that maximum is 0 (no NaN)."""
-    waits = [i.load.waiting_requests_num if i.load is not None else 0 for i in pool]
+def _queue_costs(pool: Sequence[Instance], in_flight: InFlightSnapshot) -> list[float]:
+    """§11 ``waiting / max(waiting over the pool)``, 0 when that maximum is 0 (no NaN), with
+    ``waiting`` = :func:`waiting_estimate`."""
+    waits = [waiting_estimate(i, in_flight) for i in pool]
     top = max(waits, default=0)
     if top == 0:
         return [0.0] * len(waits)

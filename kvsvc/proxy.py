@@ -14,6 +14,11 @@ sends one request with ``stream=True`` and connect/read timeouts:
 - the body is relayed as it arrives (:class:`UpstreamBody`), undecoded (``Content-Encoding``
   kept); when the client goes away the WSGI server closes the body, which closes the upstream
   connection at once.
+- every attempt is counted in the app's :class:`~kvsvc.policy.InFlight` (when given) from
+  the moment it is sent until it ends: released at once when it fails before the first byte
+  (the retry is a new dispatch to the next candidate), else when the body is closed (read to
+  the end, broken, or closed by the WSGI server because the response ended or the client went
+  away). :class:`UpstreamBody.close` is idempotent, so the count drops exactly once.
 
 Errors (module boundary: ``requests`` errors are translated here, ``raise ... from exc``)::
 
@@ -34,6 +39,7 @@ import requests.adapters
 import urllib3.exceptions
 
 from .errors import KvsvcError
+from .policy import Dispatch, InFlight
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +116,15 @@ class UpstreamBody:
 
     :param response: a ``requests`` response opened with ``stream=True``.
     :param target: the upstream ``host:port`` (for logs).
+    :param dispatch: the request's in-flight count, released by :meth:`close`; ``None``: not
+        counted.
     """
 
-    def __init__(self, response: requests.Response, target: str) -> None:
+    def __init__(self, response: requests.Response, target: str,
+                 dispatch: Optional[Dispatch] = None) -> None:
         self._response = response
         self.target = target
+        self._dispatch = dispatch
         self._lock = threading.Lock()
         self._closed = False
         self.bytes_relayed = 0
@@ -158,12 +168,17 @@ class UpstreamBody:
             self.close()
 
     def close(self) -> None:
-        """Close the upstream response (and its connection when unfinished). Idempotent."""
+        """Close the upstream response (and its connection when unfinished) and release its
+        in-flight count. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._response.close()
+        try:
+            self._response.close()
+        finally:
+            if self._dispatch is not None:
+                self._dispatch.release()
 
 
 @dataclass
@@ -194,10 +209,12 @@ class Proxy:
     """Forwards requests to instances over a pooled session. Thread-safe.
 
     :param settings: timeouts and pool size.
+    :param in_flight: where each attempt is counted while in flight (``None``: not counted).
     """
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, in_flight: Optional[InFlight] = None) -> None:
         self.settings = settings
+        self.in_flight = in_flight
         self._session = requests.Session()
         self._session.trust_env = False        # never an environment HTTP proxy, never .netrc
         self._session.headers.clear()          # only what the client sent goes up
@@ -227,7 +244,8 @@ class Proxy:
             self._retries += retrying
 
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
-                headers: Mapping[str, str], max_attempts: int = 2) -> UpstreamReply:
+                headers: Mapping[str, str], max_attempts: int = 2,
+                companions: Sequence[str] = ()) -> UpstreamReply:
         """POST ``path`` to ``targets[0]``; on a refusal or timeout before the response head,
         once more to ``targets[1]`` (at most ``max_attempts`` upstreams in all).
 
@@ -236,15 +254,21 @@ class Proxy:
         :param body_for: the body to send to a given target (P/D bodies name the prefill).
         :param headers: headers to send (already filtered, :func:`upstream_headers`).
         :param max_attempts: upstreams tried at most.
+        :param companions: instances counted in flight along with each attempt's target (the
+            D named in a P/D body).
+        :returns: the reply; its body holds the attempt's in-flight count until closed.
         :raises UpstreamError: every attempt failed (504 if the last one timed out, else 502).
         """
         tried: list[str] = []
         last: Optional[UpstreamError] = None
         for target in list(targets)[:max_attempts]:
             tried.append(target)
+            data = body_for(target)
+            dispatch = (self.in_flight.begin((target, *companions))
+                        if self.in_flight is not None else None)
             try:
                 response = self._session.post(
-                    f"http://{target}{path}", data=body_for(target), headers=dict(headers),
+                    f"http://{target}{path}", data=data, headers=dict(headers),
                     stream=True, allow_redirects=False,
                     timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
             except requests.exceptions.ConnectTimeout as exc:
@@ -260,13 +284,25 @@ class Proxy:
                 last = UpstreamError(502, f"upstream {target}: connection failed")
                 why = "connection refused or reset"
                 cause = exc
+            except BaseException:
+                if dispatch is not None:
+                    dispatch.release()
+                raise
             else:
+                body = UpstreamBody(response, target, dispatch)
+                try:
+                    reply = UpstreamReply(target, response.status_code,
+                                          downstream_headers(response.headers), body, tried)
+                except BaseException:
+                    body.close()
+                    raise
                 if len(tried) > 1:
                     log.info("upstream %s answered %d after retry (tried %s)", target,
                              response.status_code, ", ".join(tried))
-                return UpstreamReply(target, response.status_code,
-                                     downstream_headers(response.headers),
-                                     UpstreamBody(response, target), tried)
+                return reply
+            # Failed before the first byte: this attempt is over (a retry is a new dispatch).
+            if dispatch is not None:
+                dispatch.release()
             retrying = len(tried) < min(max_attempts, len(targets))
             self._mark(target, retrying)
             log.warning("upstream %s failed before the first byte (%s: %s)%s", target, why,

@@ -20,9 +20,13 @@ tokenizer, proxy) kept in ``app.extensions["kvsvc.routing"]`` and registers two 
   hit ratio, queue cost, score, tie) without sending anything; errors in kvsvc's
   ``{"error": "..."}`` shape like the other internal endpoints.
 
-The request path reads only ``registry.snapshot()``, ``directory.identity()`` and
-``directory.query()`` for routing (§11: no ZMQ, etcd or network I/O; an unsynchronized stream
-only lowers its instance's hit ratio).
+The request path reads only ``registry.snapshot()``, ``directory.identity()``,
+``directory.query()`` and the router's :class:`~kvsvc.policy.InFlight` snapshot for routing
+(§11: no ZMQ, etcd or network I/O; an unsynchronized stream only lowers its instance's hit
+ratio). The :class:`~kvsvc.policy.InFlight` ledger (``Router.in_flight``) counts every proxied
+request from the moment it is sent upstream until its body is closed, against its P and, in
+P/D mode, its D; CAR adds the part dispatched after each load report to ``waiting`` (README
+"Where the spec is silent"), and ``/v1/internal/route`` shows both figures per candidate.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .app import EXTENSION, MAX_TOKEN_ID, Service, parse_token_ids, read_body
 from .config import ServiceSettings
 from .errors import RequestError
 from .metrics import METRICS_EXTENSION, Metrics
-from .policy import Decision, Policy, make_policy
+from .policy import Decision, InFlight, Policy, make_policy
 from .proxy import Proxy, ProxySettings, UpstreamError, upstream_headers
 from .registry import RegistrySnapshot
 from .tokenize import ChatPrompt, CompletionPrompt, PromptTokenizer, TokenSource
@@ -75,6 +79,9 @@ class Router:
     :param models: served model names (empty: any name accepted).
     :param max_request_bytes: largest OpenAI body, bytes.
     :param metrics: where decisions are recorded (:meth:`Metrics.routed`), ``None`` for none.
+
+    The in-flight ledger is the proxy's (``proxy.in_flight``); a proxy built without one gets
+    a fresh :class:`~kvsvc.policy.InFlight`, so routing and forwarding share one.
     """
 
     def __init__(self, policy: Policy, tokens: TokenSource, proxy: Proxy,
@@ -82,6 +89,9 @@ class Router:
                  metrics: Optional[Metrics] = None) -> None:
         self.policy = policy
         self.tokens = tokens
+        if proxy.in_flight is None:
+            proxy.in_flight = InFlight()
+        self.in_flight: InFlight = proxy.in_flight
         self.proxy = proxy
         self.models = models
         self.max_request_bytes = max_request_bytes
@@ -97,8 +107,12 @@ class Router:
                              settings.car_host_hit_weight, index_enabled=index_enabled)
         tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                      if settings.tokenizer_path else None)
+        # One kept-alive connection per worker thread and instance: a thread proxies one
+        # request at a time, so the pool never discards a connection it will need again.
         proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
-                                    read_timeout_s=settings.upstream_read_timeout_s))
+                                    read_timeout_s=settings.upstream_read_timeout_s,
+                                    pool_maxsize=settings.worker_threads),
+                      InFlight())
         return cls(policy, TokenSource(tokenizer), proxy, served_models(settings.model),
                    settings.max_request_bytes)
 
@@ -109,18 +123,22 @@ class Router:
         by its predecessor's identity (counts 0) rather than lending its hits to a new
         incarnation.
 
+        The in-flight snapshot is read after the registry's, so a load report received in
+        between makes requests look unreported (counted) rather than reported twice over.
+
         :param svc: the app's service (registry and directory, either may be absent).
         :param token_ids: the prompt's tokens, ``None`` when unknown.
         """
         started = time.perf_counter()
         snapshot = svc.registry.snapshot() if svc.registry is not None else _EMPTY_SNAPSHOT
+        in_flight = self.in_flight.snapshot()
         directory = svc.directory
         if directory is None:
-            decision = self.policy.choose(token_ids, snapshot, None, None)
+            decision = self.policy.choose(token_ids, snapshot, None, None, in_flight)
         else:
             identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
             matches = directory.query(token_ids if token_ids is not None else [])
-            decision = self.policy.choose(token_ids, snapshot, matches, identities)
+            decision = self.policy.choose(token_ids, snapshot, matches, identities, in_flight)
         if self.metrics is not None:
             self.metrics.routed(decision, time.perf_counter() - started)
         return decision
@@ -152,6 +170,7 @@ def init_app(app: flask.Flask) -> Router:
     if metrics is not None:
         router.metrics = metrics
         metrics.upstream_retries = router.proxy.retries
+        metrics.upstream_in_flight = router.in_flight.counts
     app.extensions[ROUTING_EXTENSION] = router
     svc.add_closer(router.close)  # the proxy's pooled upstream connections
     app.register_blueprint(_openai_blueprint())
@@ -316,15 +335,22 @@ def _forward(router: Router, path: str, body: bytes, doc: dict,
     query = request.query_string.decode("latin-1")
     reply = router.proxy.forward([i.name for i in decision.prefill_ranking],
                                  path + ("?" + query if query else ""), body_for,
-                                 upstream_headers(list(request.headers.items())))
-    headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, decode)]
-    log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
-              reply.target, decode or "-", decision.policy, decision.input_tokens,
-              (time.monotonic() - started) * 1000)
-    if doc.get("stream") is True or reply.is_event_stream:
-        return flask.Response(reply.body, status=reply.status, headers=headers,
-                              direct_passthrough=True)
-    return flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
+                                 upstream_headers(list(request.headers.items())),
+                                 companions=(decode,) if decode else ())
+    try:
+        headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, decode)]
+        log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
+                  reply.target, decode or "-", decision.policy, decision.input_tokens,
+                  (time.monotonic() - started) * 1000)
+        if doc.get("stream") is True or reply.is_event_stream:
+            # The WSGI server closes the body when the stream ends or the client goes away;
+            # that releases the request's in-flight count.
+            return flask.Response(reply.body, status=reply.status, headers=headers,
+                                  direct_passthrough=True)
+        return flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
+    except BaseException:
+        reply.body.close()  # idempotent: read_all() may have closed it already
+        raise
 
 
 def _models() -> flask.Response:

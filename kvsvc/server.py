@@ -2,7 +2,9 @@
 
 ``config/gunicorn.conf.py`` imports this module and exposes :func:`gunicorn_settings` as module
 names plus the hooks. One ``gthread`` worker (the ``sync`` worker kills requests running past
-``timeout``), ``preload_app`` off, so the app (``wsgi:app``) and its
+``timeout``) with ``--worker_threads`` threads (``KVSVC_WORKER_THREADS``, default 128: a
+proxied request holds a thread until its answer is relayed, so this caps the requests in
+flight), ``preload_app`` off, so the app (``wsgi:app``) and its
 :class:`~kvsvc.app.Service` are built inside the worker process and the service's ZMQ context
 and threads are only created after the fork: :func:`post_worker_init` starts the service,
 :func:`worker_exit` closes it (§6: stream threads are owned and joined).
@@ -31,8 +33,6 @@ from .config import load_service_settings
 
 log = logging.getLogger(__name__)
 
-#: Threads of the one gthread worker: concurrent requests served.
-WORKER_THREADS = 16
 #: Seconds a worker gets to finish requests and close its streams on SIGTERM.
 GRACEFUL_TIMEOUT_S = 10
 #: Seconds each stream thread gets to start (post_worker_init) and to stop (worker_exit).
@@ -104,7 +104,8 @@ def gunicorn_settings() -> dict[str, Any]:
         "bind": [bind_address(settings.host, settings.port)],
         "workers": 1,
         "worker_class": "gthread",
-        "threads": WORKER_THREADS,
+        # Each proxied request holds a thread until its answer is relayed (ServiceSettings).
+        "threads": settings.worker_threads,
         "preload_app": False,
         "graceful_timeout": GRACEFUL_TIMEOUT_S,
         "timeout": 30,

@@ -289,7 +289,8 @@ def test_decision_json_shape():
         "policy": "CAR", "prefill": "a:1", "decode": None, "input_tokens": 100, "reason": None,
         "candidates": [{"name": "a:1", "side": "P", "hit_ratio": 0.5, "queue_cost": 0.0,
                         "score": 0.25, "tied": False, "waiting_requests_num": 0,
-                        "gpu_cache_usage_perc": 0.0,
+                        "gpu_cache_usage_perc": 0.0, "in_flight": 0,
+                        "in_flight_after_report": 0,
                         "ranks": [{"dp_rank": 0, "device_hit_tokens": 40,
                                    "host_only_hit_tokens": 20, "hit_ratio": 0.5,
                                    "reason": None}]}]}

@@ -30,6 +30,7 @@ class Upstream:
 
     Modes: ``json`` (200 echo), ``error`` (500 JSON), ``sse`` (one event, then two more once
     ``release`` is set), ``flood`` (1 KiB SSE events until the connection breaks, bounded),
+    ``cut`` (a JSON head announcing 100 bytes, 11 of them, then the connection is dropped),
     ``hang`` (no answer until ``release``, then the connection is dropped).
     """
 
@@ -118,6 +119,15 @@ class Upstream:
                 self.events_written += 1
         except OSError:
             self.broken.set()
+        h.close_connection = True
+
+    def _cut(self, h, body: bytes) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b'{"partial": ')
+        h.wfile.flush()
         h.close_connection = True
 
     def _hang(self, h, body: bytes) -> None:

@@ -1,0 +1,55 @@
+"""gunicorn settings of ``kvsvc serve`` (kvsvc.server): the worker's thread count is the
+validated ``worker_threads`` service setting, read by config/gunicorn.conf.py."""
+
+from __future__ import annotations
+
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+
+from kvsvc.errors import ConfigError
+from kvsvc.server import gunicorn_settings
+
+CONF = Path(__file__).resolve().parent.parent / "config" / "gunicorn.conf.py"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("KVSVC_")]:
+        monkeypatch.delenv(key)
+
+
+def test_default_worker_threads_sized_for_a_proxy():
+    settings = gunicorn_settings()
+    assert (settings["worker_class"], settings["workers"], settings["threads"]) == (
+        "gthread", 1, 128)
+
+
+def test_worker_threads_from_the_environment_reach_the_gunicorn_config(monkeypatch):
+    monkeypatch.setenv("KVSVC_WORKER_THREADS", "48")
+    assert gunicorn_settings()["threads"] == 48
+    namespace = runpy.run_path(str(CONF))
+    assert (namespace["threads"], namespace["worker_class"]) == (48, "gthread")
+
+
+@pytest.mark.parametrize("value", ["0", "3", "4097", "many", "8.5"])
+def test_invalid_worker_threads_refuse_start_up_naming_the_setting(monkeypatch, value):
+    monkeypatch.setenv("KVSVC_WORKER_THREADS", value)
+    with pytest.raises(ConfigError) as info:
+        gunicorn_settings()
+    assert "worker_threads" in str(info.value)
+
+
+def test_proxy_pool_holds_one_connection_per_worker_thread(monkeypatch):
+    from kvsvc.app import create_app
+    from kvsvc.config import load_service_settings
+    from kvsvc.routes import ROUTING_EXTENSION
+
+    app = create_app(load_service_settings(worker_threads=32), None)
+    router = app.extensions[ROUTING_EXTENSION]
+    try:
+        assert router.proxy.settings.pool_maxsize == 32
+    finally:
+        router.close()
