@@ -137,8 +137,8 @@ def decode_or_error(payload: bytes) -> Batch | None:
         if type(ev) is BlockStored:
             p = ev.parent_block_hash
             assert p is None or (type(p) is int and 0 <= p <= U64) or type(p) is bytes
-            assert isinstance(ev.token_ids, array) and ev.token_ids.typecode == "I"
             assert all(0 <= t <= 2**31 - 1 for t in ev.token_ids)
+            assert ev.packed_tokens == array("I", ev.token_ids).tobytes()
             assert type(ev.block_size) is int and ev.block_size >= 0
     return batch
 

@@ -237,6 +237,13 @@ def test_live_channel_survives_arbitrary_input(schedule, initial_blocks):
                 e.store_chain(None, initial_blocks)
         converge(a_engine, a)
         converge(b_engine, b)
+        # A live batch the snapshot already covered may still arrive after the swap, before
+        # anything else was seen on the connection; that recovers (README, "Where the spec is
+        # silent"). Let the control stream receive everything published so far before taking
+        # its recovery count as the baseline.
+        wait_for(lambda: b.live_messages == b_engine.pub.next_seq, timeout_s=5,
+                 what="control stream received every live batch")
+        b_recoveries = b.status().recoveries
         poisoned: list[list[int]] = []
         checked = 0
         for op in schedule:
@@ -286,7 +293,7 @@ def test_live_channel_survives_arbitrary_input(schedule, initial_blocks):
             b_engine.store_chain(None, 1)
             prompts = [a_engine.prompt(x) for x in a_engine.blocks] + [block_tokens(10**6)]
             checked += check_exact_if_current(a_engine, a, prompts, poisoned)
-            assert b.status().recoveries == 1
+            assert b.status().recoveries == b_recoveries
         # The fault stops: the engine goes on publishing; A must come back, exact.
         converge(a_engine, a)
         converge(b_engine, b)
@@ -301,7 +308,9 @@ def test_live_channel_survives_arbitrary_input(schedule, initial_blocks):
         for tokens in poisoned:
             assert hit(a, tokens).device_hit_tokens == 0
         st_b = b.status()
-        assert (st_b.state, st_b.recoveries, st_b.error) == (StreamState.SYNCHRONIZED, 1, None)
+        assert (st_b.state, st_b.recoveries, st_b.error) == (StreamState.SYNCHRONIZED,
+                                                              b_recoveries, None)
+        assert b_recoveries in (1, 2)  # the first snapshot, plus at most that late batch
     finally:
         h.close()
         ctx.destroy(linger=0)

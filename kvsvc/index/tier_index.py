@@ -302,10 +302,12 @@ class TierIndex:
                 # monotone along chains. (Later blocks of the event have their predecessor,
                 # stored on the same tier just before them, as parent.)
                 self._device_closed = False
-        try:
-            packed = pack_tokens(token_ids)
-        except ValueError as exc:
-            raise DecodeError(f"BlockStored {exc}") from exc
+        packed = event.packed_tokens
+        if packed is None:
+            try:
+                packed = pack_tokens(token_ids)
+            except ValueError as exc:
+                raise DecodeError(f"BlockStored {exc}") from exc
         keys = chain_keys(packed, block_size, self.hash_seed, parent_key)
 
         flags_map, emap, markers = self._flags, self._emap, self._markers
@@ -313,7 +315,7 @@ class TierIndex:
         for h, key in zip(hashes, keys):
             old_key = emap.get(h)
             if old_key is None:
-                if h in markers:
+                if markers and h in markers:
                     raise HashConflict(f"engine hash {_hash_repr(h)} is "
                                        f"{_KIND_NAMES[markers[h] & ~_TIERS]}, "
                                        "now stored with a content key")
@@ -408,7 +410,7 @@ class TierIndex:
             self.stats.not_indexed_medium += 1
             return
         keep = _TIERS & ~tier
-        flags_map, emap, markers = self._flags, self._emap, self._markers
+        flags_map, emap, markers, alias = self._flags, self._emap, self._markers, self._alias
         n_device, n_host = self._n_device, self._n_host
         resident_before = len(flags_map)
         for h in event.block_hashes:
@@ -423,7 +425,8 @@ class TierIndex:
                     del markers[h]
                 continue
             old = flags_map[key]
-            slots = self._alias.get(key)
+            # Aliases are rare: skip the lookup while there is none.
+            slots = alias.get(key) if alias else None
             if slots is None:
                 new = old & keep
                 if new:

@@ -18,29 +18,31 @@ needs nothing, and its ``medium`` restricts it to one tier (absent or nil: every
 Everything that is not exactly as specified raises :class:`~kvsvc.errors.DecodeError`, the
 only error this module raises (``ormsgpack``'s own error is translated here, once).
 
-Token ids are validated without a Python-level loop (this is the ingest hot path): they are
-converted to ``array("I")`` (32-bit unsigned, which rejects non-integers, negatives and values
-of 2**32 or more) and the most significant byte of every item is checked for its top bit
-(values of 2**31 or more), about 9 us per 2048 tokens. The array is what :class:`~kvsvc.events.BlockStored` carries as ``token_ids``;
-its little-endian bytes are the §4 key input. Known gap: MessagePack booleans are Python
-``bool``, a subclass of ``int``, and pass as 0/1 (no engine sends booleans as token ids;
-checking every item's type would cost more than the conversion itself). Likewise
-``ormsgpack.unpackb`` ignores bytes after the first complete object, so trailing garbage after
-a valid batch is not detected (a truncated payload is).
-
-Measured (CPython 3.11, 4 events x 2048 tokens per batch): decoding costs about 1.3x
-``ormsgpack.unpackb`` of the same payload, the token check about 9 us per 2048 tokens.
+Token ids are converted once, here (this is the ingest hot path): a compiled ``struct``
+packs the list ``ormsgpack`` produced into the §4 byte form (32-bit little-endian; non-integers,
+negatives and values of 2**32 or more fail the packing) and the top bit of every item's most
+significant byte is checked with one ``isascii`` over every 4th byte (values of 2**31 or more):
+:func:`kvsvc.index.keys.pack_tokens`. The event carries those bytes as ``packed_tokens`` (the
+index hashes them as they are) and ``token_ids`` as a zero-copy ``memoryview`` of them in
+format ``"I"`` (4 bytes per id however long the event waits in a recovery buffer). Measured per
+2048 tokens (CPython 3.11): ``array("I", ids)`` 9.2 us (the former conversion, after which the
+index packed and checked again, ~0.8 us), ``struct`` packing and the check 7.6 us. Known gap:
+MessagePack booleans are Python ``bool``, a subclass of ``int``, and pass as 0/1 (no engine
+sends booleans as token ids; checking every item's type would cost more than the packing
+itself). Likewise ``ormsgpack.unpackb`` ignores bytes after the first complete object, so
+trailing garbage after a valid batch is not detected (a truncated payload is).
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from typing import Any
+from typing import Any, Sequence
 
 import ormsgpack
 
 from ..errors import DecodeError
+from ..index.keys import pack_tokens
 from ..events import (
     DEVICE,
     MEDIUM_TIERS,
@@ -59,17 +61,14 @@ _U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                   "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+#: ``kv_cache_spec_kind`` values of a plain-text attention group (§3).
+_PLAIN_SPEC_KINDS = (None, "full_attention")
 _CLEARED_FIELDS = ("medium",)
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS,
            "AllBlocksCleared": _CLEARED_FIELDS}
 
-#: Token ids are stored as C ``unsigned int``; the range check below needs 4-byte items.
-_TOKEN_TYPECODE = "I"
-if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - no mainstream platform
-    raise ImportError("kvsvc needs a 4-byte array('I') for token ids")
-#: Offset of the most significant byte inside each 4-byte token item.
-_TOKEN_HIGH_BYTE = 3 if sys.byteorder == "little" else 0
-
+#: ``memoryview.cast`` uses the host's byte order; the §4 form is little-endian.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 def decode_batch(payload: bytes, expected_rank: int) -> Batch:
     """Decode one batch (§2) received on the stream of DP rank ``expected_rank``.
@@ -78,7 +77,7 @@ def decode_batch(payload: bytes, expected_rank: int) -> Batch:
     :param expected_rank: the stream's configured DP rank; a batch carrying another rank is
         refused (one sequence can never serve two ranks).
     :returns: the :class:`Batch`; events in order, hashes normalised, tiers mapped, §3
-        exclusions flagged, ``token_ids`` as ``array("I")``.
+        exclusions flagged, ``BlockStored.packed_tokens`` set (module docstring).
     :raises DecodeError: invalid MessagePack, wrong shape or type anywhere, unknown event type,
         a missing required field, a token id outside ``[0, 2**31 - 1]``, or a rank mismatch.
     """
@@ -118,7 +117,7 @@ def decode_batch(payload: bytes, expected_rank: int) -> Batch:
             events.append(_decode_event(raw))
         except DecodeError as exc:
             raise DecodeError(f"event {i}: {exc}") from None
-    return Batch(ts=float(ts), events=events, dp_rank=rank)
+    return Batch(float(ts), events, rank)
 
 
 def _decode_event(raw: Any) -> Event:
@@ -144,46 +143,59 @@ def _decode_event(raw: Any) -> Event:
         return _block_removed(fields)
     if etype == "AllBlocksCleared":
         medium = fields.get("medium")
-        return AllBlocksCleared(tier=None if medium is None else _tier(medium))
+        return AllBlocksCleared(None if medium is None else _tier(medium))
     if etype is None:
         raise DecodeError("event has no type")
     raise DecodeError(f"unknown event type {etype!r}")
 
 
 def _block_stored(f: dict) -> BlockStored:
-    for name in _STORED_FIELDS[:4]:
-        if name not in f:
-            raise DecodeError(f"BlockStored: missing field {name}")
-    block_size = f["block_size"]
+    try:
+        raw_hashes, parent = f["block_hashes"], f["parent_block_hash"]
+        raw_tokens, block_size = f["token_ids"], f["block_size"]
+    except KeyError as exc:
+        raise DecodeError(f"BlockStored: missing field {exc.args[0]}") from None
     if type(block_size) is not int or block_size < 0:
         raise DecodeError(f"BlockStored: block_size is {_describe(block_size)}, "
                           f"expected a non-negative integer")
-    parent = f["parent_block_hash"]
+    get = f.get
+    # Plain-text events (every optional field nil or absent, the spec kind plain) skip the
+    # per-field type checks; anything else takes the full path below.
+    if (get("lora_id") is None and get("lora_name") is None and get("extra_keys") is None
+            and get("group_idx") is None and get("kv_cache_spec_kind") in _PLAIN_SPEC_KINDS):
+        excluded = False
+    else:
+        excluded = _excluded(f)
+    hashes = _hashes(raw_hashes)
+    if parent is not None:
+        parent = parent & _U64_MASK if type(parent) is int else _hash(parent, "parent_block_hash")
+    packed = _packed_tokens(raw_tokens)
+    return BlockStored(hashes, parent, _token_view(packed), block_size, _tier(get("medium")),
+                       excluded, packed)
+
+
+def _excluded(f: dict) -> bool:
+    """Type-check the optional fields of a ``BlockStored`` and apply §3: LoRA, multimodal/extra
+    keys and non-full-attention groups are not plain-text prefixes (the index remembers their
+    hashes as excluded). :raises DecodeError: an optional field of the wrong type."""
     lora_id = _optional(f, "lora_id", int)
     lora_name = _optional(f, "lora_name", str)
     extra_keys = _optional(f, "extra_keys", list)
     _optional(f, "group_idx", int)
     spec_kind = _optional(f, "kv_cache_spec_kind", str)
-    # §3: LoRA, multimodal/extra keys and non-full-attention groups are not plain-text
-    # prefixes; the index remembers their hashes as excluded.
-    excluded = (lora_id is not None or lora_name is not None
-                or (extra_keys is not None and any(k is not None for k in extra_keys))
-                or (spec_kind is not None and spec_kind != "full_attention"))
-    return BlockStored(
-        block_hashes=_hashes(f["block_hashes"]),
-        parent_block_hash=None if parent is None else _hash(parent, "parent_block_hash"),
-        token_ids=_tokens(f["token_ids"]),
-        block_size=block_size,
-        tier=_tier(f.get("medium")),
-        excluded=excluded,
-    )
+    return (lora_id is not None or lora_name is not None
+            or (extra_keys is not None and any(k is not None for k in extra_keys))
+            or (spec_kind is not None and spec_kind != "full_attention"))
 
 
 def _block_removed(f: dict) -> BlockRemoved:
-    if "block_hashes" not in f:
-        raise DecodeError("BlockRemoved: missing field block_hashes")
-    _optional(f, "group_idx", int)
-    return BlockRemoved(block_hashes=_hashes(f["block_hashes"]), tier=_tier(f.get("medium")))
+    try:
+        raw_hashes = f["block_hashes"]
+    except KeyError:
+        raise DecodeError("BlockRemoved: missing field block_hashes") from None
+    if f.get("group_idx") is not None:
+        _optional(f, "group_idx", int)
+    return BlockRemoved(_hashes(raw_hashes), _tier(f.get("medium")))
 
 
 def _optional(f: dict, name: str, kind: type) -> Any:
@@ -212,19 +224,23 @@ def _hashes(raw: Any) -> list[EngineHash]:
     return [h & _U64_MASK if type(h) is int else _hash(h, "block hash") for h in raw]
 
 
-def _tokens(raw: Any) -> array:
-    """``token_ids`` -> ``array("I")`` of ids in ``[0, 2**31 - 1]``. :raises DecodeError:"""
+def _packed_tokens(raw: Any) -> bytes:
+    """``token_ids`` -> the §4 byte form, ids in ``[0, 2**31 - 1]``. :raises DecodeError:"""
     if type(raw) is not list:
         raise DecodeError(f"token_ids is {_typename(raw)}, expected an array")
     try:
-        tokens = array(_TOKEN_TYPECODE, raw)
-    except (TypeError, OverflowError) as exc:
-        raise DecodeError(f"token_ids must be integers in [0, 2**31 - 1]: {exc}") from None
-    # An id >= 2**31 has the top bit of its most significant byte set: ``isascii`` over every
-    # 4th byte finds it at C speed.
-    if not tokens.tobytes()[_TOKEN_HIGH_BYTE::4].isascii():
-        raise DecodeError("token_ids must be integers in [0, 2**31 - 1]: found one >= 2**31")
-    return tokens
+        return pack_tokens(raw)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None  # names the first bad id: "token_ids[i] ..."
+
+
+def _token_view(packed: bytes) -> Sequence[int]:
+    """The ids of ``packed`` as a read-only sequence of ints without copying them."""
+    if _LITTLE_ENDIAN:
+        return memoryview(packed).cast("I")
+    view = array("I", packed)  # pragma: no cover - no mainstream big-endian host
+    view.byteswap()
+    return view
 
 
 def _tier(medium: Any) -> int:
@@ -234,7 +250,8 @@ def _tier(medium: Any) -> int:
         return DEVICE
     if type(medium) is not str:
         raise DecodeError(f"medium is {_typename(medium)}, expected a string or nil")
-    return MEDIUM_TIERS.get(medium.lower(), OTHER_MEDIUM)
+    tier = MEDIUM_TIERS.get(medium)  # engines send lower case: skip lower() then
+    return tier if tier is not None else MEDIUM_TIERS.get(medium.lower(), OTHER_MEDIUM)
 
 
 def _typename(value: Any) -> str:
