@@ -611,6 +611,11 @@ def report(results: Sequence[RunResult], opts: BenchOptions) -> str:
               "every request sent after the report (without the admitted one) balanced "
               "harder, max/mean 1.06-1.09 and TTFT p90 0.78-0.89x RR's, but cached less: "
               "76.5-88.2% of the ideal over 2 runs and 71.5% with `--arrivals trace`.",
+              "- Synthetic trace (not a target): the in-flight count lowers CAR λ=0.5's "
+              "cache reuse there (95.6% of the ideal without it, one run last session; see "
+              "the table for this run) for a similar max/mean, TTFT p90 still below RR's: its "
+              "prompts share "
+              "long prefixes, so each request moved off the holder loses more.",
               "- CAR λ=1 ignores the queue entirely: every request with any cached prefix "
               "(even one shared system-prompt block) goes to the engine holding it, which can "
               "take the whole load (max/mean up to 8.00 with 8 engines) and queue for minutes; "
