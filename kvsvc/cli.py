@@ -57,6 +57,9 @@ _ROUTING_FLAGS = ("load_balance_policy", "car_prefill_lambda", "car_host_hit_wei
 #: ``serve`` flags of logging and metrics, passed through as ``KVSVC_*``.
 _OPS_FLAGS = ("log_format", "access_log", "metrics_require_token")
 
+#: ``serve`` flags of the gunicorn worker, passed through as ``KVSVC_*`` (repr of the value).
+_SERVER_FLAGS = ("worker_threads",)
+
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
@@ -126,6 +129,9 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
                    help="upstream read timeout, s (KVSVC_UPSTREAM_READ_TIMEOUT_S, 600)")
     p.add_argument("--max_request_bytes", type=int,
                    help="largest OpenAI request body, bytes (KVSVC_MAX_REQUEST_BYTES, 16 MiB)")
+    p.add_argument("--worker_threads", type=int,
+                   help="threads of the gunicorn worker, 4-4096: requests served at once, "
+                        "proxied ones included (KVSVC_WORKER_THREADS, default 128)")
 
 
 def _add_check_config(sub: Any) -> None:
@@ -170,7 +176,8 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         etcd_addr=args.etcd_addr, etcd_namespace=args.etcd_namespace,
         detect_disconnected_instance_interval=args.detect_disconnected_instance_interval,
         self_address=args.self_address,
-        **{name: getattr(args, name, None) for name in _ROUTING_FLAGS + _OPS_FLAGS})
+        **{name: getattr(args, name, None)
+           for name in _ROUTING_FLAGS + _OPS_FLAGS + _SERVER_FLAGS})
     validate_service(settings)
     return settings
 
@@ -219,7 +226,7 @@ def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[s
             repr(settings.detect_disconnected_instance_interval),
         "KVSVC_SELF_ADDRESS": settings.self_address,
     })
-    for name in _ROUTING_FLAGS:
+    for name in _ROUTING_FLAGS + _SERVER_FLAGS:
         value = getattr(settings, name)
         if name == "tokenizer_path" and value:
             value = os.path.abspath(value)

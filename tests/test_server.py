@@ -53,3 +53,21 @@ def test_proxy_pool_holds_one_connection_per_worker_thread(monkeypatch):
         assert router.proxy.settings.pool_maxsize == 32
     finally:
         router.close()
+
+
+def test_serve_flag_reaches_the_worker_environment_and_bad_values_refuse(monkeypatch):
+    from kvsvc.cli import build_parser, resolve_serve_settings, serve_environment
+
+    args = build_parser().parse_args(["serve", "--kv_events_config_file", "",
+                                      "--worker_threads", "64"])
+    env = serve_environment(resolve_serve_settings(args), {"KVSVC_WORKER_THREADS": "9"})
+    assert env["KVSVC_WORKER_THREADS"] == "64"
+    # What the gunicorn config then reads in the serve process:
+    monkeypatch.setenv("KVSVC_WORKER_THREADS", env["KVSVC_WORKER_THREADS"])
+    assert gunicorn_settings()["threads"] == 64
+
+    bad = build_parser().parse_args(["serve", "--kv_events_config_file", "",
+                                     "--worker_threads", "2"])
+    with pytest.raises(ConfigError) as info:
+        resolve_serve_settings(bad)
+    assert "worker_threads" in str(info.value)
