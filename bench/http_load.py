@@ -9,7 +9,7 @@ lean path in front of Flask for either endpoint, so the ratio compares the query
 answer) with the cost of serving any request of this app.
 
 The service runs as ``python -m kvsvc serve`` (its real gunicorn config: one ``gthread``
-worker, 16 threads) in its own process group, with 16 streams of 2,048 blocks served by a
+worker with the default ``--worker_threads``) in its own process group, with 16 streams of 2,048 blocks served by a
 stream-server process; stream 0 holds the 4,096-token prompt, and the answer is checked
 before the load. ``wrk`` (Debian package ``wrk``) loads each endpoint with the same threads and
 connections, in four phases of ``seconds / 2`` each ordered trivial, query, query, trivial, so a
