@@ -39,6 +39,8 @@ MAX_U64 = 2**64 - 1
 #: Accepted ``--log_level`` and ``--log_format`` values.
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "text")
+#: Default of ``max_concurrent_snapshots`` (the directory's snapshot gate).
+DEFAULT_MAX_CONCURRENT_SNAPSHOTS = 1
 
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -315,6 +317,12 @@ class ServiceSettings(BaseSettings):
     self_address: str = ""
     """``host:port`` engines reach this service at, written to ``XLLM:SERVICE:MASTER`` when this
     replica is master (§9); empty derives it from ``host``/``port``."""
+    max_concurrent_snapshots: Annotated[int, Field(ge=1, le=128)] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
+    """Snapshot attempts (§6, §7: request, reply, decode, index build) running at once across
+    all streams; the others queue, first come first served, before sending their request.
+    A build is CPU work under the GIL, so with one at a time a request thread waits at most
+    one build slice for it while many streams recover (bench 8); more speeds up recovery
+    and lengthens that wait. 1-128."""
     # -- routing (§11; xllm-service flag names), read by kvsvc.routes --
     load_balance_policy: str = "CAR"
     """``RR`` or ``CAR`` (§11); ``SLO_AWARE`` and other names refuse start-up."""

@@ -6,6 +6,12 @@ The directory owns one :class:`~kvsvc.streams.subscriber.StreamSubscriber` per k
 keep reading the view they took, without a lock held during a query. Request threads never touch
 ZMQ (§6): :meth:`Directory.query` only hashes tokens and reads each stream's in-memory index.
 
+Snapshot attempts (§6, §7) of all streams share one :class:`~kvsvc.streams.snapshot.SnapshotGate`
+of ``max_concurrent_snapshots`` permits: decoding and indexing a snapshot is pure CPU under the
+GIL, and a request thread waits for the GIL behind every stream thread that holds it, so when
+many streams recover at once (a deploy, a network blip) they take turns instead of all
+competing with the request path (bench 8: ``bench/load_recovering.py``).
+
 Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not start or stop in time,
 :class:`~kvsvc.errors.ConfigError` for a duplicate stream, ``ValueError`` for bad token ids.
 """
@@ -20,9 +26,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import zmq
 
-from .config import KvEventsConfig, StreamConfig
+from .config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, KvEventsConfig, StreamConfig
 from .errors import ConfigError, LifecycleError
 from .index.keys import chain_keys, pack_tokens
+from .streams.snapshot import GateStats, SnapshotGate
 from .streams.state import StreamId, StreamMatch, StreamState, StreamStatus
 from .streams.subscriber import StreamSubscriber
 
@@ -33,6 +40,7 @@ Geometry = tuple[int, int]
 
 #: ``error`` of a stream whose directory has not been started (no thread, no index yet).
 NOT_STARTED = "not started"
+
 
 
 @dataclass(frozen=True)
@@ -98,10 +106,17 @@ class Directory:
         :meth:`start` (after a gunicorn fork, never before: a ZMQ context does not survive
         ``fork``), constructs the subscribers then, and destroys the context in :meth:`close`.
         Until then each stream answers unsynchronized with error ``"not started"``.
+    :param max_concurrent_snapshots: snapshot attempts (request, receive, build) running at
+        once across all streams, >= 1; the others queue first come, first served before
+        sending their request (:class:`~kvsvc.streams.snapshot.SnapshotGate`). The service
+        passes ``ServiceSettings.max_concurrent_snapshots``.
+    :raises ValueError: ``max_concurrent_snapshots`` < 1.
     """
 
-    def __init__(self, config: KvEventsConfig, context: Optional[zmq.Context] = None) -> None:
+    def __init__(self, config: KvEventsConfig, context: Optional[zmq.Context] = None,
+                 max_concurrent_snapshots: int = DEFAULT_MAX_CONCURRENT_SNAPSHOTS) -> None:
         self._limits = config
+        self._gate = SnapshotGate(max_concurrent_snapshots)
         self._context = context
         self._owns_context = context is None
         # Guards the _view swap and _started only; queries take the view and work outside it.
@@ -117,7 +132,7 @@ class Directory:
         self._view = _View.of(configs, subscribers)
 
     def _subscriber(self, cfg: StreamConfig, context: zmq.Context) -> StreamSubscriber:
-        return StreamSubscriber(cfg, self._limits, context)
+        return StreamSubscriber(cfg, self._limits, context, gate=self._gate)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -319,6 +334,10 @@ class Directory:
                 device_blocks=0, host_blocks=0, entries=0, synchronized_once=False,
                 recoveries=0, resync_differences=0))
         return out
+
+    def snapshot_gate(self) -> GateStats:
+        """Counters of the snapshot gate (permits, in use, queued, most ever in use)."""
+        return self._gate.stats()
 
     def ready(self) -> bool:
         """True when every stream has been synchronized at least once (True with no streams)."""

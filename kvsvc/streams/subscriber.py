@@ -64,7 +64,7 @@ from ..events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 from ..index.tier_index import IndexStats, TierIndex
 from .decoder import decode_batch
 from .frame import parse_live
-from .snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotResult
+from .snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotGate, SnapshotResult
 from .state import StreamId, StreamMatch, StreamState, StreamStatus
 
 log = logging.getLogger(__name__)
@@ -189,19 +189,24 @@ class StreamSubscriber:
     :param stream: the stream's configuration (endpoints, topic, rank, block size, seed).
     :param limits: the §8 limits (message, buffer, capacity, timeouts).
     :param context: the ZMQ context; sockets are created on the stream thread.
+    :param gate: bounds the snapshot attempts running at once across the streams sharing it
+        (the directory's); ``None``: unbounded. A stream queued for a permit is recovering
+        (or, for a resync, still serving) and sends its request when the permit comes.
 
     :ivar stream_id: the stream's (instance, DP rank).
     :ivar block_size: tokens per block; callers compute query keys with it.
     :ivar hash_seed: the §4 seed; callers compute query keys with it.
     """
 
-    def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context) -> None:
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,
+                 gate: Optional[SnapshotGate] = None) -> None:
         self.stream = stream
         self.limits = limits
         self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
         self.block_size = stream.block_size
         self.hash_seed = stream.hash_seed
         self._context = context
+        self._gate = gate
         self._topic = stream.topic.encode("utf-8")
         self._name = str(self.stream_id)
         self._instance = stream.instance_name
@@ -243,7 +248,6 @@ class StreamSubscriber:
         # stats minus what its snapshot had counted when it was swapped in (_stats_base).
         self._not_indexed_retired = [0] * len(_NOT_INDEXED)
         self._stats_base: tuple[int, ...] = (0,) * len(_NOT_INDEXED)
-        self._attempt_started: Optional[float] = None
 
         # Owned by the stream thread from start() on.
         self._sub: Optional[zmq.Socket] = None
@@ -803,8 +807,7 @@ class StreamSubscriber:
 
     def _abandon_attempt(self) -> None:
         if self._attempt is not None:
-            self._poller.unregister(self._attempt.socket)  # type: ignore[union-attr]
-            self._attempt.close()
+            self._attempt.close()  # unregisters it and returns its gate permit
             self._attempt = None
         self._buffer = []
         self._buffer_bytes = 0
@@ -816,13 +819,13 @@ class StreamSubscriber:
         self._buffer = []
         self._buffer_bytes = 0
         try:
-            self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits, start_seq)
+            self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits,
+                                                 start_seq, poller=self._poller, gate=self._gate,
+                                                 urgent=not resync)
         except SnapshotError as exc:
             self._attempt_failed(exc)
             return
         self._next_attempt_at = None
-        self._attempt_started = time.monotonic()
-        self._poller.register(self._attempt.socket, zmq.POLLIN)  # type: ignore[union-attr]
         if resync:
             # Periodic and uneventful (every resync_interval_ms per stream): not a state change.
             log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
@@ -902,7 +905,7 @@ class StreamSubscriber:
         if resync:
             stats_base = _stats_tuple(index.stats)
             tail = []
-        started = self._attempt_started
+        started = attempt.requested_at
         duration = time.monotonic() - started if started is not None else 0.0
         with self._lock:
             self._snapshot_attempts["ok"] += 1
