@@ -129,7 +129,9 @@ class Service:
         self.kv_config = kv_config
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
-        self.directory: Optional[Directory] = Directory(kv_config) if kv_config is not None else None
+        self.directory: Optional[Directory] = (
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
         self.discovery: Optional[Discovery] = None

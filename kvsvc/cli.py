@@ -57,8 +57,8 @@ _ROUTING_FLAGS = ("load_balance_policy", "car_prefill_lambda", "car_host_hit_wei
 #: ``serve`` flags of logging and metrics, passed through as ``KVSVC_*``.
 _OPS_FLAGS = ("log_format", "access_log", "metrics_require_token")
 
-#: ``serve`` flags of the gunicorn worker, passed through as ``KVSVC_*`` (repr of the value).
-_SERVER_FLAGS = ("worker_threads",)
+#: ``serve`` flags of the worker's sizing, passed through as ``KVSVC_*`` (repr of the value).
+_SERVER_FLAGS = ("worker_threads", "max_concurrent_snapshots")
 
 
 def _add_serve(sub: Any) -> None:
@@ -129,6 +129,9 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
                    help="upstream read timeout, s (KVSVC_UPSTREAM_READ_TIMEOUT_S, 600)")
     p.add_argument("--max_request_bytes", type=int,
                    help="largest OpenAI request body, bytes (KVSVC_MAX_REQUEST_BYTES, 16 MiB)")
+    p.add_argument("--max_concurrent_snapshots", type=int,
+                   help="snapshot recoveries running at once across all streams, 1-128; the "
+                        "others queue (KVSVC_MAX_CONCURRENT_SNAPSHOTS, default 1)")
     p.add_argument("--worker_threads", type=int,
                    help="threads of the gunicorn worker, 4-4096: requests served at once, "
                         "proxied ones included (KVSVC_WORKER_THREADS, default 128)")

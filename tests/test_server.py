@@ -71,3 +71,31 @@ def test_serve_flag_reaches_the_worker_environment_and_bad_values_refuse(monkeyp
     with pytest.raises(ConfigError) as info:
         resolve_serve_settings(bad)
     assert "worker_threads" in str(info.value)
+
+
+def test_max_concurrent_snapshots_reaches_the_directory_through_serve(monkeypatch, tmp_path):
+    import json
+
+    from kvsvc.app import EXTENSION, create_app
+    from kvsvc.cli import build_parser, resolve_serve_settings, serve_environment
+    from kvsvc.config import load_service_settings
+    from kvsvc.routes import ROUTING_EXTENSION
+
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(json.dumps({"streams": [{
+        "instance_name": "a:1", "dp_rank": 0, "block_size": 16,
+        "endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "tcp://127.0.0.1:2"}]}))
+    args = build_parser().parse_args(["serve", "--kv_events_config_file", str(cfg),
+                                      "--max_concurrent_snapshots", "3"])
+    env = serve_environment(resolve_serve_settings(args), {})
+    assert env["KVSVC_MAX_CONCURRENT_SNAPSHOTS"] == "3"
+    for key, value in env.items():
+        if key.startswith("KVSVC_"):
+            monkeypatch.setenv(key, value)
+    settings = load_service_settings()  # what the gunicorn worker reads
+    app = create_app(settings, settings.kv_events_config())
+    try:
+        directory = app.extensions[EXTENSION].directory
+        assert directory.snapshot_gate().permits == 3  # nothing started: no stream thread
+    finally:
+        app.extensions[ROUTING_EXTENSION].close()

@@ -24,7 +24,7 @@ from kvsvc.config import (
 )
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, DecodeError
-from kvsvc.streams.decoder import _decode_event, decode_batch
+from kvsvc.streams.decoder import decode_event, decode_batch
 from kvsvc.streams.snapshot import GateStats, SnapshotGate, split_batch
 from kvsvc.streams.state import StreamId, StreamState
 from tests.publisher import ProtocolPublisher, encode_batch, stored
@@ -276,7 +276,7 @@ def test_split_batch_gives_exactly_what_decode_batch_gives(form, event_form, n):
     raw = split_batch(payload, 0, pace)
     assert raw == ormsgpack.unpackb(payload)[1]
     assert calls[0] == n
-    assert [_decode_event(r) for r in raw] == decode_batch(payload, 0).events
+    assert [decode_event(r) for r in raw] == decode_batch(payload, 0).events
 
 
 def _pack(obj: Any) -> bytes:

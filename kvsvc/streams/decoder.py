@@ -114,14 +114,21 @@ def decode_batch(payload: bytes, expected_rank: int) -> Batch:
     events: list[Event] = []
     for i, raw in enumerate(raw_events):
         try:
-            events.append(_decode_event(raw))
+            events.append(decode_event(raw))
         except DecodeError as exc:
             raise DecodeError(f"event {i}: {exc}") from None
     return Batch(float(ts), events, rank)
 
 
-def _decode_event(raw: Any) -> Event:
-    """One event in map or tagged-array form -> dataclass. :raises DecodeError:"""
+def decode_event(raw: Any) -> Event:
+    """One already-unpacked event (§2), map or tagged-array form, as :func:`decode_batch`
+    decodes each element of a batch's ``events`` (the snapshot client calls it on events it
+    unpacked one at a time).
+
+    :param raw: the event as ``ormsgpack.unpackb`` returns it.
+    :returns: the event dataclass (§3 exclusion flagged, ``packed_tokens`` set).
+    :raises DecodeError: wrong shape or type, unknown type, missing field, bad token id.
+    """
     kind = type(raw)
     if kind is dict:
         etype = raw.get("type")

@@ -60,7 +60,7 @@ from ..config import KvEventsConfig, StreamConfig
 from ..errors import DecodeError, SnapshotError, SnapshotTimeout, StreamError
 from ..events import Event
 from ..index.tier_index import TierIndex
-from .decoder import _decode_event, decode_batch
+from .decoder import decode_event, decode_batch
 from .frame import encode_snapshot_request, parse_reply
 
 log = logging.getLogger(__name__)
@@ -525,7 +525,7 @@ class SnapshotAttempt:
         events: list[Event] = []
         try:
             for raw in parts:
-                events.append(_decode_event(raw))
+                events.append(decode_event(raw))
                 self._pace()
         except DecodeError:
             decode_batch(payload, rank)  # raises the error with its exact text ("event i: ...")
