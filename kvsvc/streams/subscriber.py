@@ -192,6 +192,10 @@ class StreamSubscriber:
     :param gate: bounds the snapshot attempts running at once across the streams sharing it
         (the directory's); ``None``: unbounded. A stream queued for a permit is recovering
         (or, for a resync, still serving) and sends its request when the permit comes.
+    :param live_turns: a lock shared by the streams of one directory, held while a stream
+        thread drains its live socket (one turn, at most ``LIVE_MESSAGES_PER_TURN``
+        messages), so that stream threads do not hand the GIL to each other at every received
+        frame (:mod:`kvsvc.directory`); ``None``: a lock of this stream's own.
 
     :ivar stream_id: the stream's (instance, DP rank).
     :ivar block_size: tokens per block; callers compute query keys with it.
@@ -199,7 +203,8 @@ class StreamSubscriber:
     """
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,
-                 gate: Optional[SnapshotGate] = None) -> None:
+                 gate: Optional[SnapshotGate] = None,
+                 live_turns: Optional[threading.Lock] = None) -> None:
         self.stream = stream
         self.limits = limits
         self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
@@ -207,6 +212,7 @@ class StreamSubscriber:
         self.hash_seed = stream.hash_seed
         self._context = context
         self._gate = gate
+        self._live_turns = live_turns if live_turns is not None else threading.Lock()
         self._topic = stream.topic.encode("utf-8")
         self._name = str(self.stream_id)
         self._instance = stream.instance_name
@@ -563,11 +569,12 @@ class StreamSubscriber:
         if self._reopen_pending:
             self._reopen_live()
         if self._sub in ready:
-            for _ in range(LIVE_MESSAGES_PER_TURN):
-                frames = self._recv_live()
-                if frames is None:
-                    break
-                self._on_live(frames)
+            with self._live_turns:
+                for _ in range(LIVE_MESSAGES_PER_TURN):
+                    frames = self._recv_live()
+                    if frames is None:
+                        break
+                    self._on_live(frames)
         attempt = self._attempt
         if attempt is not None and attempt.socket in ready:
             try:
