@@ -39,22 +39,35 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 #: RESULTS.md under each benchmark (measured facts, not targets).
 ANALYSIS: dict[int, str] = {
     1: """\
-Profile (cProfile of the stream thread, 24,000 batches): `ormsgpack.unpackb` 0.45 s of 1.8 s
-profiled; ZMQ receive (`recv_multipart` + `poll`, incl. enum flag conversions) 0.35 s; index
-apply 0.47 s (`_stored` 0.27 s of which `chain_keys` 0.13 s, `_removed` 0.18 s);
-`decode_batch` beyond unpackb 0.33 s (`_tokens` 0.12 s). Offline (same payloads, no sockets,
-one thread) parse + decode + apply runs at 0.58x the raw decode rate, so the ceiling of this
-design is below the 0.6x target before any socket work; the live path loses about 0.1-0.2x
-more to ZMQ receive and to the publisher process and both ZMQ I/O threads sharing the 2 cores.
-Run-to-run spread is large (0.27x to 0.50x in five runs of the same code). Tried: per-event
-instead of per-block count updates in `TierIndex._removed` (kept; within the noise). Next
-steps, with their measured shares: `copy=False` frames and a receive path without the
-per-frame `RCVMORE` query (~0.15 s of 1.8 s); a decoder that skips re-validating tokens that
-`pack_tokens` checks again (~0.03 s).""",
+Where the stream thread's time goes (py-spy, 6,800 samples of this benchmark): `ormsgpack.unpackb`
+45%, freeing what it built 11% (the raw decode pays both), `pack_tokens` 9.5% (one
+`array.fromlist` over 2,048 ids: the §4 byte form, converted once), ZMQ receive 8%, the index
+14% (content keys 5.5%, the store and remove loops 8.5%), decoder checks 4%, stream state 3%.
+Same payloads without sockets, counted in instructions (callgrind, not disturbed by other load):
+the subscriber's `_on_live` takes 497k instructions per message against 302k for the raw
+decode (0.61x); it took 565k before this session's changes (0.54x). Built this session: ids
+packed once by the decoder (`array.fromlist`: 136k instructions per 2,048 ids against 179k for
+`struct.pack(*ids)`, which first builds an argument tuple, and 193k for `array("I", ids)`) and
+hashed by the index as they are (it packed and checked them again); event and frame dataclasses
+`slots` but not `frozen` (a frozen `__init__` costs 0.6 us more per object, 2-3 per message);
+live frames received as `memoryview`s with the frame's `more` flag (`recv_multipart` asks the
+socket for `RCVMORE` after every frame and copies each: 3.1 us against 1.9 us per message);
+plain-text `BlockStored` events skip the optional-field type checks; the publisher of this
+benchmark wakes within 1 ms of "go" (it polled every 50 ms: up to 4% of the measured time).
+Ceiling: the stream thread's CPU per message (figure above) against the raw decode gives
+0.54-0.58x even with a core of its own; the ~2,048 Python ints per stored event are made by
+`ormsgpack` and converted back to 4-byte ids by `fromlist` (~3 ns each), and the rest is ZMQ
+receive, XXH3 chaining of 16 blocks and the dict updates, each a few percent. Measured on a
+quiet machine: 0.52-0.55x (0.48x before this session). Next steps would need code outside
+Python: a decoder that writes token ids straight into packed bytes (no Python int per id).""",
     2: """\
-Same per-batch costs as benchmark 1, plus 16 stream threads and 4 publisher processes sharing 2
-cores under one GIL: the aggregate cannot exceed one core's worth of Python, and the
-publishers' ZMQ I/O threads take CPU from it. See benchmark 1 for the profile and next steps.""",
+Same per-message costs as benchmark 1. Built this session: stream threads drain their live
+sockets one at a time (a lock the directory shares among its subscribers). pyzmq releases the
+GIL around every frame it receives, and with 16 busy stream threads each release handed the
+GIL to another stream thread and back: a context switch per frame, 137 us of CPU per message
+against 36 us in turns (0.19-0.22x before, 0.49-0.51x after, on a quiet machine). What is left
+is benchmark 1's ceiling plus 4 publisher processes and their ZMQ I/O threads sharing the 2
+cores with this process.""",
     3: """\
 Built: each stream publishes, under its lock on every state change, a pair (live resident-key
 dict, shared zero-hit answer); a query probes the prompt's first key without the lock and
@@ -73,18 +86,38 @@ p99s rose to the millisecond range (keys alone 169-854 us) and the p99 ratio var
 to 6.2x over four runs of the same code; p50 stayed at 1.37-1.40x. On a quiet machine p99
 was 1.4-2.3x.""",
     4: """\
-Built: `orjson` parses the body and serialises the answer; type and range are checked by
-packing the ids as 32-bit integers in C (the element-by-element checks run only for bad
-bodies or bodies containing `true`/`false`). Measured before: 0.43x. Per request, parsing a
-4,096-id body now takes ~65 us (`json.loads` + checks took ~280 us); what is left is Flask and
-gunicorn request handling, reading the 30 kB body, keys and the 16-stream query, on 2 cores
-of which `wrk` takes about one. Next step: a leaner WSGI path for the query endpoint (no
-Flask request/response objects), outside this change.""",
+Built: the query reads its body with one `wsgi.input.read(Content-Length)` (werkzeug's limited
+stream copied it three times; chunked or oversized bodies still take werkzeug's path, so 413
+and 400 are unchanged); the ids are packed once and handed to the directory as an
+`array("I")`, which `pack_tokens` takes as is; the boolean precheck looks for the words
+`true`/`false` only when a `u`/`l` byte is present (one memchr, ~0.3 us, against ~30 us). A/B
+with the previous code in one window: 0.44x and 0.57x before, 0.58x and 0.68x after; worker
+CPU per request beyond the trivial request 348 / 264 us before, 232 / 180 us after.
+Ceiling: the trivial request costs the worker ~260 us of CPU (gunicorn parse and write,
+Flask, GIL hand-overs between the worker's threads), and on 2 cores the worker is the
+bottleneck (wrk takes the other core), so the ratio is about trivial CPU / query CPU. 0.7x
+needs the query's own work under ~110 us; it is ~120 us in process: `orjson.loads` of the
+4,096 ids ~60 us (40 us of it creating and freeing one Python int per id), packing 14 us, keys
+7.5 us, the 16-stream match and its JSON 12 us, the body read. No stdlib or installed module
+turns decimal text into packed ids without a Python int per id. A lean WSGI path in front of
+Flask was not built: both endpoints would go through it, removing the same ~40 us from both
+and lowering the ratio. Next step outside this endpoint's code: an optional binary body
+(packed little-endian u32 ids) would remove the parse; that is a §10 extension.""",
     6: """\
 Load = time from add_stream to synchronized minus the engine's own encoding time (the sim
 encodes the whole reply before the first message; measured by a bare DEALER fetch of the same
-snapshot). The sim sends one BlockStored event per block, so per-event costs of the decoder
-(dataclass construction, field checks) and the index dominate over hashing.""",
+snapshot). It was 1.20-1.25x before this session; it is now ~1.6-1.9x because of what
+benchmark 8 (issue 6) needs: a snapshot build must not hold the GIL for long, or every request
+thread waits behind it. `ormsgpack.unpackb` of one 1 MiB reply message holds the GIL for ~5-9
+ms in one C call, so large reply messages are unpacked one event at a time (each event's end is
+found by packing it again, exact but ~+35% decode CPU; this snapshot has one event per block,
+the worst case), and the building thread sleeps ~60 us after every 0.3 ms of work so that a
+waiting request thread takes the GIL (~+20%). Measured without the sleeps: 1.64-1.87x; the
+split alone is most of it. Kept: query and route p99 while 16 streams recover went from 14-84x
+idle to 2-4x (benchmark 8); a 262,144-block snapshot takes ~4.4 s instead of ~2.8 s. The
+query p99 target of this benchmark is met either way. Next step: an exact event boundary
+without re-packing needs a MessagePack skipper in native code (or engines sending smaller
+reply messages).""",
     7: """\
 Each stream thread used to wake every 100 ms to check its stop event (3.2% of a core for 128
 streams). Now `close()` wakes it through an inproc PULL the thread owns, so the poll sleeps
