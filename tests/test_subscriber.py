@@ -455,6 +455,57 @@ def test_periodic_resync_catches_silently_dropped_tail_event(h):
     assert hits(sub, 1, 2, 3) == (True, 12, 0)
 
 
+def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(h):
+    """A live channel that never delivers (here: the engine publishes another topic, which
+    ZMQ filters before kvsvc sees it) while snapshots work: the periodic resync shows batches
+    up to its watermark that never arrived, none arrives within the grace period, so the
+    stream stops serving (the resync index would go stale) and takes no more snapshots until
+    a live batch arrives; then it recovers and is exact."""
+    pub = h.publisher(topic=b"other")
+    pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=None)
+    sub = h.subscriber(pub, topic="kv", resync_interval_ms=1000)
+    pub.wait_subscribed()
+    synced_at(sub, None)
+    assert hits(sub, 1) == (True, 4, 0)
+    pub.publish([removed([1])])                      # seq 0: filtered out, never received
+    pub.publish([stored([2], None, blk(2), BS)])     # seq 1: likewise
+    pub.set_snapshot([stored([2], None, blk(2), BS)], watermark=1)
+    st = error_contains(sub, "live channel silent: the engine published up to seq 1",
+                        timeout_s=10)
+    assert "topic 'kv'" in st.error and (st.sequence, st.device_blocks) == (None, 0)
+    assert hits(sub, 2) == (False, 0, 0) and hits(sub, 1) == (False, 0, 0)
+    assert "since seq 0" in st.error
+    assert sub._attempt is None and sub._next_attempt_at is None  # no snapshot scheduled
+    requests = list(pub.requests)
+    assert sub.counters().recoveries_started["live_silent"] == 1
+    # The engine is fixed (same topic as configured): its next batch ends the wait.
+    pub.topic = b"kv"
+    pub.set_snapshot([stored([2], None, blk(2), BS), stored([3], 2, blk(3), BS)], watermark=2)
+    pub.publish([stored([3], 2, blk(3), BS)])        # seq 2
+    st = synced_at(sub, 2)
+    assert (st.device_blocks, st.recoveries, pub.requests[len(requests):]) == (2, 2, [0])
+    assert hits(sub, 2, 3) == (True, 8, 0) and hits(sub, 1) == (True, 0, 0)
+
+
+def test_resync_ahead_with_batches_arriving_late_stays_synchronized(h):
+    """The batches a resync watermark covers may arrive after the reply: within the grace
+    period they prove the live channel alive (dropped as covered), no false alarm."""
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            resync_interval_ms=1000)
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
+    pub.skip()                                       # seq 1 lost on the wire for now
+    st = wait_for(lambda: (s := sub.status()).resync_differences == 1 and s, timeout_s=5,
+                  what="resync ahead of the applied seq")
+    assert sub._silence_check is not None            # the grace period runs
+    pub.publish([stored([3], 2, blk(3), BS)])        # seq 2 arrives within it
+    synced_at(sub, 2)
+    wait_for(lambda: sub._silence_check is None, timeout_s=5, what="check passed")
+    st = sub.status()
+    assert (st.state, st.recoveries, sub.counters().recoveries_started["live_silent"]) == \
+        (SYNC, 1, 0)
+    assert hits(sub, 1, 2, 3) == (True, 12, 0)
+
+
 def test_disconnect_reported_by_monitor_invalidates(h):
     pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
                             replay_timeout_ms=300)

@@ -75,6 +75,12 @@ BACKOFF_MAX_S = 5.0
 #: Longest poll wait when no deadline is nearer. close() wakes the poll through the thread's
 #: wake-up socket, so this only bounds how long a lost wake-up could delay a stop.
 POLL_INTERVAL_MS = 5_000
+#: After a periodic resync shows live batches that never arrived (watermark above the applied
+#: seq) while nothing at all arrived on the live channel since the previous swap, a live batch
+#: must arrive within this many seconds (those batches may still be in flight), or the live
+#: channel is taken for dead (README "Where the spec is silent").
+LIVE_SILENCE_GRACE_S = 2.0
+
 #: Live messages handled per poll turn before looking at the other sockets again.
 LIVE_MESSAGES_PER_TURN = 256
 #: Bound on the messages drained from the ``SUB`` just before a snapshot completes.
@@ -93,7 +99,7 @@ _NO_KEYS: frozenset[int] = frozenset()
 DECODE_ERROR_REASONS = ("frame", "payload", "event", "unknown_parent", "hash_conflict",
                         "capacity")
 RECOVERY_TRIGGERS = ("start", "disconnect", "decode_error", "index_error", "sequence_gap",
-                     "sequence_backwards", "internal_error")
+                     "sequence_backwards", "live_silent", "internal_error")
 SNAPSHOT_OUTCOMES = ("ok", "timeout", "buffer_overflow", "error")
 EVENT_TYPES = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved",
                AllBlocksCleared: "AllBlocksCleared"}
@@ -268,6 +274,10 @@ class StreamSubscriber:
         self._synced = False                      # mirrors _state is SYNCHRONIZED
         self._expected: Optional[int] = None      # next live seq the serving index needs
         self._max_seen: Optional[int] = None      # highest live seq on this connection
+        self._live_at_swap = 0                    # _live_messages when the index was swapped
+        # (deadline, watermark, first seq not received) of a silent-channel check.
+        self._silence_check: Optional[tuple[float, int, int]] = None
+        self._awaiting_live = False               # silent channel: recover on the next batch
         self._attempt: Optional[SnapshotAttempt] = None
         self._buffer: list[tuple[int, Batch]] = []
         self._buffer_bytes = 0
@@ -560,6 +570,8 @@ class StreamSubscriber:
             timeout_s = min(timeout_s, self._attempt.deadline - now)
         elif self._next_attempt_at is not None:
             timeout_s = min(timeout_s, self._next_attempt_at - now)
+        if self._silence_check is not None:
+            timeout_s = min(timeout_s, self._silence_check[0] - now)
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
         if self._wake in ready:
             return  # close(): the loop checks the stop event next
@@ -589,6 +601,28 @@ class StreamSubscriber:
                 attempt.check_deadline(time.monotonic())
             except StreamError as exc:
                 self._attempt_failed(exc)
+        if self._silence_check is not None:
+            self._check_silence()
+
+    def _check_silence(self) -> None:
+        """End a silent-channel check: passed once any live message arrived since the swap;
+        failed at its deadline, which unsynchronizes the stream until a live batch arrives
+        (a dead live channel, e.g. a topic the engine does not publish, would otherwise keep
+        a snapshot's index serving while the engine moves on: stale hits)."""
+        deadline, watermark, first_missing = self._silence_check  # type: ignore[misc]
+        if self._live_messages != self._live_at_swap or not self._synced:
+            self._silence_check = None
+            return
+        if time.monotonic() < deadline:
+            return
+        self._silence_check = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        self._next_attempt_at = None  # no snapshot until the live channel shows life
+        self._invalidate(
+            f"live channel silent: the engine published up to seq {watermark} (resync "
+            f"watermark) but no live batch arrived since seq {first_missing}; check the "
+            f"stream's endpoint and topic {self.stream.topic!r}", "live_silent")
 
     # ------------------------------------------------------------------ monitor
 
@@ -636,6 +670,10 @@ class StreamSubscriber:
             self._topic_mismatches += 1
             return
         self._live_messages += 1
+        if self._awaiting_live:
+            self._awaiting_live = False
+            log.info("stream %s: live channel alive again; recovering", self._name)
+            self._restart_recovery()
         try:
             frame = parse_live(frames, self.limits.max_message_bytes)
         except DecodeError as exc:
@@ -909,6 +947,10 @@ class StreamSubscriber:
                 self._restart_recovery()
                 return
             how = f"snapshot watermark {_wm(wm)}, {result.messages} messages, tail to seq {_wm(sequence)}"
+        silent = (resync and not result.empty and result.watermark is not None
+                  and self._expected is not None and result.watermark >= self._expected
+                  and self._live_messages == self._live_at_swap)
+        first_missing = self._expected
         if resync:
             stats_base = _stats_tuple(index.stats)
             tail = []
@@ -921,6 +963,12 @@ class StreamSubscriber:
         self._abandon_attempt()
         self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how,
                    live_events=[ev for b in tail for ev in b.events], stats_base=stats_base)
+        if silent:
+            # The engine published batches up to the watermark and not one reached us since
+            # the last swap: in flight still, or a dead live channel. The index is exact now;
+            # a live message must show up within the grace period.
+            self._silence_check = (time.monotonic() + LIVE_SILENCE_GRACE_S,
+                                   result.watermark, first_missing)  # type: ignore[assignment]
 
     def _drain(self) -> None:
         """Handle pending monitor events, then pending live messages (bounded)."""
@@ -961,6 +1009,7 @@ class StreamSubscriber:
             self._publish_locked()
         self._synced = True
         self._expected = expected
+        self._live_at_swap = self._live_messages
         self._failures = 0
         self._next_attempt_at = time.monotonic() + self.limits.resync_interval_ms / 1000.0
         if not resync:
