@@ -55,7 +55,7 @@ from gunicorn.http.errors import ParseException as GunicornParseError
 import orjson
 from flask import current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from werkzeug.wsgi import get_content_length
 
 from .config import KvEventsConfig, ServiceSettings, check_discovery_needs_etcd
@@ -70,7 +70,7 @@ from .errors import (
 )
 from .index.keys import pack_tokens
 from .metrics import METRICS_EXTENSION, Metrics
-from .registry import Registry, RegistrySettings
+from .registry import MAX_WAITING_REQUESTS, Registry, RegistrySettings
 
 log = logging.getLogger(__name__)
 
@@ -286,14 +286,38 @@ def _check_internal_token() -> None:
         raise RequestError(401, f"missing or wrong {TOKEN_HEADER}")
 
 
+#: Bytes per read of a chunked body.
+_CHUNKED_READ_BYTES = 64 * 1024
+
+
 def read_body() -> bytes:
     """The current request's raw body.
+
+    A chunked body (no ``Content-Length``) is read here up to the size limit plus one byte:
+    werkzeug's own limit on such a body stops reading at the limit and returns what it has,
+    which could turn an oversized body into a shorter, different, valid one.
 
     :raises RequestError: 400 when the server cannot read it (gunicorn's ``InvalidChunkSize``
         and other ``ParseException`` errors for bad chunked framing, ``NoMoreData`` when the client
         stops sending): bad input, not a server fault.
+    :raises RequestEntityTooLarge: 413, a body over the limit (``Content-Length`` or chunked).
     """
+    environ = request.environ
+    limit = request.max_content_length
     try:
+        if (limit is not None and get_content_length(environ) is None
+                and environ.get("wsgi.input_terminated")):
+            stream = environ["wsgi.input"]
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                chunk = stream.read(min(_CHUNKED_READ_BYTES, limit + 1 - total))
+                if not chunk:
+                    return b"".join(chunks)
+                total += len(chunk)
+                if total > limit:
+                    raise RequestEntityTooLarge()
+                chunks.append(chunk)
         return request.get_data(cache=False)
     except (OSError, GunicornParseError) as exc:
         raise RequestError(400, f"request body could not be read: {type(exc).__name__}") from exc
@@ -494,8 +518,9 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
     if not isinstance(load, dict):
         raise RequestError(400, "load_metrics: must be an object")
     waiting = load.get("waiting_requests_num")
-    if type(waiting) is not int or waiting < 0:
-        raise RequestError(400, "load_metrics.waiting_requests_num: must be an integer >= 0")
+    if type(waiting) is not int or not 0 <= waiting <= MAX_WAITING_REQUESTS:
+        raise RequestError(400, "load_metrics.waiting_requests_num: must be an integer in "
+                                f"[0, {MAX_WAITING_REQUESTS}]")
     usage = load.get("gpu_cache_usage_perc")
     if type(usage) not in (int, float) or not 0.0 <= usage <= 1.0:  # NaN fails the range too
         raise RequestError(400, "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")

@@ -280,9 +280,17 @@ def _parse_load(value: bytes) -> tuple[int, float]:
     return _check_load(obj.get("waiting_requests_num"), obj.get("gpu_cache_usage_perc"))
 
 
+#: Largest ``waiting_requests_num`` accepted: a queue length, and every consumer (the CAR
+#: queue term, the Prometheus gauge) must be able to take it as a float.
+MAX_WAITING_REQUESTS = 2**31 - 1
+
+
 def _check_load(waiting: object, usage: object) -> tuple[int, float]:
-    if isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0:
-        raise Malformed(f"waiting_requests_num must be an int >= 0, got {waiting!r}")
+    if (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0
+            or waiting > MAX_WAITING_REQUESTS):
+        shown = f"{waiting!r}"[:40]
+        raise Malformed(f"waiting_requests_num must be an int in [0, {MAX_WAITING_REQUESTS}], "
+                        f"got {shown}")
     if isinstance(usage, bool) or not isinstance(usage, (int, float)) \
             or not 0.0 <= float(usage) <= 1.0:
         raise Malformed(f"gpu_cache_usage_perc must be a number in [0, 1], got {usage!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from contextlib import contextmanager
@@ -236,3 +237,22 @@ def test_index_disabled_answers_no_matches_and_is_ready(caplog):
             assert post(client, {"token_ids": [-5]}).status_code == 400
     disabled = [r for r in caplog.records if "index disabled" in r.getMessage()]
     assert len(disabled) == 1
+
+
+def test_chunked_body_over_the_limit_is_413_not_cut_short(app):
+    """A chunked body has no Content-Length to refuse up front; it is read up to the limit
+    plus one byte. Cut at the limit, this body would be a different, valid query."""
+    limit = max_content_length(64)
+    head = b'{"token_ids": [1]}'
+    client = app.test_client()
+
+    def chunked(body: bytes):
+        # As gunicorn serves a chunked body: no length, the stream ends at the last chunk.
+        return client.post(QUERY_PATH, input_stream=io.BytesIO(body), headers={
+            **HEADERS, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+            environ_overrides={"wsgi.input_terminated": True})
+
+    r = chunked(head + b" " * (limit - len(head)) + b"this is not json")
+    assert (r.status_code, set(r.get_json())) == (413, {"error"})
+    r = chunked(head + b" " * (limit - len(head)))   # exactly at the limit: read and answered
+    assert r.status_code == 200 and r.get_json()["matches"][0]["device_hit_tokens"] == 0

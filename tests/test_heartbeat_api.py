@@ -109,6 +109,7 @@ def test_heartbeat_409_unknown_instance_and_stale_incarnation(registered):
     assert load_of(registered) is None
 
 
+WAITING_ERROR = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
 MALFORMED = [
     (b"{not json", "body is not valid JSON"),
     ([1, 2], "body must be a JSON object"),
@@ -116,10 +117,13 @@ MALFORMED = [
     (body(name=""), "name: must be a non-empty string"),
     (body(incarnation=5), "incarnation_id: must be a string"),
     ({"name": NAME, "incarnation_id": INCARNATION}, "load_metrics: must be an object"),
-    (body(waiting=-1), "load_metrics.waiting_requests_num: must be an integer >= 0"),
-    (body(waiting=1.5), "load_metrics.waiting_requests_num: must be an integer >= 0"),
-    (body(waiting=True), "load_metrics.waiting_requests_num: must be an integer >= 0"),
-    (body(waiting="3"), "load_metrics.waiting_requests_num: must be an integer >= 0"),
+    (body(waiting=-1), WAITING_ERROR),
+    (body(waiting=1.5), WAITING_ERROR),
+    (body(waiting=True), WAITING_ERROR),
+    (body(waiting="3"), WAITING_ERROR),
+    # Would reach the Prometheus gauge and the CAR queue term as a float: OverflowError.
+    (body(waiting=10**400), WAITING_ERROR),
+    (body(waiting=2**31), WAITING_ERROR),
     (body(usage=1.5), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
     (body(usage=-0.1), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
     (body(usage=None), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),

@@ -299,7 +299,8 @@ def test_heartbeats(registry, etcd):
     with pytest.raises(StaleIncarnation) as err:
         registry.heartbeat(name, "old", 1, 0.1)
     assert err.value.status == 409
-    for bad in ((-1, 0.1), (1, 1.5), (True, 0.1), (1, "0.1"), (1.0, 0.1)):
+    for bad in ((-1, 0.1), (1, 1.5), (True, 0.1), (1, "0.1"), (1.0, 0.1), (2**31, 0.1),
+                (10**400, 0.1)):
         with pytest.raises(InvalidHeartbeat) as err:
             registry.heartbeat(name, "a", *bad)
         assert err.value.status == 400
