@@ -279,7 +279,9 @@ def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig
              f"host hit weight {settings.car_host_hit_weight}); tokenizer: "
              f"{settings.tokenizer_path or 'none'}",
              f"logs: {settings.log_format}, level {settings.log_level}, access log "
-             f"{'on' if settings.access_log else 'off'}"]
+             f"{'on' if settings.access_log else 'off'}",
+             f"worker: {settings.worker_threads} threads; snapshots at once: "
+             f"{settings.max_concurrent_snapshots}"]
     if config is None:
         lines.append("kv_events_config_file: empty: KV index disabled")
     else:

@@ -227,6 +227,13 @@ def test_check_config_command(tmp_path):
                           env=serve_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "streams: 3 configured, 3 kept (max_streams=128), 2 instances" in proc.stdout
+    assert "worker: 128 threads; snapshots at once: 1" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "kvsvc", "check-config",
+                           "--kv_events_config_file", str(example), "--worker_threads", "32",
+                           "--max_concurrent_snapshots", "4"],
+                          env=serve_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "worker: 32 threads; snapshots at once: 4" in proc.stdout
     bad = tmp_path / "bad.json"
     bad.write_text('{"max_streams": 0}', encoding="utf-8")
     proc = subprocess.run([sys.executable, "-m", "kvsvc", "check-config",
