@@ -292,7 +292,7 @@ def _check_load(waiting: object, usage: object) -> tuple[int, float]:
         raise Malformed(f"waiting_requests_num must be an int in [0, {MAX_WAITING_REQUESTS}], "
                         f"got {shown}")
     if isinstance(usage, bool) or not isinstance(usage, (int, float)) \
-            or not 0.0 <= float(usage) <= 1.0:
+            or not 0 <= usage <= 1:  # no float(): an int too large for one would raise
         raise Malformed(f"gpu_cache_usage_perc must be a number in [0, 1], got {usage!r}")
     return waiting, float(usage)
 

@@ -487,6 +487,56 @@ def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(h):
     assert hits(sub, 2, 3) == (True, 8, 0) and hits(sub, 1) == (True, 0, 0)
 
 
+def test_dead_live_channel_found_by_the_probe_resync_not_a_whole_interval_later(h):
+    """Recovered from a snapshot with a watermark while nothing arrived on the live connection:
+    the first resync comes after PROBE_RESYNC_S, not resync_interval_ms, so a wrong topic stops
+    serving within seconds."""
+    pub = h.publisher(topic=b"other")
+    pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=4)
+    pub.next_seq = 5
+    sub = h.subscriber(pub, topic="kv", resync_interval_ms=600_000)
+    pub.wait_subscribed()
+    synced_at(sub, 4)
+    pub.publish([removed([1])])                      # seq 5: filtered out by ZMQ
+    pub.set_snapshot([], watermark=5)
+    st = error_contains(sub, "live channel silent: the engine published up to seq 5",
+                        timeout_s=10)
+    assert st.device_blocks == 0 and hits(sub, 1) == (False, 0, 0)
+    assert pub.requests == [0, 5]                    # the recovery, then the probe resync
+
+
+def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(h):
+    """The check counts live messages from when it was armed: a batch covered by resync R1
+    that arrives late, after R2 was requested and before R2's swap, still proves the channel
+    alive (the swap of R2 must not reset what R1's check compares with)."""
+    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+                            resync_interval_ms=1000)
+    pub.publish([stored([2], 1, blk(2), BS)])        # seq 1, received: the connection is live
+    synced_at(sub, 1)
+    pub.hold_replies()
+    wait_for(lambda: len(pub.requests) == 2, timeout_s=5, what="R0 requested")
+    pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
+    pub.release_replies(budget=1)                    # R0 matches: nothing to check
+    wait_for(lambda: len(pub.requests) == 3, timeout_s=5, what="R1 requested")
+    snap = [stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS),
+            stored([3], 2, blk(3), BS)]
+    pub.set_snapshot(snap, watermark=2)
+    pub.skip()                                       # seq 2 published, still in flight
+    pub.release_replies(budget=1)                    # R1: ahead of the applied seq 1
+    wait_for(lambda: sub._silence_check is not None, timeout_s=5, what="R1 check armed")
+    armed = sub._silence_check
+    wait_for(lambda: len(pub.requests) == 4, timeout_s=5, what="R2 requested")
+    pub.send_raw([pub.topic, (2).to_bytes(8, "big"),
+                  encode_batch([stored([3], 2, blk(3), BS)], 0)])
+    wait_for(lambda: sub.duplicates_dropped == 1, timeout_s=5, what="late seq 2 received")
+    pub.release_replies()                            # R2 swaps
+    wait_for(lambda: sub._silence_check is None and len(pub.requests) >= 5, timeout_s=8,
+             what="check ended, R2 swapped")
+    st = sub.status()
+    assert (st.state, sub.counters().recoveries_started["live_silent"]) == (SYNC, 0)
+    assert armed[3] < sub.live_messages and hits(sub, 1, 2, 3) == (True, 12, 0)
+
+
 def test_resync_ahead_with_batches_arriving_late_stays_synchronized(h):
     """The batches a resync watermark covers may arrive after the reply: within the grace
     period they prove the live channel alive (dropped as covered), no false alarm."""

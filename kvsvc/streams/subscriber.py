@@ -80,6 +80,11 @@ POLL_INTERVAL_MS = 5_000
 #: must arrive within this many seconds (those batches may still be in flight), or the live
 #: channel is taken for dead (README "Where the spec is silent").
 LIVE_SILENCE_GRACE_S = 2.0
+#: After a recovery from a snapshot with a watermark while nothing at all has arrived on the
+#: live connection, the first resync comes this soon (seconds) instead of after
+#: ``resync_interval_ms``: a dead live channel (a wrong topic) is then found within seconds,
+#: not after a whole resync interval of a snapshot index going stale.
+PROBE_RESYNC_S = 2.0
 
 #: Live messages handled per poll turn before looking at the other sockets again.
 LIVE_MESSAGES_PER_TURN = 256
@@ -275,8 +280,9 @@ class StreamSubscriber:
         self._expected: Optional[int] = None      # next live seq the serving index needs
         self._max_seen: Optional[int] = None      # highest live seq on this connection
         self._live_at_swap = 0                    # _live_messages when the index was swapped
-        # (deadline, watermark, first seq not received) of a silent-channel check.
-        self._silence_check: Optional[tuple[float, int, int]] = None
+        # (deadline, watermark, first seq not received, _live_messages when armed) of a
+        # silent-channel check.
+        self._silence_check: Optional[tuple[float, int, int, int]] = None
         self._awaiting_live = False               # silent channel: recover on the next batch
         self._attempt: Optional[SnapshotAttempt] = None
         self._buffer: list[tuple[int, Batch]] = []
@@ -609,8 +615,10 @@ class StreamSubscriber:
         failed at its deadline, which unsynchronizes the stream until a live batch arrives
         (a dead live channel, e.g. a topic the engine does not publish, would otherwise keep
         a snapshot's index serving while the engine moves on: stale hits)."""
-        deadline, watermark, first_missing = self._silence_check  # type: ignore[misc]
-        if self._live_messages != self._live_at_swap or not self._synced:
+        deadline, watermark, first_missing, live_then = self._silence_check  # type: ignore[misc]
+        # Counted from when the check was armed, not from the last swap: a later resync's
+        # swap must not hide a batch that arrived in between.
+        if self._live_messages != live_then or not self._synced:
             self._silence_check = None
             return
         if time.monotonic() < deadline:
@@ -963,12 +971,14 @@ class StreamSubscriber:
         self._abandon_attempt()
         self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how,
                    live_events=[ev for b in tail for ev in b.events], stats_base=stats_base)
-        if silent:
+        if silent and self._silence_check is None:
             # The engine published batches up to the watermark and not one reached us since
             # the last swap: in flight still, or a dead live channel. The index is exact now;
-            # a live message must show up within the grace period.
+            # a live message must show up within the grace period. (A check already running
+            # keeps its earlier deadline and count.)
             self._silence_check = (time.monotonic() + LIVE_SILENCE_GRACE_S,
-                                   result.watermark, first_missing)  # type: ignore[assignment]
+                                   result.watermark, first_missing,  # type: ignore[assignment]
+                                   self._live_messages)
 
     def _drain(self) -> None:
         """Handle pending monitor events, then pending live messages (bounded)."""
@@ -1011,7 +1021,10 @@ class StreamSubscriber:
         self._expected = expected
         self._live_at_swap = self._live_messages
         self._failures = 0
-        self._next_attempt_at = time.monotonic() + self.limits.resync_interval_ms / 1000.0
+        interval_s = self.limits.resync_interval_ms / 1000.0
+        if not resync and sequence is not None and self._max_seen is None:
+            interval_s = min(interval_s, PROBE_RESYNC_S)  # see PROBE_RESYNC_S
+        self._next_attempt_at = time.monotonic() + interval_s
         if not resync:
             log.info("stream %s: synchronized (%s): %d device, %d host blocks", self._name, how,
                      index.device_blocks, index.host_blocks)
