@@ -636,43 +636,55 @@ class Registry:
         self._etcd_up.set()
         try:
             while not self._stop.is_set():
-                if watch is not None:
-                    watch.cancel()
-                    watch = None
                 try:
-                    listed = client.list_prefix(self._prefix)
-                except EtcdError as exc:
+                    if watch is not None:
+                        watch.cancel()
+                        watch = None
+                    try:
+                        listed = client.list_prefix(self._prefix)
+                    except EtcdError as exc:
+                        with self._lock:
+                            if self._set_fresh(False, f"etcd: {exc}"):
+                                self._publish()
+                        self._first_list.set()
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
+                        continue
+                    backoff = _BACKOFF_MIN_S
+                    now = time.monotonic()
                     with self._lock:
-                        if self._set_fresh(False, f"etcd: {exc}"):
+                        changed = self._apply_list(listed, now)
+                        self._last_list_ok = now
+                        changed |= self._set_fresh(True, "")
+                        if changed:
                             self._publish()
                     self._first_list.set()
+                    watch_gen += 1
+                    gen = watch_gen
+                    try:
+                        watch = client.watch_prefix(self._prefix, listed.revision + 1,
+                                                    lambda ev, g=gen: events.put((g, ev)))
+                    except EtcdError as exc:
+                        log.warning("registry: watch not started (re-listing instead): %s", exc)
+                    deadline = now + s.relist_interval_s
+                    while not self._stop.is_set():
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        pending = drain(events, min(remaining, _POLL_S))
+                        batch = [ev for g, ev in pending if g == gen]
+                        if batch:
+                            self._apply_events(batch)
+                except Exception:  # noqa: BLE001 - a bad value must not end the registry
+                    # Only a bug gets here (etcd and value errors are handled above). The
+                    # thread would otherwise be gone for the life of the process: /ready 503
+                    # and no etcd change seen again. Drop the watch and re-list after a pause.
+                    log.exception("registry: internal error; re-listing after %.1f s", backoff)
+                    with self._lock:
+                        if self._set_fresh(False, "internal error"):
+                            self._publish()
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
-                    continue
-                backoff = _BACKOFF_MIN_S
-                now = time.monotonic()
-                with self._lock:
-                    changed = self._apply_list(listed, now)
-                    self._last_list_ok = now
-                    changed |= self._set_fresh(True, "")
-                    if changed:
-                        self._publish()
-                self._first_list.set()
-                watch_gen += 1
-                gen = watch_gen
-                try:
-                    watch = client.watch_prefix(self._prefix, listed.revision + 1,
-                                                lambda ev, g=gen: events.put((g, ev)))
-                except EtcdError as exc:
-                    log.warning("registry: watch not started (re-listing instead): %s", exc)
-                deadline = now + s.relist_interval_s
-                while not self._stop.is_set():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    batch = [ev for g, ev in drain(events, min(remaining, _POLL_S)) if g == gen]
-                    if batch:
-                        self._apply_events(batch)
         finally:
             if watch is not None:
                 watch.cancel()

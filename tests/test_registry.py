@@ -22,7 +22,7 @@ from kvsvc.registry import (
     Registry,
     RegistrySettings,
 )
-from tests.util import free_port
+from tests.util import free_port, wait_for
 
 GRACE_S = 0.5
 REMOVAL_S = 1.0
@@ -190,6 +190,37 @@ def test_malformed_registrations_ignored_others_unaffected(registry, etcd, caplo
         registry.heartbeat(good, None, 1, 0.1)
     logged = [r.getMessage() for r in caplog.records if "malformed registration" in r.getMessage()]
     assert len(logged) == 7
+
+
+def test_load_value_no_float_holds_is_malformed_and_a_bug_does_not_end_the_registry(
+        registry, etcd, monkeypatch, caplog):
+    """A LOADMETRICS value with a 400-digit usage used to raise OverflowError in the registry
+    thread and end it for good (never fresh again). Now it is malformed; and any other
+    unexpected error is logged, the registry goes stale, re-lists and carries on."""
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    etcd.put(f"/t/XLLM:LOADMETRICS:{name}",
+             '{"waiting_requests_num": 1, "gpu_cache_usage_perc": 1' + "0" * 400 + "}")
+    wait_for(lambda: any("malformed load" in r.getMessage() for r in caplog.records),
+             timeout_s=5, what="the load value logged as malformed")
+    assert registry.snapshot().fresh
+    real = Registry._apply_list
+    calls = []
+
+    def broken_once(self, listed, now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("injected bug")
+        return real(self, listed, now)
+
+    monkeypatch.setattr(Registry, "_apply_list", broken_once)
+    registry.wait_for(lambda s: not s.fresh, 10)     # the next re-list hits the bug
+    other = "10.0.0.2:8000"
+    etcd.put(key(other), value(other))
+    snap = registry.wait_for(lambda s: s.fresh and other in s.instances, 10)
+    assert sorted(snap.instances) == [name, other] and len(calls) >= 2
+    assert any("registry: internal error" in r.getMessage() for r in caplog.records)
 
 
 def test_same_name_under_two_types_ignored(registry, etcd):
