@@ -112,7 +112,8 @@ def _ok_status(path: str, status: int, body: bytes) -> bool:
     if status == 501 and b"Unsupported transfer coding" in body:
         return True  # gunicorn's parser, RFC 9112 §6.1; the app never saw the request
     if path == "/ready" and status == 503:
-        return json.loads(body).get("ready") is False  # readiness probe: "not ready yet"
+        # Readiness probe: "not ready yet" (a HEAD answer has no body to show it).
+        return not body or json.loads(body).get("ready") is False
     if path in OPENAI_PATHS and status == 503:
         error = json.loads(body).get("error")
         return isinstance(error, dict) and str(error.get("message", "")).startswith(
