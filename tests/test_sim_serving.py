@@ -78,6 +78,9 @@ def test_repeated_prompt_reports_exact_cached_tokens_and_publishes(engine):
     assert r2.json()["usage"]["prompt_tokens"] == 11
     assert r2.headers["x-sim-prefill-ms"] == "0.300"  # 3 uncached tokens
     assert r2.headers["x-sim-rank"] == "0"
+    # The sim counts a request completed after its last byte is written: the client can see
+    # the answer first.
+    wait_for(lambda: engine.serving.stats().completed == 2, 5.0, what="both counted")
     st = engine.serving.stats()
     assert (st.requests, st.completed, st.cancelled, st.prompt_tokens, st.cached_tokens) == \
         (2, 2, 0, 21, 8)
@@ -117,16 +120,23 @@ def test_queueing_is_waiting_requests_num_and_cancel_frees_the_slot():
         eng.close()
 
 
+def one_running_one_queued(eng, socks: list[socket.socket]) -> None:
+    """With ``max_num_seqs`` 1: a long streamed request running (its first chunk read) and a
+    second one queued behind it; both client sockets go into ``socks`` as they are opened
+    (the caller closes them, also when this fails half-way)."""
+    socks.append(raw_request(eng, {"prompt": [1, 2, 3, 4], "max_tokens": 1000,
+                                   "stream": True}))
+    read_until(socks[-1], b"\n\n")
+    socks.append(raw_request(eng, {"prompt": [5, 6, 7, 8], "max_tokens": 1}))
+    wait_for(lambda: eng.waiting_requests() == 1, 5.0, what="one queued request")
+
+
 def test_client_leaving_while_queued_is_removed_from_the_queue():
     eng = make_engine(max_num_seqs=1, decode_us_per_token=50_000.0)
     eng.start()
     socks: list[socket.socket] = []
     try:
-        socks.append(raw_request(eng, {"prompt": [1, 2, 3, 4], "max_tokens": 1000,
-                                       "stream": True}))
-        read_until(socks[0], b"\n\n")
-        socks.append(raw_request(eng, {"prompt": [5, 6, 7, 8], "max_tokens": 1}))
-        wait_for(lambda: eng.waiting_requests() == 1, 5.0, what="one queued request")
+        one_running_one_queued(eng, socks)
         socks[1].close()
         wait_for(lambda: eng.waiting_requests() == 0, 5.0, what="queue emptied by the cancel")
         wait_for(lambda: eng.serving.stats().cancelled == 1, 5.0, what="cancel counted")
@@ -240,11 +250,7 @@ def test_connection_limit_answers_503_and_close_ends_queued_requests():
     eng.start()
     socks: list[socket.socket] = []
     try:
-        socks.append(raw_request(eng, {"prompt": [1, 2, 3, 4], "max_tokens": 1000,
-                                       "stream": True}))
-        read_until(socks[0], b"\n\n")
-        socks.append(raw_request(eng, {"prompt": [5, 6, 7, 8], "max_tokens": 1}))
-        wait_for(lambda: eng.waiting_requests() == 1, 5.0, what="one queued request")
+        one_running_one_queued(eng, socks)
         r = requests.post(url(eng), json={"prompt": [9], "max_tokens": 1}, timeout=10)
         assert r.status_code == 503 and "too many connections" in r.text
         eng.close()  # ends the stream and answers the queued request 503
