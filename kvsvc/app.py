@@ -43,7 +43,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import sys
 import threading
 import time
 from array import array
@@ -68,7 +67,7 @@ from .errors import (
     StaleIncarnation,
     UnknownInstance,
 )
-from .index.keys import pack_tokens
+from .index.keys import ARRAY_IS_WIRE_FORM, pack_tokens
 from .metrics import METRICS_EXTENSION, Metrics
 from .registry import MAX_WAITING_REQUESTS, Registry, RegistrySettings
 
@@ -86,8 +85,6 @@ MAX_TOKEN_ID = 2**31 - 1
 _BYTES_PER_TOKEN = 12
 #: Room for the object around the list and for pretty-printing whitespace.
 _BODY_SLACK_BYTES = 64 * 1024
-#: An ``array("I")``'s buffer is the §4 byte form (32-bit little-endian) on this host.
-_ARRAY_IS_WIRE_FORM = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def max_content_length(max_query_tokens: int) -> int:
@@ -428,7 +425,7 @@ def parse_query_tokens(body: bytes, max_tokens: int) -> Sequence[int]:
     if not token_ids:
         return token_ids
     packed = _packed_token_ids(body, token_ids)
-    if not _ARRAY_IS_WIRE_FORM:
+    if not ARRAY_IS_WIRE_FORM:
         return token_ids
     out = array("I")
     out.frombytes(packed)

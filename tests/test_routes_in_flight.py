@@ -5,31 +5,16 @@ upstream is sending, none once the response was relayed, failed, or the client w
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Iterator
 
 import pytest
 
 from kvsvc.app import HEARTBEAT_PATH
-from kvsvc.etcd import EtcdClient
 from kvsvc.routes import ROUTE_PATH, ROUTING_EXTENSION
 from tests.test_proxy import refused_name, upstreams
-from tests.test_routes import AUTH, completion, register, running
+# clean_env (autouse) and etcd are test_routes' fixtures, used here as they are.
+from tests.test_routes import AUTH, clean_env, completion, etcd, register, running  # noqa: F401
 from tests.util import wait_for
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for key in [k for k in os.environ if k.startswith("KVSVC_")]:
-        monkeypatch.delenv(key)
-
-
-@pytest.fixture
-def etcd(etcd_server) -> Iterator[EtcdClient]:
-    client = EtcdClient(etcd_server.addr)
-    yield client
-    client.close()
 
 
 def counts(app) -> dict[str, int]:

@@ -5,7 +5,6 @@ snapshot/live consistency rule, and every fault switch."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import ormsgpack
@@ -17,7 +16,8 @@ from kvsvc.events import DEVICE, HOST
 from kvsvc.sim import NO_SEQ, SimEngine, chain_hash
 from kvsvc.sim.block_manager import BlockManager
 from kvsvc.sim.engine import encode_snapshot, pack_batch
-from tests.util import free_port, wait_for
+from kvsvc.soak import listen_port_run
+from tests.util import wait_for
 
 BS = 4
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -61,24 +61,8 @@ class Mirror:
 
 
 def consecutive_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no run of free ports")
+    """A base port with ``n`` consecutive free loopback ports (the soak's own search)."""
+    return listen_port_run(n, random.Random())
 
 
 def recv(sock: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:

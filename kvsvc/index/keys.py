@@ -46,7 +46,10 @@ MAX_TOKEN_ID = 2**31 - 1
 #: Byte length of a content key in its wire/byte form.
 KEY_BYTES = 16
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
+#: True where an ``array("I")`` (and a ``memoryview`` cast to ``"I"``) holds token ids in the
+#: §4 byte form: 4-byte little-endian items. The packing fast paths here, the decoder's token
+#: view and the query endpoint's ids depend on it; elsewhere they take the ``struct`` path.
+ARRAY_IS_WIRE_FORM = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 @functools.lru_cache(maxsize=256)
@@ -79,7 +82,7 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     :raises ValueError: naming the index and value of the first element that is not an ``int``
         or is out of range.
     """
-    if not _LITTLE_ENDIAN:  # pragma: no cover - no mainstream big-endian host
+    if not ARRAY_IS_WIRE_FORM:  # pragma: no cover - no mainstream host
         try:
             packed = _token_struct(len(token_ids)).pack(*token_ids)
         except (struct.error, TypeError, OverflowError) as exc:

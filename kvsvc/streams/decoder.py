@@ -35,14 +35,13 @@ trailing garbage after a valid batch is not detected (a truncated payload is).
 
 from __future__ import annotations
 
-import sys
 from array import array
 from typing import Any, Sequence
 
 import ormsgpack
 
 from ..errors import DecodeError
-from ..index.keys import pack_tokens
+from ..index.keys import ARRAY_IS_WIRE_FORM, pack_tokens
 from ..events import (
     DEVICE,
     MEDIUM_TIERS,
@@ -67,8 +66,6 @@ _CLEARED_FIELDS = ("medium",)
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS,
            "AllBlocksCleared": _CLEARED_FIELDS}
 
-#: ``memoryview.cast`` uses the host's byte order; the §4 form is little-endian.
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 def decode_batch(payload: bytes, expected_rank: int) -> Batch:
     """Decode one batch (§2) received on the stream of DP rank ``expected_rank``.
@@ -243,9 +240,9 @@ def _packed_tokens(raw: Any) -> bytes:
 
 def _token_view(packed: bytes) -> Sequence[int]:
     """The ids of ``packed`` as a read-only sequence of ints without copying them."""
-    if _LITTLE_ENDIAN:
+    if ARRAY_IS_WIRE_FORM:
         return memoryview(packed).cast("I")
-    view = array("I", packed)  # pragma: no cover - no mainstream big-endian host
+    view = array("I", packed)  # pragma: no cover - no mainstream host
     view.byteswap()
     return view
 
