@@ -14,6 +14,7 @@ from typing import Any
 
 import ormsgpack
 import pytest
+import zmq
 
 import kvsvc.streams.snapshot as snapshot_module
 from kvsvc.config import (
@@ -342,6 +343,11 @@ def test_an_unreachable_engine_never_takes_a_permit(zmq_ctx):
         engines = Engines(zmq_ctx, stack, ["b:1"])
         engines.by_name["b:1"].release_replies()
         event_port, replay_port = free_ports(2)
+        # a's live channel is up (snapshots are only requested once it is connected).
+        xpub = zmq_ctx.socket(zmq.XPUB)
+        xpub.setsockopt(zmq.LINGER, 0)
+        stack.callback(xpub.close, 0)
+        xpub.bind(f"tcp://127.0.0.1:{event_port}")
         engines.streams.append({"instance_name": "a:1", "block_size": B4,
                                 "endpoint": f"tcp://127.0.0.1:{event_port}",
                                 "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})

@@ -21,6 +21,10 @@ The serving index exists only while SYNCHRONIZED; any error discards it under th
 hold that saw it, so a query never sees a partial batch, a stale index or a half-built one.
 Snapshot indexes are built privately and swapped in one assignment under the lock.
 
+Snapshots are requested only while the live ``SUB`` is connected (its handshake reported by
+the monitor since it was last (re)opened): a batch published before the subscription reaches
+the engine is lost without a trace, so the snapshot must come after it (:meth:`_live_handshake`).
+
 Sequence bookkeeping (all on the stream thread):
 
 - ``_expected``: the next live seq the serving index needs; ``None`` after an empty snapshot
@@ -275,6 +279,10 @@ class StreamSubscriber:
         self._wake_endpoint = f"inproc://kvsvc-stream-wake-{uuid.uuid4().hex}"
         self._poller: Optional[zmq.Poller] = None
         self._reopen_pending = False              # replace the SUB at the next turn
+        # The current SUB's handshake succeeded, so its subscription is on its way to the
+        # engine: only then is a snapshot requested (see _live_handshake).
+        self._live_up = False
+        self._live_wait_noted = False             # the error says a due attempt waits for it
         self._waiting_error_logged = False        # one warning per backoff wait
         self._synced = False                      # mirrors _state is SYNCHRONIZED
         self._expected: Optional[int] = None      # next live seq the serving index needs
@@ -296,7 +304,7 @@ class StreamSubscriber:
         """Start the stream thread (daemon, named ``kvsvc-stream-<instance>/dp<rank>``).
 
         Returns once the thread has connected its sockets and entered its loop; the first
-        snapshot request goes out at once (§6).
+        snapshot request goes out at once (§6), as soon as the live ``SUB`` has connected.
 
         :param timeout_s: how long to wait for the thread to be running, seconds.
         :raises LifecycleError: already started, socket setup failed, or not running in time.
@@ -522,7 +530,10 @@ class StreamSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + MAXMSGSIZE_HEADROOM)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._live_up = False
+        self._live_wait_noted = False
         sub.connect(self.stream.endpoint)
         self._poller.register(sub, zmq.POLLIN)  # type: ignore[union-attr]
         self._poller.register(self._monitor, zmq.POLLIN)  # type: ignore[union-attr]
@@ -570,11 +581,15 @@ class StreamSubscriber:
         """One loop turn: start a due attempt, poll, handle what is readable, check deadlines."""
         now = time.monotonic()
         if self._attempt is None and self._next_attempt_at is not None and now >= self._next_attempt_at:
-            self._begin_attempt()
+            if self._live_up:
+                self._begin_attempt()
+            elif not self._live_wait_noted:
+                self._note_live_wait()
         timeout_s = POLL_INTERVAL_MS / 1000.0
         if self._attempt is not None:
             timeout_s = min(timeout_s, self._attempt.deadline - now)
-        elif self._next_attempt_at is not None:
+        elif self._next_attempt_at is not None and self._live_up:
+            # (Without the live connection, the monitor's handshake event ends the poll.)
             timeout_s = min(timeout_s, self._next_attempt_at - now)
         if self._silence_check is not None:
             timeout_s = min(timeout_s, self._silence_check[0] - now)
@@ -640,13 +655,45 @@ class StreamSubscriber:
                 event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_CONNECTED:
-                log.info("stream %s: connected to %s", self._name, self.stream.endpoint)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._live_handshake()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # A new connection may be a restarted engine counting from 0 again.
                 self._max_seen = None
+                self._live_up = False
                 self._reopen_pending = True
                 self._stream_error("disconnected", "disconnect")
+
+    def _live_handshake(self) -> None:
+        """The ``SUB``'s ZMTP handshake succeeded: snapshots may be requested from now on.
+
+        A ``PUB`` drops every batch published before a subscriber's subscription reaches it,
+        without a trace on either side. A snapshot taken before that moment can be followed by
+        batches this stream never receives; a gap in ``seq`` shows that, unless the engine's
+        counter restarted meanwhile and its new numbers run into the expected one (the soak
+        found it: an engine back from a kill answered the snapshot before this ``SUB``
+        reconnected, its first batch was lost, its publisher restarted, and the new seq 0 was
+        applied as the expected one on an index without the lost blocks). So every snapshot is
+        requested after the handshake: the subscription then leaves on this connection before
+        the request's ``DEALER`` has even connected (README "Where the spec is silent", §6, §7).
+        """
+        # Make the socket attach the new pipe now, which writes the subscription to it, rather
+        # than at its next use.
+        self._sub.getsockopt(zmq.EVENTS)  # type: ignore[union-attr]
+        self._live_up = True
+        self._live_wait_noted = False
+        log.info("stream %s: connected to %s", self._name, self.stream.endpoint)
+
+    def _note_live_wait(self) -> None:
+        """An attempt is due but the live channel is not connected: say so in ``error``."""
+        self._live_wait_noted = True
+        with self._lock:
+            if self._synced:
+                return  # (cannot happen: a disconnect unsynchronizes first)
+            cause = self._error or _NOT_YET
+            self._error = (f"{cause}; the snapshot is requested once the live channel "
+                           f"{self.stream.endpoint} is connected")
+            self._publish_locked()
 
     # ------------------------------------------------------------------ live batches
 
@@ -853,10 +900,12 @@ class StreamSubscriber:
         return TierIndex(self.block_size, self.hash_seed, self.limits.max_blocks_per_stream)
 
     def _restart_recovery(self) -> None:
-        """Abandon any attempt (a resync too) and request a recovery snapshot now (§6)."""
+        """Abandon any attempt (a resync too) and request a recovery snapshot now (§6), or as
+        soon as the live channel is connected (:meth:`_live_handshake`)."""
         self._abandon_attempt()
         self._next_attempt_at = time.monotonic()
-        self._begin_attempt()
+        if self._live_up:
+            self._begin_attempt()
 
     def _abandon_attempt(self) -> None:
         if self._attempt is not None:
