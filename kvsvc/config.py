@@ -487,10 +487,15 @@ def check_discovery_needs_etcd(config: KvEventsConfig, etcd_addr: str) -> None:
 def load_service_settings(**overrides: Any) -> ServiceSettings:
     """Build :class:`ServiceSettings` from flags (``overrides``, ``None`` values ignored) and env.
 
-    :raises ConfigError: naming the field (``--port`` style names for flags).
+    :raises ConfigError: naming the field as it was given: ``--port`` for a flag,
+        ``KVSVC_PORT`` for an environment variable (the operator edits the one that is wrong).
     """
     kwargs = {k: v for k, v in overrides.items() if v is not None}
     try:
         return ServiceSettings(**kwargs)
     except ValidationError as exc:
-        raise translate_validation_error(exc, prefix="--") from exc
+        err = translate_validation_error(exc)
+        name = err.field.partition(".")[0]
+        if name in ServiceSettings.model_fields and name not in kwargs:
+            raise ConfigError(f"KVSVC_{err.field.upper()}", err.message) from exc
+        raise ConfigError(f"--{err.field}", err.message) from exc

@@ -252,10 +252,21 @@ def test_settings_ranges_named(clean_env, kwargs, field):
 
 
 def test_settings_bad_env_value_named(clean_env):
+    """An error names the variable the value came from; a flag that overrides it, the flag."""
     clean_env.setenv("KVSVC_PORT", "http")
     with pytest.raises(ConfigError) as info:
         load_service_settings()
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_PORT", "Input should be a valid integer, unable to parse string as an integer")
+    clean_env.setenv("KVSVC_PORT", "9000")
+    clean_env.setenv("KVSVC_CAR_PREFILL_LAMBDA", "2")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(port=0)
     assert info.value.field == "--port"
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(port=9001)
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_CAR_PREFILL_LAMBDA", "Input should be less than or equal to 1")
 
 
 def test_token_from_env_and_from_file(clean_env, tmp_path):
@@ -296,7 +307,7 @@ def test_empty_token_from_env_is_refused(clean_env):
     clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "")
     with pytest.raises(ConfigError) as info:
         load_service_settings()
-    assert info.value.field == "--internal_api_token"
+    assert info.value.field == "KVSVC_INTERNAL_API_TOKEN"
 
 
 @pytest.mark.parametrize("host, ok", [
