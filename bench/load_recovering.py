@@ -31,18 +31,29 @@ the holder was forced to drop it, and the forced hand-over often went to another
 (a shorter ``sys.setswitchinterval`` made it worse). Worse still, ``ormsgpack.unpackb`` of one
 550 kB reply message (1,024 blocks) holds the GIL in one C call for ~4.5 ms.
 
-Now (:mod:`kvsvc.streams.snapshot`): one snapshot at a time per directory (the gate), each
-reply message unpacked one event at a time (~70 us stretches), and the building thread yields
-the GIL every 0.3 ms. Measured (2 cores, other work light, 3 runs of
-``python -m bench.run --only 8 --no-write``): query p50 ~90 us idle and recovering, p99
-137-180 us idle against ~475 us recovering (2.6-3.5x); route p99 242-324 us against ~590 us
-(1.8-2.4x). The recovery window while the request loop spins is p50 4.7-4.9 s (the builder gets
-one 0.3 ms slice per 5 ms switch interval while the loop holds the GIL); without requests
-346-436 ms. Side by side in the same session, unbounded and unsliced (the code before):
-query 6.4x, route 70x (other sessions: 14-44x and 28-84x), windows 196 ms / 158 ms;
+Then (:mod:`kvsvc.streams.snapshot`): one snapshot at a time per directory (the gate), each
+reply message unpacked one event at a time (~70 us stretches, each event's end found by packing
+it again), and the building thread yields the GIL every 0.3 ms. Measured (2 cores, other work
+light, 3 runs of ``python -m bench.run --only 8 --no-write``): query p50 ~90 us idle and
+recovering, p99 137-180 us idle against ~475 us recovering (2.6-3.5x); route p99 242-324 us
+against ~590 us (1.8-2.4x). The recovery window while the request loop spins is p50 4.7-4.9 s
+(the builder gets one 0.3 ms slice per 5 ms switch interval while the loop holds the GIL);
+without requests 346-436 ms. Side by side in the same session, unbounded and unsliced (the code
+before): query 6.4x, route 70x (other sessions: 14-44x and 28-84x), windows 196 ms / 158 ms;
 ``max_concurrent_snapshots`` 2: query 5.1x, route 4.9x, windows 1.9 s / 254-345 ms. A 0.5 ms
 slice gave query 4.0-5.3x over 7 runs. A shorter switch interval instead of the yields (gate 1,
 sliced, no sleeps, ``sys.setswitchinterval`` 0.5 or 1 ms) gave query 10-14x.
+
+Now (for benchmark 6's load time, same gate and 0.3 ms slices): large messages are unpacked in
+~16 kB groups of events whose boundaries ``msgpack`` finds by skipping (~1/3 less build CPU),
+and each yield is a 20 us sleep with the building thread's timer slack at 1 ns (Linux's 50 us
+default made it ~60-80 us). 20 us because the waiter must wake before the builder comes back:
+against a thread spinning on the other core, the waiter got the GIL at 10% of 0-5 us sleeps,
+54% of 10 us ones, 92% of 20 us ones (89% with the old sleeps). Side by side with the previous
+code, busy machine (load ~5), 3 runs each: recovering p99 query 546-593 us against 540-699 us,
+route 1.0-1.6 ms against 1.5-2.0 ms (idle p99s of 180-650 us made the ratios 0.9-3.7x for both);
+windows with the request loop 2.7-2.9 s against 4.3-4.8 s, without requests 210-244 ms against
+344-541 ms.
 """
 
 from __future__ import annotations

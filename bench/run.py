@@ -106,18 +106,17 @@ and lowering the ratio. Next step outside this endpoint's code: an optional bina
     6: """\
 Load = time from add_stream to synchronized minus the engine's own encoding time (the sim
 encodes the whole reply before the first message; measured by a bare DEALER fetch of the same
-snapshot). It was 1.20-1.25x before this session; it is now ~1.6-1.9x because of what
-benchmark 8 (issue 6) needs: a snapshot build must not hold the GIL for long, or every request
-thread waits behind it. `ormsgpack.unpackb` of one 1 MiB reply message holds the GIL for ~5-9
-ms in one C call, so large reply messages are unpacked one event at a time (each event's end is
-found by packing it again, exact but ~+35% decode CPU; this snapshot has one event per block,
-the worst case), and the building thread sleeps ~60 us after every 0.3 ms of work so that a
-waiting request thread takes the GIL (~+20%). Measured without the sleeps: 1.64-1.87x; the
-split alone is most of it. Kept: query and route p99 while 16 streams recover went from 14-84x
-idle to 2-4x (benchmark 8); a 262,144-block snapshot takes ~4.4 s instead of ~2.8 s. The
-query p99 target of this benchmark is met either way. Next step: an exact event boundary
-without re-packing needs a MessagePack skipper in native code (or engines sending smaller
-reply messages).""",
+snapshot). The build must not hold the GIL for long (benchmark 8): `ormsgpack.unpackb` of one
+1 MiB reply message holds it for 5-9 ms, so the directory decodes large messages in ~16 kB
+groups of events (`msgpack`'s skip finds the event boundaries, ~0.7 us per event; `ormsgpack`
+parses each group) and sleeps 20 us after every 0.3 ms of work (timer slack 1 ns while
+building) so that a waiting request thread takes the GIL. Side by side on a busy machine, 3
+runs each: 1.39-1.46x with other load at ~4.5 (1.04-1.17x with less), against 1.83-2.07x for
+the previous split (each event's end found by packing it again, ~+35% decode CPU, and
+60-80 us yields; 2.02x in the last quiet full run) and 1.20-1.25x for whole-message decode.
+The build's CPU, measured alone: 2.35 s against 3.45 s before; raw decode + keys 2.2 s. What
+is left is the yields (~8,000, ~35 us each), the query thread, and the ZMQ receive of 177 MiB;
+a ratio above 1.5x means other processes took the build thread's core.""",
     7: """\
 Each stream thread used to wake every 100 ms to check its stop event (3.2% of a core for 128
 streams). Now `close()` wakes it through an inproc PULL the thread owns, so the poll sleeps

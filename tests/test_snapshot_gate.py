@@ -1,4 +1,5 @@
-"""The snapshot gate (kvsvc.streams.snapshot.SnapshotGate) and the sliced snapshot decode.
+"""The snapshot gate (kvsvc.streams.snapshot.SnapshotGate) and the sliced snapshot decode
+inside a running directory (split_batch on its own: tests/test_snapshot_split.py).
 
 The gate bounds the snapshot attempts running at once across a directory's streams; these
 tests hold engine replies (tests/publisher.py) so every ordering is forced, never timed.
@@ -12,7 +13,6 @@ import threading
 from contextlib import ExitStack
 from typing import Any
 
-import ormsgpack
 import pytest
 import zmq
 
@@ -25,7 +25,7 @@ from kvsvc.config import (
 )
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, DecodeError
-from kvsvc.streams.decoder import decode_event, decode_batch
+from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.snapshot import GateStats, SnapshotGate, split_batch
 from kvsvc.streams.state import StreamId, StreamState
 from tests.publisher import ProtocolPublisher, encode_batch, stored
@@ -262,43 +262,6 @@ def test_directory_default_permits():
 
 def _events(n: int) -> list[dict]:
     return [stored([i + 1], i or None, blk(i + 1), B4) for i in range(n)]
-
-
-@pytest.mark.parametrize("form", ["array3", "array2"])
-@pytest.mark.parametrize("event_form", ["map", "array"])
-@pytest.mark.parametrize("n", [0, 1, 17])
-def test_split_batch_gives_exactly_what_decode_batch_gives(form, event_form, n):
-    payload = encode_batch(_events(n), 0, form=form, event_form=event_form)
-    calls = [0]
-
-    def pace():
-        calls[0] += 1
-
-    raw = split_batch(payload, 0, pace)
-    assert raw == ormsgpack.unpackb(payload)[1]
-    assert calls[0] == n
-    assert [decode_event(r) for r in raw] == decode_batch(payload, 0).events
-
-
-def _pack(obj: Any) -> bytes:
-    return ormsgpack.packb(obj)
-
-
-@pytest.mark.parametrize("payload", [
-    encode_batch(_events(2), 0, form="map"),                              # map form: whole
-    _pack([1.5, [], 1]),                                                  # another rank
-    _pack([1.5, [], "0"]),                                                # rank not an int
-    _pack(["ts", [], 0]),                                                 # ts not a number
-    _pack([1.5, [], 0]) + b"\x00",                                        # trailing bytes
-    _pack([1.5, [1, 2], 0])[:-2],                                         # truncated
-    b"\x93\xca\x3f\xc0\x00\x00\x90\x00",                                  # float32 ts
-    b"\x93\xcb" + b"\x00" * 8 + b"\x91\xcf" + b"\x00" * 7 + b"\x05\x00",  # uint64-encoded 5
-    b"\x93\xcb" + b"\x00" * 8 + b"\xdc\x00\x03\x01",                      # count beyond the end
-    b"\xc1",
-    b"",
-])
-def test_split_batch_declines_what_it_cannot_split_exactly(payload):
-    assert split_batch(payload, 0, lambda: None) is None
 
 
 def test_sliced_decode_error_text_is_decode_batch_s(zmq_ctx, monkeypatch):

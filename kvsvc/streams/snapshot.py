@@ -29,30 +29,40 @@ stream threads the forced hand-over often goes to another stream thread. Three m
   closes the attempt on every way out (success, timeout, malformed reply, buffer overflow, a
   newer attempt, thread exit). §6/§7 are unchanged: a queued stream is recovering (a resync:
   still serving) and buffers live deltas into its attempt as for any attempt in flight.
-- **Sliced decode.** ``ormsgpack.unpackb`` of one 550 kB reply message (1,024 blocks of 128
-  tokens) holds the GIL for ~4.5 ms in one C call. :func:`split_batch` unpacks a batch one
-  event at a time instead (~70 us each); see there for how it stays exact.
+- **Sliced decode.** ``ormsgpack.unpackb`` of one 1 MiB reply message holds the GIL for 5-9 ms
+  in one C call. :func:`split_batch` cuts a batch into groups of events of ~16 kB (event
+  boundaries from ``msgpack``'s skipping, ~0.7 us per event), each unpacked by ``ormsgpack``
+  in ~0.1 ms; see there for how it stays exact.
 - **Yields.** Every :data:`BUILD_SLICE_S` (0.3 ms) of decode/index work the building thread
-  sleeps :data:`BUILD_YIELD_S`, which hands the GIL to a waiting request thread at once.
+  sleeps :data:`BUILD_YIELD_S` (20 us), which hands the GIL to a waiting request thread. While
+  it builds, the thread's timer slack is :data:`BUILD_TIMER_SLACK_NS` (:func:`set_timer_slack`;
+  Linux's default 50 us made every such sleep cost ~60-80 us).
 
 Measured (bench 8, 16 streams x 2,048 blocks recovering at once, 2 cores, 3 runs): query p99
 while recovering 2.6-3.5x idle (recovering p99 ~475 us), route 1.8-2.4x; before, 14-44x and
-28-84x. Recovery with no request load takes ~350-440 ms instead of ~160-210 ms (serialized
-attempts, splitting ~+15% CPU since each event is packed again to find its end, the yields);
-with a request thread spinning on a core it gets one slice per 5 ms switch interval and takes
-~5 s. ``max_concurrent_snapshots`` 2: ~250-350 ms, but query p99 ~5x.
+28-84x. With a request thread spinning on a core the builder gets one slice per 5 ms switch
+interval, and recovery takes seconds. Recovery with no request load: ~160-210 ms unsliced and
+unbounded; ~350-540 ms with the gate, the re-packing split (each event packed again to find its
+end, ~+35% decode CPU) and 60-80 us yields; ~210-245 ms now (same session, side by side, busy
+machine; query p99 while recovering ~550 us either way). ``max_concurrent_snapshots`` 2:
+~250-350 ms, but query p99 ~5x. Bench 6 (one 262,144-block snapshot, 1 MiB messages): the
+build's CPU went from 3.45 s to 2.35 s and its time from ~5.2 s to ~2.6 s (raw decode + keys of
+the same payloads: 2.2 s).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+import msgpack
 import ormsgpack
 import zmq
 
@@ -79,12 +89,16 @@ RECEIVE_BUDGET_S = 0.010
 #: Longest stretch (seconds) of decode/index work between two GIL yields while building
 #: (bench 8: 0.3 ms keeps query p99 while recovering at ~3.5x idle, 0.5 ms at 4-5.3x).
 BUILD_SLICE_S = 0.0003
-#: The yield: a sleep this long (plus the kernel's 50 us timer slack) releases the GIL so that
-#: a request thread waiting for it takes it; a zero sleep would let this thread take it back
-#: before the waiter has woken up.
-BUILD_YIELD_S = 0.00001
+#: The yield: a sleep this long releases the GIL so that a request thread waiting for it takes
+#: it. Shorter sleeps let this thread take the GIL back before the waiter has woken up: with a
+#: thread spinning on the other core it got the GIL at 10% of 0-5 us sleeps, 54% at 10 us, 92%
+#: at 20 us (a sleep costs ~30-40 us then, with :data:`BUILD_TIMER_SLACK_NS`).
+BUILD_YIELD_S = 0.00002
+#: The building thread's timer slack (ns) while it builds: the kernel may end a sleep this
+#: much late (Linux's default is 50 us, which made each yield cost 60-80 us instead of 30-40).
+BUILD_TIMER_SLACK_NS = 1
 #: Reply payloads shorter than this (bytes) are unpacked whole: at ~130 kB/ms one ``unpackb``
-#: of them holds the GIL no longer than a slice, and splitting costs ~15% more CPU.
+#: of them holds the GIL about one slice, and splitting costs up to ~10% more CPU there.
 SPLIT_MIN_BYTES = 32 * 1024
 
 _UNSET = object()
@@ -492,6 +506,7 @@ class SnapshotAttempt:
             raise SnapshotError(f"snapshot reply watermark changed from {_wm(self._watermark)} "
                                 f"to {_wm(reply.watermark)}")
         self._messages += 1
+        slack = set_timer_slack(BUILD_TIMER_SLACK_NS)
         try:
             events = self._decode(reply.payload)
             apply = self._index.apply
@@ -500,6 +515,9 @@ class SnapshotAttempt:
                 self._pace()
         except StreamError as exc:
             raise SnapshotError(f"snapshot reply: {exc}") from exc
+        finally:
+            if slack is not None:
+                set_timer_slack(slack)
         return None
 
     def _pace(self) -> None:
@@ -511,104 +529,157 @@ class SnapshotAttempt:
             self._slice_start = time.perf_counter()
 
     def _decode(self, payload: bytes) -> list[Event]:
-        """The events of one reply payload (§2), decoded one event at a time with GIL yields
-        in between (:func:`split_batch`); a payload of another shape (or any decode error) goes
-        through :func:`~kvsvc.streams.decoder.decode_batch` whole, which gives the exact
-        answer and error text.
+        """The events of one reply payload (§2): from :data:`SPLIT_MIN_BYTES` on, unpacked in
+        groups of events (:func:`split_batch`) with GIL yields in between; a payload of another
+        shape (or any unpack or decode error) goes through
+        :func:`~kvsvc.streams.decoder.decode_batch` whole, which gives the exact answer and
+        error text.
 
         :raises DecodeError: as :func:`~kvsvc.streams.decoder.decode_batch`.
         """
         rank = self._stream.dp_rank
-        parts = split_batch(payload, rank, self._pace) if len(payload) >= SPLIT_MIN_BYTES else None
-        if parts is None:
+        groups = (split_batch(payload, rank, self._pace, SPLIT_GROUP_BYTES)
+                  if len(payload) >= SPLIT_MIN_BYTES else None)
+        if groups is None:
             return decode_batch(payload, rank).events
         events: list[Event] = []
+        append = events.append
         try:
-            for raw in parts:
-                events.append(decode_event(raw))
+            for group in groups:
+                for raw in ormsgpack.unpackb(group)[0]:
+                    append(decode_event(raw))
                 self._pace()
-        except DecodeError:
-            decode_batch(payload, rank)  # raises the error with its exact text ("event i: ...")
-            raise  # pragma: no cover - decode_batch cannot accept what an event refused
+        except (DecodeError, ValueError):  # ValueError: ormsgpack.MsgpackDecodeError included
+            # The whole payload gives the exact answer: the error with its text ("event i:
+            # ...", "payload is not valid MessagePack: ...").
+            return decode_batch(payload, rank).events
         return events
 
 
 #: Events applied to the snapshot index per call between two :meth:`SnapshotAttempt._pace`.
 APPLY_SLICE_EVENTS = 4
 
-#: First bytes of the MessagePack array16 / array32 headers (fixarray: 0x90-0x9f).
-_ARRAY16, _ARRAY32 = 0xDC, 0xDD
-_PACK_ERRORS = (ormsgpack.MsgpackDecodeError, ormsgpack.MsgpackEncodeError, ValueError,
-                TypeError, OverflowError)
+#: :func:`split_batch` cuts a batch's events into groups of at least this many bytes (one
+#: event more at most): one ``ormsgpack.unpackb`` of a group takes ~0.1 ms.
+SPLIT_GROUP_BYTES = 16 * 1024
+#: What ``msgpack`` raises for a payload it cannot skip through: ``FormatError``,
+#: ``StackError`` and its length limits are ``ValueError``; ``OutOfData`` (truncated) is not.
+_SCAN_ERRORS = (ValueError, msgpack.UnpackException)
 
 
-def split_batch(payload: bytes, expected_rank: int,
-                pace: Callable[[], None]) -> Optional[list[Any]]:
-    """The raw (undecoded MessagePack) events of a batch ``[ts, events(, dp_rank)]`` (§2),
-    unpacked one element at a time so that no single ``ormsgpack.unpackb`` holds the GIL for
-    the whole payload (one 550 kB reply message of 1,024 blocks takes ~4.5 ms).
+def split_batch(payload: bytes, expected_rank: int, pace: Callable[[], None],
+                group_bytes: int = SPLIT_GROUP_BYTES) -> Optional[list[bytes]]:
+    """The events of a batch ``[ts, events(, dp_rank)]`` (§2) cut into groups, each a small
+    MessagePack payload ``[[event, ...]]`` that ``ormsgpack.unpackb`` decodes in ~0.1 ms, so
+    that no single call holds the GIL for the whole payload (one 1 MiB reply message takes
+    5-9 ms).
 
-    ``ormsgpack`` does not say how many bytes an object took, so each element's end is found
-    by packing it again and checking that exactly those bytes follow: encodings that are not
-    the shortest form (which ``ormsgpack`` would produce) are not split, and give ``None``.
+    ``ormsgpack`` does not say where an object ends, so the boundaries come from a
+    ``msgpack.Unpacker`` that only skips (C code, ~0.7 us per event, no objects built);
+    ``ormsgpack`` stays the parser. Each group's events sit inside two arrays, as in the batch,
+    so ``ormsgpack``'s nesting limit applies to them exactly as to the whole payload. MessagePack
+    lengths are self-describing, so both libraries end every object at the same byte.
 
     :param payload: the batch payload.
     :param expected_rank: the stream's DP rank; a batch carrying another gives ``None``.
-    :param pace: called after each event (the caller's GIL yield).
-    :returns: the raw events, each exactly the object a whole-payload ``unpackb`` would hold
-        at that place; ``None`` when the payload is not such a batch, is malformed anywhere,
-        has bytes after it, or has a ``ts`` or rank that :func:`decode_batch` would refuse.
-        The caller then decodes it whole (same answer or error as before, just not sliced).
+    :param pace: called after each group (the caller's GIL yield).
+    :param group_bytes: a group ends at the first event boundary this many bytes or more
+        after its start (so a group holds at least one event).
+    :returns: the groups, in order: ``ormsgpack.unpackb(group)[0]`` are the events a
+        whole-payload ``unpackb`` holds at that place. ``None`` when the payload is not such
+        an array, is malformed where ``msgpack`` looks (headers, lengths, truncation, nesting),
+        has bytes after it, or has a ``ts`` or rank that :func:`decode_batch` would refuse: the
+        caller then decodes it whole (same answer or error as before, just not sliced). A group
+        can still fail in ``ormsgpack`` (say, invalid UTF-8, which ``msgpack`` does not check
+        when skipping); the caller then decodes whole too.
     """
-    view = memoryview(payload)
     size = len(payload)
     if size < 2 or payload[0] not in (0x92, 0x93):
         return None
+    view = memoryview(payload)
+    # Every max_*_len limit defaults from max_buffer_size: no valid object of this payload
+    # can exceed them.
+    scan = msgpack.Unpacker(max_buffer_size=size)
+    scan.feed(payload)
+    groups: list[bytes] = []
     try:
-        ts, off = _element(payload, view, 1)
+        scan.read_array_header()
+        ts = _scalar(scan, view)
         if type(ts) is not float and type(ts) is not int:
             return None
-        head = payload[off]
-        if 0x90 <= head <= 0x9F:
-            count, off = head & 0x0F, off + 1
-        elif head == _ARRAY16 and off + 3 <= size:
-            count, off = int.from_bytes(payload[off + 1:off + 3], "big"), off + 3
-        elif head == _ARRAY32 and off + 5 <= size:
-            count, off = int.from_bytes(payload[off + 1:off + 5], "big"), off + 5
-        else:
-            return None
-        raw_events = []
+        count = scan.read_array_header()
+        start = scan.tell()
+        in_group = 0
         for _ in range(count):
-            raw, off = _element(payload, view, off)
-            raw_events.append(raw)
-            pace()
+            scan.skip()
+            in_group += 1
+            end = scan.tell()
+            if end - start >= group_bytes:
+                groups.append(_group(view[start:end], in_group))
+                start, in_group = end, 0
+                pace()
+        if in_group:
+            groups.append(_group(view[start:scan.tell()], in_group))
         if payload[0] == 0x93:
-            rank, off = _element(payload, view, off)
+            rank = _scalar(scan, view)
             if rank is not None and (type(rank) is not int or rank != expected_rank):
                 return None
-    except (_Unsplittable, IndexError):
+    except _SCAN_ERRORS:  # ormsgpack's MsgpackDecodeError is a ValueError too
         return None
-    return raw_events if off == size else None
+    return groups if scan.tell() == size else None
 
 
-class _Unsplittable(Exception):
-    """Internal to :func:`split_batch`: no exact element boundary here."""
+def _scalar(scan: msgpack.Unpacker, view: memoryview) -> Any:
+    """The next object of ``scan`` (skipped there), decoded by ``ormsgpack``.
 
-
-def _element(payload: bytes, view: memoryview, off: int) -> tuple[Any, int]:
-    """The MessagePack object at ``payload[off:]`` and the offset just after it.
-
-    :raises _Unsplittable: not decodable there, or not in the shortest encoding.
+    :raises ValueError: either library refuses it (or ``msgpack.OutOfData``: truncated).
     """
+    start = scan.tell()
+    scan.skip()
+    return ormsgpack.unpackb(view[start:scan.tell()])
+
+
+def _group(events: memoryview, count: int) -> bytes:
+    """``[[events...]]``: ``count`` encoded events wrapped in two array headers."""
+    if count < 16:
+        head = bytes((0x91, 0x90 | count))
+    elif count < 0x10000:
+        head = b"\x91\xdc" + count.to_bytes(2, "big")
+    else:
+        head = b"\x91\xdd" + count.to_bytes(4, "big")
+    return head + events
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl`` on Linux, else ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        obj = ormsgpack.unpackb(view[off:])
-        encoded = ormsgpack.packb(obj)
-    except _PACK_ERRORS as exc:
-        raise _Unsplittable() from exc
-    end = off + len(encoded)
-    if payload[off:end] != encoded:
-        raise _Unsplittable()
-    return obj, end
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a Linux without a usable libc
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+
+
+def set_timer_slack(ns: int) -> Optional[int]:
+    """Set the calling thread's timer slack (Linux ``PR_SET_TIMERSLACK``: how late the kernel
+    may end its sleeps and timed waits, to batch wake-ups).
+
+    :param ns: the new slack in nanoseconds, >= 1 (0 would mean "the default").
+    :returns: the slack it had, to set back; ``None`` where the call is not available or
+        failed (then nothing changed).
+    """
+    if _PRCTL is None:
+        return None
+    previous = _PRCTL(_PR_GET_TIMERSLACK, ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if previous <= 0 or _PRCTL(_PR_SET_TIMERSLACK, ctypes.c_ulong(ns), ctypes.c_ulong(0),
+                                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        return None
+    return previous
 
 
 def _wm(value: object) -> str:
