@@ -90,6 +90,11 @@ LIVE_SILENCE_GRACE_S = 2.0
 #: not after a whole resync interval of a snapshot index going stale.
 PROBE_RESYNC_S = 2.0
 
+#: Reconnect interval of the live ``SUB`` (ms): the first retry after a refused connect,
+#: doubling on each failure up to the max (libzmq's default is a constant 100 ms).
+LIVE_RECONNECT_IVL_MS = 10
+LIVE_RECONNECT_IVL_MAX_MS = 500
+
 #: Live messages handled per poll turn before looking at the other sockets again.
 LIVE_MESSAGES_PER_TURN = 256
 #: Bound on the messages drained from the ``SUB`` just before a snapshot completes.
@@ -529,6 +534,10 @@ class StreamSubscriber:
         self._sub = sub
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + MAXMSGSIZE_HEADROOM)
+        # Recovery waits for this connection (_live_handshake), so retry a refused connect
+        # soon (an engine re-binding its port), backing off for an engine that is down.
+        sub.setsockopt(zmq.RECONNECT_IVL, LIVE_RECONNECT_IVL_MS)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, LIVE_RECONNECT_IVL_MAX_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
