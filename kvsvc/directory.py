@@ -39,7 +39,7 @@ from .errors import ConfigError, LifecycleError
 from .index.keys import chain_keys, pack_tokens
 from .streams.snapshot import GateStats, SnapshotGate
 from .streams.state import StreamId, StreamMatch, StreamState, StreamStatus
-from .streams.subscriber import StreamSubscriber
+from .streams.subscriber import StreamCounters, StreamSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +344,12 @@ class Directory:
                 device_blocks=0, host_blocks=0, entries=0, synchronized_once=False,
                 recoveries=0, resync_differences=0))
         return out
+
+    def counters(self) -> dict[StreamId, StreamCounters]:
+        """Each stream's metric counters (:class:`StreamCounters`, for ``/metrics``), copied
+        under each stream's lock; a stream without a subscriber (directory not started) is
+        absent."""
+        return {sid: sub.counters() for sid, sub in self._current().subscribers.items()}
 
     def snapshot_gate(self) -> GateStats:
         """Counters of the snapshot gate (permits, in use, queued, most ever in use)."""

@@ -44,7 +44,6 @@ from prometheus_client.registry import Collector
 from .discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
 from .registry import InstanceState
 from .streams.state import StreamState
-from .streams.subscriber import StreamSubscriber
 
 if TYPE_CHECKING:  # imported for annotations only: kvsvc.app imports this module
     from .app import Service
@@ -139,16 +138,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _subscribers(service: "Service") -> dict:
-    """stream id -> subscriber of the directory's current view.
-
-    The directory exposes statuses but not its subscribers' counters; this reads its immutable
-    current view (one reference read under its lock), the same object ``query`` reads.
-    """
+def _counters(service: "Service") -> dict:
+    """stream id -> :class:`~kvsvc.streams.subscriber.StreamCounters` (empty without a
+    directory)."""
     directory = service.directory
-    if directory is None:
-        return {}
-    return dict(directory._current().subscribers)  # noqa: SLF001 - see docstring
+    return {} if directory is None else directory.counters()
 
 
 class ServiceCollector(Collector):
@@ -196,7 +190,7 @@ class ServiceCollector(Collector):
 
     @staticmethod
     def _streams(svc: "Service") -> Iterable[Metric]:
-        subs: dict = _subscribers(svc)
+        counters: dict = _counters(svc)
         state = GaugeMetricFamily(
             "kvsvc_stream_state", "1 for the stream's current §6 state, 0 for the others.",
             labels=(*_STREAM_LABELS, "state"))
@@ -282,10 +276,9 @@ class ServiceCollector(Collector):
             entries.add_metric(labels, float(st.entries))
             syncs.add_metric(labels, float(st.recoveries))
             resync.add_metric(labels, float(st.resync_differences))
-            sub: Optional[StreamSubscriber] = subs.get(st.stream)
-            if sub is None:
+            c = counters.get(st.stream)
+            if c is None:
                 continue  # directory not started: no thread, no counters yet
-            c = sub.counters()
             if c.seconds_since_event is not None:
                 age.add_metric(labels, c.seconds_since_event)
             for kind, n in c.events_applied.items():
