@@ -50,10 +50,11 @@ and each yield is a 20 us sleep with the building thread's timer slack at 1 ns (
 default made it ~60-80 us). 20 us because the waiter must wake before the builder comes back:
 against a thread spinning on the other core, the waiter got the GIL at 10% of 0-5 us sleeps,
 54% of 10 us ones, 92% of 20 us ones (89% with the old sleeps). Side by side with the previous
-code, busy machine (load ~5), 3 runs each: recovering p99 query 546-593 us against 540-699 us,
-route 1.0-1.6 ms against 1.5-2.0 ms (idle p99s of 180-650 us made the ratios 0.9-3.7x for both);
-windows with the request loop 2.7-2.9 s against 4.3-4.8 s, without requests 210-244 ms against
-344-541 ms.
+code: on an otherwise quiet machine, 3 runs against 1, query p99 3.5-3.9x (recovering 451-473
+us) against 3.87x (458 us), route 2.4-2.6x against 2.71x, windows with the request loop
+2.7-2.8 s against 4.2 s, without requests 182-192 ms against 325 ms; with other load at ~5, 3
+runs each, recovering p99 query 546-593 us against 540-699 us, route 1.0-1.6 ms against 1.5-2.0
+ms (idle p99s of 180-650 us made the ratios 0.9-3.7x for both).
 """
 
 from __future__ import annotations

@@ -110,10 +110,11 @@ snapshot). The build must not hold the GIL for long (benchmark 8): `ormsgpack.un
 1 MiB reply message holds it for 5-9 ms, so the directory decodes large messages in ~16 kB
 groups of events (`msgpack`'s skip finds the event boundaries, ~0.7 us per event; `ormsgpack`
 parses each group) and sleeps 20 us after every 0.3 ms of work (timer slack 1 ns while
-building) so that a waiting request thread takes the GIL. Side by side on a busy machine, 3
-runs each: 1.39-1.46x with other load at ~4.5 (1.04-1.17x with less), against 1.83-2.07x for
-the previous split (each event's end found by packing it again, ~+35% decode CPU, and
-60-80 us yields; 2.02x in the last quiet full run) and 1.20-1.25x for whole-message decode.
+building) so that a waiting request thread takes the GIL. Side by side with the previous
+split (each event's end found by packing it again, ~+35% decode CPU, and 60-80 us yields;
+2.02x in the last quiet full run): 1.05-1.26x against 1.97-2.05x on an otherwise quiet machine,
+1.17-1.46x against 1.83-2.07x with other load at ~4.5 on the 2 cores (whole-message decode, before
+benchmark 8: 1.20-1.25x).
 The build's CPU, measured alone: 2.35 s against 3.45 s before; raw decode + keys 2.2 s. What
 is left is the yields (~8,000, ~35 us each), the query thread, and the ZMQ receive of 177 MiB;
 a ratio above 1.5x means other processes took the build thread's core.""",

@@ -19,12 +19,13 @@ What the directory does with these 1 MiB messages (:mod:`kvsvc.streams.snapshot`
 benchmark 8): it decodes each in groups of ~16 kB of events (``msgpack`` skips to find the
 event boundaries, ``ormsgpack`` parses each group), so no C call holds the GIL for more than
 ~0.1 ms, and the building thread sleeps 20 us after every 0.3 ms of work (timer slack 1 ns
-while building) so that a waiting request thread takes the GIL. History (same machine, busy,
-side by side): whole-message decode 1.20-1.25x; then each event's end found by unpacking from
-there and packing again, plus 60-80 us yields: 1.8-2.2x (build CPU 3.45 s, time ~5 s); now
-1.04-1.46x (build CPU 2.35 s; the spread is other load on the 2 cores). Per event the split
-path costs less CPU than the baseline's whole ``unpackb``: objects freed young (~0.85 s for
-the 178 messages in groups against ~1.6 s whole, measured alone in one thread).
+while building) so that a waiting request thread takes the GIL. History: whole-message decode
+1.20-1.25x (before benchmark 8). Side by side in one session: each event's end found by
+unpacking from there and packing again, plus 60-80 us yields, 1.8-2.2x (build CPU 3.45 s,
+time ~4-5 s); now 1.05-1.26x on an otherwise quiet machine, up to 1.46x with other load
+(build CPU 2.35 s). The split path costs less CPU than the baseline's whole ``unpackb``:
+objects freed young (~0.85 s for the 178 messages in groups against ~1.6 s whole, measured
+alone in one thread).
 """
 
 from __future__ import annotations

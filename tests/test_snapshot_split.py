@@ -195,7 +195,9 @@ def valid_batch_payloads(draw) -> bytes:
     form = draw(st.sampled_from(["array3", "array2"]))
     event_form = draw(st.sampled_from(["map", "array"]))
     ts = draw(st.one_of(st.floats(allow_nan=False, width=32), st.integers(-(2**63), 2**64 - 1)))
-    obj: list = [ts, events] if form == "array2" else [ts, events, draw(st.sampled_from([RANK, None]))]
+    obj: list = [ts, events]
+    if form == "array3":
+        obj.append(draw(st.sampled_from([RANK, None])))
     if event_form == "array":
         obj[1] = [to_array_event(e) for e in events]
     # msgpack packs floats as float32 when asked and chooses its own int/str/bin widths:

@@ -43,11 +43,11 @@ while recovering 2.6-3.5x idle (recovering p99 ~475 us), route 1.8-2.4x; before,
 28-84x. With a request thread spinning on a core the builder gets one slice per 5 ms switch
 interval, and recovery takes seconds. Recovery with no request load: ~160-210 ms unsliced and
 unbounded; ~350-540 ms with the gate, the re-packing split (each event packed again to find its
-end, ~+35% decode CPU) and 60-80 us yields; ~210-245 ms now (same session, side by side, busy
-machine; query p99 while recovering ~550 us either way). ``max_concurrent_snapshots`` 2:
-~250-350 ms, but query p99 ~5x. Bench 6 (one 262,144-block snapshot, 1 MiB messages): the
-build's CPU went from 3.45 s to 2.35 s and its time from ~5.2 s to ~2.6 s (raw decode + keys of
-the same payloads: 2.2 s).
+end, ~+35% decode CPU) and 60-80 us yields; ~180-190 ms now (side by side: 325 ms before;
+query p99 while recovering 451-473 us against 458 us, 3.5-3.9x idle).
+``max_concurrent_snapshots`` 2: ~250-350 ms, but query p99 ~5x. Bench 6 (one 262,144-block
+snapshot, 1 MiB messages): the build's CPU went from 3.45 s to 2.35 s, its time from ~4.1-4.4 s
+to ~2.4-2.6 s (raw decode + keys of the same payloads: 2.0-2.3 s).
 """
 
 from __future__ import annotations
