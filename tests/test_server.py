@@ -39,7 +39,7 @@ def test_invalid_worker_threads_refuse_start_up_naming_the_setting(monkeypatch, 
     monkeypatch.setenv("KVSVC_WORKER_THREADS", value)
     with pytest.raises(ConfigError) as info:
         gunicorn_settings()
-    assert "worker_threads" in str(info.value)
+    assert info.value.field == "KVSVC_WORKER_THREADS"   # where the bad value came from
 
 
 def test_proxy_pool_holds_one_connection_per_worker_thread(monkeypatch):
