@@ -81,8 +81,16 @@ class Result:
         """``name 0.63x (>= 0.6)`` for each ratio, joined."""
         if self.skipped is not None:
             return "not run: " + self.skipped
-        return "; ".join(f"{k} {r:.2f}x ({'<=' if le else '>='} {lim:g})"
+        return "; ".join(f"{k} {_ratio(r, lim, le)}x ({'<=' if le else '>='} {lim:g})"
                          for k, (r, lim, le) in self.ratios.items())
+
+
+def _ratio(value: float, limit: float, le: bool) -> str:
+    """Two decimals, three where two would round a missed target onto its limit (0.495 for
+    ``>= 0.5`` reads 0.495, not 0.50)."""
+    met = value <= limit if le else value >= limit
+    text = f"{value:.2f}"
+    return f"{value:.3f}" if not met and float(text) == limit else text
 
 
 def machine_info() -> dict[str, str]:
