@@ -607,6 +607,8 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         assert router.poll(5000), "no snapshot request after the live channel connected"
         ident, *rest = router.recv_multipart()
         assert parse_snapshot_request(rest) == 0
+        # Waiting for the reply now, not for the live channel: the reason says so no more.
+        assert sub.status().error == "not synchronized yet: waiting for the first snapshot"
         router.send_multipart([ident, *encode_reply(None, encode_batch(
             [stored([1], None, blk(1), BS)]))])
         router.send_multipart([ident, *END_MARKER])

@@ -105,6 +105,8 @@ BUFFER_HASH_OVERHEAD = 40
 BUFFER_TOKEN_OVERHEAD = 4
 
 _NOT_YET = "not synchronized yet: waiting for the first snapshot"
+#: Appended to the reason while a due snapshot waits for the live connection.
+_LIVE_WAIT = "; the snapshot is requested once the live channel "
 #: Resident keys of a stream that serves no hits (the fast path's "nothing here").
 _NO_KEYS: frozenset[int] = frozenset()
 
@@ -690,7 +692,13 @@ class StreamSubscriber:
         # than at its next use.
         self._sub.getsockopt(zmq.EVENTS)  # type: ignore[union-attr]
         self._live_up = True
-        self._live_wait_noted = False
+        if self._live_wait_noted:
+            self._live_wait_noted = False
+            with self._lock:
+                # The wait is over: the reason is the cause alone again.
+                if not self._synced and self._error is not None:
+                    self._error = self._error.partition(_LIVE_WAIT)[0]
+                    self._publish_locked()
         log.info("stream %s: connected to %s", self._name, self.stream.endpoint)
 
     def _note_live_wait(self) -> None:
@@ -700,8 +708,7 @@ class StreamSubscriber:
             if self._synced:
                 return  # (cannot happen: a disconnect unsynchronizes first)
             cause = self._error or _NOT_YET
-            self._error = (f"{cause}; the snapshot is requested once the live channel "
-                           f"{self.stream.endpoint} is connected")
+            self._error = (f"{cause}{_LIVE_WAIT}{self.stream.endpoint} is connected")
             self._publish_locked()
 
     # ------------------------------------------------------------------ live batches
