@@ -29,7 +29,12 @@ from kvsvc.errors import DecodeError
 from kvsvc.events import Event
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.frame import encode_reply
-from kvsvc.streams.snapshot import SnapshotAttempt, set_timer_slack, split_batch
+from kvsvc.streams.snapshot import (
+    SnapshotAttempt,
+    check_single_object,
+    set_timer_slack,
+    split_batch,
+)
 from tests.publisher import encode_batch, stored, to_array_event
 from tests.test_fuzz_decoder import msgpack_values, valid_events
 
@@ -80,9 +85,16 @@ def sliced(attempt_factory, payload: bytes, group_bytes: int = 1) -> tuple[str, 
         return outcome(lambda: attempt_factory()._decode(payload))
 
 
+def whole(payload: bytes) -> list[Event]:
+    """What a reply message decodes to unsplit: the whole-payload decode, and no byte after
+    the batch (which ``ormsgpack`` alone would ignore)."""
+    events = decode_batch(payload, RANK).events
+    check_single_object(payload)
+    return events
+
+
 def assert_same_as_whole(attempt_factory, payload: bytes, group_bytes: int = 1) -> None:
-    assert sliced(attempt_factory, payload, group_bytes) == outcome(
-        lambda: decode_batch(payload, RANK).events)
+    assert sliced(attempt_factory, payload, group_bytes) == outcome(lambda: whole(payload))
 
 
 # -- split_batch on its own --------------------------------------------------------------------

@@ -778,6 +778,11 @@ def test_snapshot_client_empty_reply(zmq_ctx, raw_replay):
      "snapshot reply: batch dp_rank 1 does not match the stream's rank 0"),
     ([b"", (9).to_bytes(8, "big"), "CONFLICT"],
      "snapshot reply: engine hash 0x1 already maps to another content key"),
+    # A second batch glued to the first (ormsgpack alone would decode the first only).
+    ([b"", (9).to_bytes(8, "big"), "TRAILING"],
+     "snapshot reply: payload is not valid MessagePack: 54 bytes after the batch"),
+    ([b"", (9).to_bytes(8, "big"), "TRAILING_BYTE"],
+     "snapshot reply: payload is not valid MessagePack: 1 bytes after the batch"),
 ])
 def test_snapshot_client_malformed_replies(zmq_ctx, raw_replay, second, reason):
     attempt, ident = open_attempt(zmq_ctx, raw_replay, max_message_bytes=1024)
@@ -789,6 +794,10 @@ def test_snapshot_client_malformed_replies(zmq_ctx, raw_replay, second, reason):
         second[-1] = encode_batch([], 1)
     elif second[-1] == "CONFLICT":
         second[-1] = encode_batch([stored([1], None, blk(5), BS)])
+    elif second[-1] == "TRAILING":
+        second[-1] = encode_batch([]) + encode_batch([removed([1])])
+    elif second[-1] == "TRAILING_BYTE":
+        second[-1] = encode_batch([]) + b"\xc1"
     raw_replay.router.send_multipart([ident, *second])
     with pytest.raises(SnapshotError) as info:
         run_attempt(attempt)

@@ -30,7 +30,9 @@ index packed and checked again, ~0.8 us), ``struct`` packing and the check 7.6 u
 MessagePack booleans are Python ``bool``, a subclass of ``int``, and pass as 0/1 (no engine
 sends booleans as token ids; checking every item's type would cost more than the packing
 itself). Likewise ``ormsgpack.unpackb`` ignores bytes after the first complete object, so
-trailing garbage after a valid batch is not detected (a truncated payload is).
+trailing garbage after a valid live batch is not detected (a truncated payload is): finding
+the end takes a second scan, ~13% of the live path's CPU. Snapshot messages are checked
+(:func:`kvsvc.streams.snapshot.check_single_object`).
 """
 
 from __future__ import annotations
