@@ -641,6 +641,23 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         router.close(linger=0)
 
 
+def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(h):
+    """Snapshots that keep failing back off to seconds; the engine is then replaced by a
+    healthy one: its first snapshot is requested within the first backoff step of the new
+    connection, not after what the old engine's failures earned (fresh-eyes review: 0.5-3 s)."""
+    pub = h.publisher()
+    ports = (pub.event_port, pub.replay_port)
+    pub.set_snapshot([stored([1], None, blk(1, 2), 8)], watermark=0)   # block_size 8 != 4
+    sub = h.subscriber(pub)
+    # The 6th failure schedules the next attempt 3.2 s later.
+    wait_for(lambda: sub.counters().snapshot_attempts["error"] >= 6, 10.0, what="6 failures")
+    pub.close()
+    pub2 = h.publisher(ports)
+    pub2.set_snapshot([stored([5], None, blk(5), BS)], watermark=None)
+    st = synced_at(sub, None, timeout_s=2.0)
+    assert (st.device_blocks, hits(sub, 5)) == (1, (True, 4, 0))
+
+
 def test_topic_must_match_exactly(h):
     pub = h.publisher(topic=b"kv")
     pub.set_snapshot([], watermark=None)

@@ -692,6 +692,13 @@ class StreamSubscriber:
         # than at its next use.
         self._sub.getsockopt(zmq.EVENTS)  # type: ignore[union-attr]
         self._live_up = True
+        if not self._synced and self._attempt is None and self._next_attempt_at is not None:
+            # A new connection may be a new engine: the backoff its predecessor's failed
+            # snapshots earned must not delay asking it (up to the first backoff step, so that
+            # an endpoint that keeps dropping connections cannot drive attempts faster).
+            self._failures = 0
+            self._next_attempt_at = min(self._next_attempt_at,
+                                        time.monotonic() + BACKOFF_INITIAL_S)
         if self._live_wait_noted:
             self._live_wait_noted = False
             with self._lock:
