@@ -137,7 +137,11 @@ class ProtocolPublisher:
         # Verbose: every (re)subscription is reported, also one that arrives while an old
         # connection's subscription to the same topic is still being torn down.
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        pub.bind(self.endpoint)
+        try:
+            pub.bind(self.endpoint)
+        except zmq.ZMQError:
+            pub.close(linger=0)   # e.g. the port still held by a just-closed predecessor
+            raise
         self._pub = pub
         self._thread = threading.Thread(target=self._run, name=f"test-publisher-{self.replay_port}",
                                         daemon=True)

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from kvsvc.config import KvEventsConfig, StreamConfig
-from kvsvc.errors import SnapshotError, SnapshotTimeout
+from kvsvc.errors import LifecycleError, SnapshotError, SnapshotTimeout
 from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.frame import END_MARKER, encode_live, encode_reply, parse_snapshot_request
 from kvsvc.streams.snapshot import SnapshotAttempt
@@ -641,6 +641,15 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         router.close(linger=0)
 
 
+def _rebound(h: Harness, ports: tuple[int, int]) -> Optional[ProtocolPublisher]:
+    """A publisher on ``ports``, or ``None`` while ZMQ still holds them (it releases a closed
+    socket's port asynchronously)."""
+    try:
+        return h.publisher(ports)
+    except (zmq.ZMQError, LifecycleError):  # the failed publisher closed what it had opened
+        return None
+
+
 def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(h):
     """Snapshots that keep failing back off to seconds; the engine is then replaced by a
     healthy one: its first snapshot is requested within the first backoff step of the new
@@ -652,7 +661,8 @@ def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(h):
     # The 6th failure schedules the next attempt 3.2 s later.
     wait_for(lambda: sub.counters().snapshot_attempts["error"] >= 6, 10.0, what="6 failures")
     pub.close()
-    pub2 = h.publisher(ports)
+    error_contains(sub, "disconnected")
+    pub2 = wait_for(lambda: _rebound(h, ports), 5.0, what="ports released by the old engine")
     pub2.set_snapshot([stored([5], None, blk(5), BS)], watermark=None)
     st = synced_at(sub, None, timeout_s=2.0)
     assert (st.device_blocks, hits(sub, 5)) == (1, (True, 4, 0))
