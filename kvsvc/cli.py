@@ -181,7 +181,16 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         self_address=args.self_address,
         **{name: getattr(args, name, None)
            for name in _ROUTING_FLAGS + _OPS_FLAGS + _SERVER_FLAGS})
-    validate_service(settings)
+    try:
+        validate_service(settings)
+    except ConfigError as exc:
+        # Checks after parsing (a tokenizer that does not load, ...) name the flag; name the
+        # variable instead when that is where the value came from.
+        name = exc.field.removeprefix("--")
+        if (exc.field.startswith("--") and getattr(args, name, None) is None
+                and os.environ.get(f"KVSVC_{name.upper()}")):
+            raise ConfigError(f"KVSVC_{name.upper()}", exc.message) from exc
+        raise
     return settings
 
 

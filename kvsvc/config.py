@@ -403,6 +403,12 @@ class ServiceSettings(BaseSettings):
         if self.internal_api_token is not None and not self.internal_api_token.get_secret_value():
             # An empty KVSVC_INTERNAL_API_TOKEN would silently switch authentication off.
             raise ValueError("internal_api_token: empty; unset it to run without a token")
+        if self.internal_api_token is not None and (
+                self.internal_api_token.get_secret_value()
+                != self.internal_api_token.get_secret_value().strip()):
+            # HTTP strips a header value's surrounding whitespace: no client could match it.
+            raise ValueError("internal_api_token: starts or ends with whitespace, which no "
+                             "X-Internal-Token header can carry")
         return self
 
     def token(self) -> Optional[str]:

@@ -303,6 +303,18 @@ def test_token_file_first_line_is_the_token(clean_env, tmp_path):
     assert load_service_settings(internal_api_token_file=str(path)).token() == "s3cret"
 
 
+@pytest.mark.parametrize("token", [" abc", "abc ", "\tabc", "abc\n"])
+def test_token_with_surrounding_whitespace_is_refused(clean_env, token):
+    """HTTP strips a header value's surrounding whitespace, so such a token locks every client
+    out; the message never shows the token."""
+    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", token)
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_INTERNAL_API_TOKEN",
+        "starts or ends with whitespace, which no X-Internal-Token header can carry")
+
+
 def test_empty_token_from_env_is_refused(clean_env):
     clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "")
     with pytest.raises(ConfigError) as info:

@@ -99,3 +99,21 @@ def test_max_concurrent_snapshots_reaches_the_directory_through_serve(monkeypatc
         assert directory.snapshot_gate().permits == 3  # nothing started: no stream thread
     finally:
         app.extensions[ROUTING_EXTENSION].close()
+
+
+def test_a_tokenizer_that_does_not_load_is_named_as_it_was_given(monkeypatch, tmp_path):
+    """Checks after parsing (the tokenizer loads in the app factory) name the flag or the
+    variable, whichever gave the value."""
+    from kvsvc.cli import build_parser, resolve_serve_settings
+
+    missing = str(tmp_path / "nx")
+    by_flag = build_parser().parse_args(["serve", "--kv_events_config_file", "",
+                                         "--tokenizer_path", missing])
+    with pytest.raises(ConfigError) as info:
+        resolve_serve_settings(by_flag)
+    assert (info.value.field, info.value.message) == ("--tokenizer_path", f"{missing} not found")
+    monkeypatch.setenv("KVSVC_TOKENIZER_PATH", missing)
+    by_env = build_parser().parse_args(["serve", "--kv_events_config_file", ""])
+    with pytest.raises(ConfigError) as info:
+        resolve_serve_settings(by_env)
+    assert (info.value.field, info.value.message) == ("KVSVC_TOKENIZER_PATH", f"{missing} not found")
