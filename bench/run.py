@@ -58,8 +58,15 @@ Ceiling: the stream thread's CPU per message (figure above) against the raw deco
 0.54-0.58x even with a core of its own; the ~2,048 Python ints per stored event are made by
 `ormsgpack` and converted back to 4-byte ids by `fromlist` (~3 ns each), and the rest is ZMQ
 receive, XXH3 chaining of 16 blocks and the dict updates, each a few percent. Measured on a
-quiet machine: 0.52-0.55x (0.48x before this session). Next steps would need code outside
-Python: a decoder that writes token ids straight into packed bytes (no Python int per id).""",
+quiet machine: 0.52-0.55x (0.48x before this session). A later pass with a callgrind harness
+(bench 1's payloads through a real subscriber, no sockets): `_on_live` 502-504k instructions
+per message against 292k for the raw decode; of the ~210k beyond it, ~67k are `fromlist`
+(~65 per id), ~48k the bytecode of the decoder, `chain_keys` and the index loops, the rest a
+percent or less each. Tried and reverted: building the index's maps in bulk (`dict(zip())`,
+`isdisjoint`, `update`: 86.5k against 83.6k, slower than the loop of 16), passing the decoded
+hash list through unchecked when it holds only plain ints (-0.7%). Next steps would need code
+outside Python: a decoder that writes token ids straight into packed bytes (no Python int per
+id).""",
     2: """\
 Same per-message costs as benchmark 1. Built this session: stream threads drain their live
 sockets one at a time (a lock the directory shares among its subscribers). pyzmq releases the
