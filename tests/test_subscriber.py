@@ -586,6 +586,24 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
     router.setsockopt(zmq.LINGER, 0)
     router.bind(f"tcp://127.0.0.1:{replay_port}")
     xpub = None
+
+    def live_up_then_request():
+        """Bind the engine's live socket; the subscription must reach it before the snapshot
+        request reaches the replay socket. Returns (the XPUB, the requester's identity)."""
+        sock = zmq_ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            # ZMQ releases a closed socket's port asynchronously: bounded retries.
+            wait_for(lambda: _bound(sock, f"tcp://127.0.0.1:{event_port}"), 5.0, what="bind")
+        except AssertionError:
+            sock.close(linger=0)
+            raise
+        assert sock.poll(5000) and sock.recv()[:1] == b"\x01"
+        assert router.poll(5000), "no snapshot request after the live channel connected"
+        requester, *rest = router.recv_multipart()
+        assert parse_snapshot_request(rest) == 0
+        return sock, requester
+
     try:
         cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
                            endpoint=f"tcp://127.0.0.1:{event_port}",
@@ -599,14 +617,7 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
                             f"snapshot is requested once the live channel "
                             f"tcp://127.0.0.1:{event_port} is connected")
         assert router.poll(0) == 0
-        xpub = zmq_ctx.socket(zmq.XPUB)
-        xpub.setsockopt(zmq.LINGER, 0)
-        xpub.bind(f"tcp://127.0.0.1:{event_port}")
-        # The subscription reaches the engine before the request does.
-        assert xpub.poll(5000) and xpub.recv()[:1] == b"\x01"
-        assert router.poll(5000), "no snapshot request after the live channel connected"
-        ident, *rest = router.recv_multipart()
-        assert parse_snapshot_request(rest) == 0
+        xpub, ident = live_up_then_request()
         # Waiting for the reply now, not for the live channel: the reason says so no more.
         assert sub.status().error == "not synchronized yet: waiting for the first snapshot"
         router.send_multipart([ident, *encode_reply(None, encode_batch(
@@ -623,13 +634,7 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         error_contains(sub, "the snapshot is requested once the live channel")
         assert hits(sub, 1) == (False, 0, 0)
         assert router.poll(0) == 0
-        xpub = zmq_ctx.socket(zmq.XPUB)
-        xpub.setsockopt(zmq.LINGER, 0)
-        xpub.bind(f"tcp://127.0.0.1:{event_port}")
-        assert xpub.poll(5000) and xpub.recv()[:1] == b"\x01"
-        assert router.poll(5000), "no snapshot request after the live channel came back"
-        ident, *rest = router.recv_multipart()
-        assert parse_snapshot_request(rest) == 0
+        xpub, ident = live_up_then_request()
         router.send_multipart([ident, *encode_reply(4, encode_batch(
             [stored([3], None, blk(3), BS)]))])
         router.send_multipart([ident, *END_MARKER])
@@ -639,6 +644,17 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         if xpub is not None:
             xpub.close(linger=0)
         router.close(linger=0)
+
+
+def _bound(sock: zmq.Socket, endpoint: str) -> bool:
+    """Bind ``sock``; False while the port is still held (for a bounded retry)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRINUSE:
+            raise
+        return False
+    return True
 
 
 def _rebound(h: Harness, ports: tuple[int, int]) -> Optional[ProtocolPublisher]:
