@@ -403,12 +403,10 @@ class ServiceSettings(BaseSettings):
         if self.internal_api_token is not None and not self.internal_api_token.get_secret_value():
             # An empty KVSVC_INTERNAL_API_TOKEN would silently switch authentication off.
             raise ValueError("internal_api_token: empty; unset it to run without a token")
-        if self.internal_api_token is not None and (
-                self.internal_api_token.get_secret_value()
-                != self.internal_api_token.get_secret_value().strip()):
-            # HTTP strips a header value's surrounding whitespace: no client could match it.
-            raise ValueError("internal_api_token: starts or ends with whitespace, which no "
-                             "X-Internal-Token header can carry")
+        if self.internal_api_token is not None:
+            problem = _token_problem(self.internal_api_token.get_secret_value())
+            if problem:
+                raise ValueError(f"internal_api_token: {problem}")
         return self
 
     def token(self) -> Optional[str]:
@@ -432,6 +430,9 @@ class ServiceSettings(BaseSettings):
                                   f"cannot read {self.internal_api_token_file}: {exc.strerror}") from exc
             if not value:
                 raise ConfigError("internal_api_token_file", "file is empty")
+            problem = _token_problem(value)
+            if problem:
+                raise ConfigError("internal_api_token_file", f"the token {problem}")
             return value
         return None
 
@@ -463,6 +464,18 @@ class ServiceSettings(BaseSettings):
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+
+def _token_problem(token: str) -> Optional[str]:
+    """Why no client could send ``token`` in an ``X-Internal-Token`` header (HTTP strips a
+    value's surrounding whitespace; gunicorn refuses control characters; a non-ASCII value
+    arrives in whatever encoding the client chose), or ``None``. Never includes the token."""
+    if token != token.strip():
+        return "starts or ends with whitespace, which no X-Internal-Token header can carry"
+    if not all(" " <= c <= "~" for c in token):
+        return ("holds a character outside printable ASCII, which no X-Internal-Token header "
+                "can carry")
+    return None
 
 
 def _split_host_port(value: str) -> tuple[str, int]:

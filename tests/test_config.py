@@ -303,16 +303,30 @@ def test_token_file_first_line_is_the_token(clean_env, tmp_path):
     assert load_service_settings(internal_api_token_file=str(path)).token() == "s3cret"
 
 
-@pytest.mark.parametrize("token", [" abc", "abc ", "\tabc", "abc\n"])
-def test_token_with_surrounding_whitespace_is_refused(clean_env, token):
-    """HTTP strips a header value's surrounding whitespace, so such a token locks every client
-    out; the message never shows the token."""
+@pytest.mark.parametrize("token, problem", [
+    (" abc", "starts or ends with whitespace"), ("abc ", "starts or ends with whitespace"),
+    ("\tabc", "starts or ends with whitespace"), ("abc\n", "starts or ends with whitespace"),
+    ("a\x01b", "holds a character outside printable ASCII"),
+    ("a\u00e9b", "holds a character outside printable ASCII"),
+])
+def test_a_token_no_header_can_carry_is_refused(clean_env, tmp_path, token, problem):
+    """HTTP strips a header value's surrounding whitespace and gunicorn refuses control
+    characters, so such a token locks every client out; the message never shows the token."""
     clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", token)
     with pytest.raises(ConfigError) as info:
         load_service_settings()
     assert (info.value.field, info.value.message) == (
-        "KVSVC_INTERNAL_API_TOKEN",
-        "starts or ends with whitespace, which no X-Internal-Token header can carry")
+        "KVSVC_INTERNAL_API_TOKEN", f"{problem}, which no X-Internal-Token header can carry")
+    clean_env.delenv("KVSVC_INTERNAL_API_TOKEN")
+    if token.strip() != token:
+        return  # a token file's line is stripped: that token is fine there
+    path = tmp_path / "token"
+    path.write_text(token + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(internal_api_token_file=str(path)).token()
+    assert (info.value.field, info.value.message) == (
+        "internal_api_token_file",
+        f"the token {problem}, which no X-Internal-Token header can carry")
 
 
 def test_empty_token_from_env_is_refused(clean_env):

@@ -684,6 +684,95 @@ def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(h):
     assert (st.device_blocks, hits(sub, 5)) == (1, (True, 4, 0))
 
 
+def test_an_endpoint_that_drops_every_connection_is_retried_with_backoff(zmq_ctx, h):
+    """An event endpoint that accepts TCP and closes it (a wrong port, say the engine's
+    ROUTER) is reconnected with a doubling delay, not thousands of times a second (fresh-eyes
+    review: ~4,000/s and a full core), and the error points at the endpoint."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    port = listener.getsockname()[1]
+    accepted = [0]
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            accepted[0] += 1
+            conn.close()
+
+    thread = threading.Thread(target=serve, name="test-dropper", daemon=True)
+    thread.start()
+    try:
+        cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
+                           endpoint=f"tcp://127.0.0.1:{port}",
+                           replay_endpoint=f"tcp://127.0.0.1:{free_ports(1)[0]}", hash_seed=SEED)
+        sub = StreamSubscriber(cfg, KvEventsConfig(), zmq_ctx)
+        h.objs.append(sub)
+        sub.start()
+        st = error_contains(sub, "6 live connections in a row ended within 1 s")
+        assert st.error.startswith("disconnected: 6 live connections in a row ended within 1 s "
+                                   f"(is tcp://127.0.0.1:{port} the engine's PUB event socket?)")
+        # Delays 10, 20, 40, 80, 160 ms so far: about as many connections as failures.
+        assert accepted[0] <= 8, accepted[0]
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_flapping_live_connection_gets_a_snapshot_request_per_connection_at_most(zmq_ctx, h):
+    """An engine whose live socket drops every subscriber right after the handshake: each new
+    connection may ask for a snapshot once (the backoff of failed snapshots is reset for a
+    possibly new engine), but connections themselves back off, so requests do too (fresh-eyes
+    review: 8 requests a second to a never-answering engine)."""
+    import threading
+
+    event_port, replay_port = free_ports(2)
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    cycles = [0]
+    stop = threading.Event()
+
+    def flap():
+        while not stop.is_set():
+            xpub = zmq_ctx.socket(zmq.XPUB)
+            xpub.setsockopt(zmq.LINGER, 0)
+            try:
+                if not _bound(xpub, f"tcp://127.0.0.1:{event_port}"):
+                    continue
+                if xpub.poll(100):   # a subscriber got through its handshake: drop it
+                    cycles[0] += 1
+            finally:
+                xpub.close(linger=0)
+
+    thread = threading.Thread(target=flap, name="test-flapper", daemon=True)
+    thread.start()
+    try:
+        cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
+                           endpoint=f"tcp://127.0.0.1:{event_port}",
+                           replay_endpoint=f"tcp://127.0.0.1:{replay_port}", hash_seed=SEED)
+        sub = StreamSubscriber(cfg, KvEventsConfig(replay_timeout_ms=60_000), zmq_ctx)
+        h.objs.append(sub)
+        sub.start()
+        error_contains(sub, "5 live connections in a row ended within 1 s")
+        requests = 0
+        while router.poll(0):
+            router.recv_multipart()
+            requests += 1
+        assert requests <= 6, (requests, cycles[0])
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(linger=0)
+
+
 def test_topic_must_match_exactly(h):
     pub = h.publisher(topic=b"kv")
     pub.set_snapshot([], watermark=None)
@@ -823,9 +912,9 @@ def test_snapshot_client_empty_reply(zmq_ctx, raw_replay):
      "snapshot reply: engine hash 0x1 already maps to another content key"),
     # A second batch glued to the first (ormsgpack alone would decode the first only).
     ([b"", (9).to_bytes(8, "big"), "TRAILING"],
-     "snapshot reply: payload is not valid MessagePack: 54 bytes after the batch"),
+     "snapshot reply: payload has 54 bytes after its batch (a payload is one batch, §2)"),
     ([b"", (9).to_bytes(8, "big"), "TRAILING_BYTE"],
-     "snapshot reply: payload is not valid MessagePack: 1 bytes after the batch"),
+     "snapshot reply: payload has 1 byte after its batch (a payload is one batch, §2)"),
 ])
 def test_snapshot_client_malformed_replies(zmq_ctx, raw_replay, second, reason):
     attempt, ident = open_attempt(zmq_ctx, raw_replay, max_message_bytes=1024)

@@ -651,7 +651,8 @@ def check_single_object(payload: bytes) -> None:
         return
     extra = len(payload) - scan.tell()
     if extra:
-        raise DecodeError(f"payload is not valid MessagePack: {extra} bytes after the batch")
+        raise DecodeError(f"payload has {extra} byte{'' if extra == 1 else 's'} after its "
+                          f"batch (a payload is one batch, §2)")
 
 
 def _scalar(scan: msgpack.Unpacker, view: memoryview) -> Any:

@@ -94,6 +94,15 @@ PROBE_RESYNC_S = 2.0
 #: doubling on each failure up to the max (libzmq's default is a constant 100 ms).
 LIVE_RECONNECT_IVL_MS = 10
 LIVE_RECONNECT_IVL_MAX_MS = 500
+#: A live connection that ends sooner than this (seconds) after its handshake, or before one,
+#: failed: the next reopen of the ``SUB`` waits, from ``LIVE_REOPEN_MIN_S`` doubling to
+#: ``LIVE_REOPEN_MAX_S`` (a wrong endpoint, say the engine's ROUTER, would otherwise be
+#: reconnected thousands of times a second: each reopened socket connects at once).
+LIVE_STABLE_S = 1.0
+LIVE_REOPEN_MIN_S = 0.01
+LIVE_REOPEN_MAX_S = 5.0
+#: After this many failed live connections in a row, the stream's error says so.
+LIVE_FLAP_HINT = 3
 
 #: Live messages handled per poll turn before looking at the other sockets again.
 LIVE_MESSAGES_PER_TURN = 256
@@ -285,7 +294,10 @@ class StreamSubscriber:
         # by ZMQ's reaper asynchronously, and a new object may reuse the old one's id at once.
         self._wake_endpoint = f"inproc://kvsvc-stream-wake-{uuid.uuid4().hex}"
         self._poller: Optional[zmq.Poller] = None
-        self._reopen_pending = False              # replace the SUB at the next turn
+        self._reopen_at: Optional[float] = None   # replace the SUB at this monotonic time
+        self._reopen_delay = 0.0                  # backoff of failed live connections, s
+        self._live_failures = 0                   # failed live connections in a row
+        self._live_up_at: Optional[float] = None  # when the current connection's handshake was
         # The current SUB's handshake succeeded, so its subscription is on its way to the
         # engine: only then is a snapshot requested (see _live_handshake).
         self._live_up = False
@@ -574,10 +586,12 @@ class StreamSubscriber:
         """Replace the ``SUB`` after a disconnect. libzmq does not reconnect a connection it
         dropped itself (a message over ``MAXMSGSIZE`` is such a protocol error), which would
         leave the stream synchronized by snapshot but deaf to every later live batch."""
-        self._reopen_pending = False
+        self._reopen_at = None
         self._close_live()
         self._open_live()
-        log.info("stream %s: live socket reopened to %s", self._name, self.stream.endpoint)
+        # Once per failure streak at info: a flapping endpoint must not flood the log.
+        (log.info if self._live_failures <= 1 else log.debug)(
+            "stream %s: live socket reopened to %s", self._name, self.stream.endpoint)
 
     def _close_sockets(self) -> None:
         if self._attempt is not None:
@@ -599,9 +613,11 @@ class StreamSubscriber:
         timeout_s = POLL_INTERVAL_MS / 1000.0
         if self._attempt is not None:
             timeout_s = min(timeout_s, self._attempt.deadline - now)
-        elif self._next_attempt_at is not None and self._live_up:
-            # (Without the live connection, the monitor's handshake event ends the poll.)
+        elif self._next_attempt_at is not None and (self._live_up or not self._live_wait_noted):
+            # (Once a due attempt is noted as waiting, the handshake event ends the poll.)
             timeout_s = min(timeout_s, self._next_attempt_at - now)
+        if self._reopen_at is not None:
+            timeout_s = min(timeout_s, self._reopen_at - now)
         if self._silence_check is not None:
             timeout_s = min(timeout_s, self._silence_check[0] - now)
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
@@ -610,7 +626,7 @@ class StreamSubscriber:
         # Monitor first: a disconnect must be seen before data of a new connection.
         if self._monitor in ready:
             self._on_monitor()
-        if self._reopen_pending:
+        if self._reopen_at is not None and time.monotonic() >= self._reopen_at:
             self._reopen_live()
         if self._sub in ready:
             with self._live_turns:
@@ -661,6 +677,8 @@ class StreamSubscriber:
     # ------------------------------------------------------------------ monitor
 
     def _on_monitor(self) -> None:
+        if self._monitor is None:
+            return  # the SUB is closed until its delayed reopen
         while True:
             try:
                 event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
@@ -672,8 +690,36 @@ class StreamSubscriber:
                 # A new connection may be a restarted engine counting from 0 again.
                 self._max_seen = None
                 self._live_up = False
-                self._reopen_pending = True
-                self._stream_error("disconnected", "disconnect")
+                self._stream_error(self._live_disconnected(), "disconnect")
+                if self._sub is None:
+                    return  # closed until the delayed reopen: no more events to read
+
+    def _live_disconnected(self) -> str:
+        """Schedule the ``SUB``'s replacement after a disconnect and return the reason. A
+        connection that lasted :data:`LIVE_STABLE_S` is replaced at once; after one that did
+        not, the socket is closed now and reopened after a doubling delay."""
+        now = time.monotonic()
+        stable = self._live_up_at is not None and now - self._live_up_at >= LIVE_STABLE_S
+        self._live_up_at = None
+        if stable:
+            self._live_failures, self._reopen_delay = 0, 0.0
+            self._reopen_at = now
+            return "disconnected"
+        self._live_failures += 1
+        self._reopen_delay = min(max(self._reopen_delay * 2, LIVE_REOPEN_MIN_S),
+                                 LIVE_REOPEN_MAX_S)
+        self._reopen_at = now + self._reopen_delay
+        self._close_live()
+        if self._live_failures < LIVE_FLAP_HINT:
+            return "disconnected"
+        if self._live_failures == LIVE_FLAP_HINT:
+            log.warning("stream %s: %d live connections in a row to %s ended within %.0f s; "
+                        "reconnecting with backoff up to %.0f s", self._name,
+                        self._live_failures, self.stream.endpoint, LIVE_STABLE_S,
+                        LIVE_REOPEN_MAX_S)
+        return (f"disconnected: {self._live_failures} live connections in a row ended within "
+                f"{LIVE_STABLE_S:g} s (is {self.stream.endpoint} the engine's PUB event "
+                f"socket?)")
 
     def _live_handshake(self) -> None:
         """The ``SUB``'s ZMTP handshake succeeded: snapshots may be requested from now on.
@@ -692,10 +738,12 @@ class StreamSubscriber:
         # than at its next use.
         self._sub.getsockopt(zmq.EVENTS)  # type: ignore[union-attr]
         self._live_up = True
+        self._live_up_at = time.monotonic()
         if not self._synced and self._attempt is None and self._next_attempt_at is not None:
             # A new connection may be a new engine: the backoff its predecessor's failed
-            # snapshots earned must not delay asking it (up to the first backoff step, so that
-            # an endpoint that keeps dropping connections cannot drive attempts faster).
+            # snapshots earned must not delay asking it. An endpoint that keeps dropping
+            # connections gets them at the pace of its reopens, which back off themselves
+            # (_live_disconnected: up to LIVE_REOPEN_MAX_S apart).
             self._failures = 0
             self._next_attempt_at = min(self._next_attempt_at,
                                         time.monotonic() + BACKOFF_INITIAL_S)
@@ -729,7 +777,9 @@ class StreamSubscriber:
         frame and the payload is decoded in place. The whole message is received before any
         of it is judged, so a message with a wrong frame count never desynchronises the next.
         """
-        recv = self._sub.recv  # type: ignore[union-attr]
+        if self._sub is None:
+            return None  # closed until its delayed reopen
+        recv = self._sub.recv
         try:
             frame = recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
