@@ -576,6 +576,18 @@ def test_disconnect_reported_by_monitor_invalidates(h):
     assert hits(sub, 5, 6) == (True, 8, 0)
 
 
+def raw_stream(h: Harness, zmq_ctx, event_port: int, replay_port: int,
+               **limits) -> StreamSubscriber:
+    """A started subscriber on raw 127.0.0.1 ports (no ProtocolPublisher behind them)."""
+    cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
+                       endpoint=f"tcp://127.0.0.1:{event_port}",
+                       replay_endpoint=f"tcp://127.0.0.1:{replay_port}", hash_seed=SEED)
+    sub = StreamSubscriber(cfg, KvEventsConfig(**limits), zmq_ctx)
+    h.objs.append(sub)
+    sub.start()
+    return sub
+
+
 def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
     """A snapshot taken before the SUB's subscription reaches the engine can be followed by
     batches that never arrive; with a restarted counter the gap is invisible (soak: a revived
@@ -605,12 +617,7 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         return sock, requester
 
     try:
-        cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
-                           endpoint=f"tcp://127.0.0.1:{event_port}",
-                           replay_endpoint=f"tcp://127.0.0.1:{replay_port}", hash_seed=SEED)
-        sub = StreamSubscriber(cfg, KvEventsConfig(replay_timeout_ms=300), zmq_ctx)
-        h.objs.append(sub)
-        sub.start()
+        sub = raw_stream(h, zmq_ctx, event_port, replay_port, replay_timeout_ms=300)
         # ... its live endpoint is not: the due first attempt says it waits, and sends nothing.
         st = error_contains(sub, "the snapshot is requested once the live channel")
         assert st.error == (f"not synchronized yet: waiting for the first snapshot; the "
@@ -709,12 +716,7 @@ def test_an_endpoint_that_drops_every_connection_is_retried_with_backoff(zmq_ctx
     thread = threading.Thread(target=serve, name="test-dropper", daemon=True)
     thread.start()
     try:
-        cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
-                           endpoint=f"tcp://127.0.0.1:{port}",
-                           replay_endpoint=f"tcp://127.0.0.1:{free_ports(1)[0]}", hash_seed=SEED)
-        sub = StreamSubscriber(cfg, KvEventsConfig(), zmq_ctx)
-        h.objs.append(sub)
-        sub.start()
+        sub = raw_stream(h, zmq_ctx, port, free_ports(1)[0])
         st = error_contains(sub, "6 live connections in a row ended within 1 s")
         assert st.error.startswith("disconnected: 6 live connections in a row ended within 1 s "
                                    f"(is tcp://127.0.0.1:{port} the engine's PUB event socket?)")
@@ -755,12 +757,7 @@ def test_a_flapping_live_connection_gets_a_snapshot_request_per_connection_at_mo
     thread = threading.Thread(target=flap, name="test-flapper", daemon=True)
     thread.start()
     try:
-        cfg = StreamConfig(instance_name="10.0.0.1:8000", block_size=BS,
-                           endpoint=f"tcp://127.0.0.1:{event_port}",
-                           replay_endpoint=f"tcp://127.0.0.1:{replay_port}", hash_seed=SEED)
-        sub = StreamSubscriber(cfg, KvEventsConfig(replay_timeout_ms=60_000), zmq_ctx)
-        h.objs.append(sub)
-        sub.start()
+        sub = raw_stream(h, zmq_ctx, event_port, replay_port, replay_timeout_ms=60_000)
         error_contains(sub, "5 live connections in a row ended within 1 s")
         requests = 0
         while router.poll(0):
