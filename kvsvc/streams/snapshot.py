@@ -600,10 +600,7 @@ def split_batch(payload: bytes, expected_rank: int, pace: Callable[[], None],
     if size < 2 or payload[0] not in (0x92, 0x93):
         return None
     view = memoryview(payload)
-    # Every max_*_len limit defaults from max_buffer_size: no valid object of this payload
-    # can exceed them.
-    scan = msgpack.Unpacker(max_buffer_size=size)
-    scan.feed(payload)
+    scan = _scanner(payload)
     groups: list[bytes] = []
     try:
         scan.read_array_header()
@@ -642,8 +639,7 @@ def check_single_object(payload: bytes) -> None:
     :param payload: a payload ``ormsgpack`` decoded without error.
     :raises DecodeError: naming how many bytes follow the batch.
     """
-    scan = msgpack.Unpacker(max_buffer_size=max(len(payload), 1))
-    scan.feed(payload)
+    scan = _scanner(payload)
     try:
         scan.skip()
     except _SCAN_ERRORS:
@@ -653,6 +649,15 @@ def check_single_object(payload: bytes) -> None:
     if extra:
         raise DecodeError(f"payload has {extra} byte{'' if extra == 1 else 's'} after its "
                           f"batch (a payload is one batch, §2)")
+
+
+def _scanner(payload: bytes) -> msgpack.Unpacker:
+    """A ``msgpack.Unpacker`` fed with ``payload``, for skipping through it. Every
+    ``max_*_len`` limit defaults from ``max_buffer_size``: no valid object of this payload can
+    exceed them."""
+    scan = msgpack.Unpacker(max_buffer_size=max(len(payload), 1))
+    scan.feed(payload)
+    return scan
 
 
 def _scalar(scan: msgpack.Unpacker, view: memoryview) -> Any:

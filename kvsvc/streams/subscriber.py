@@ -297,10 +297,9 @@ class StreamSubscriber:
         self._reopen_at: Optional[float] = None   # replace the SUB at this monotonic time
         self._reopen_delay = 0.0                  # backoff of failed live connections, s
         self._live_failures = 0                   # failed live connections in a row
-        self._live_up_at: Optional[float] = None  # when the current connection's handshake was
-        # The current SUB's handshake succeeded, so its subscription is on its way to the
-        # engine: only then is a snapshot requested (see _live_handshake).
-        self._live_up = False
+        # When the current SUB's handshake succeeded (None: not yet), so its subscription is
+        # on its way to the engine: only then is a snapshot requested (see _live_handshake).
+        self._live_up_at: Optional[float] = None
         self._live_wait_noted = False             # the error says a due attempt waits for it
         self._waiting_error_logged = False        # one warning per backoff wait
         self._synced = False                      # mirrors _state is SYNCHRONIZED
@@ -555,7 +554,7 @@ class StreamSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self._live_up = False
+        self._live_up_at = None
         self._live_wait_noted = False
         sub.connect(self.stream.endpoint)
         self._poller.register(sub, zmq.POLLIN)  # type: ignore[union-attr]
@@ -689,10 +688,15 @@ class StreamSubscriber:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # A new connection may be a restarted engine counting from 0 again.
                 self._max_seen = None
-                self._live_up = False
+                # (_live_disconnected ends the connection's up time before the error acts.)
                 self._stream_error(self._live_disconnected(), "disconnect")
                 if self._sub is None:
                     return  # closed until the delayed reopen: no more events to read
+
+    @property
+    def _live_up(self) -> bool:
+        """The current ``SUB`` has completed its handshake (and not disconnected since)."""
+        return self._live_up_at is not None
 
     def _live_disconnected(self) -> str:
         """Schedule the ``SUB``'s replacement after a disconnect and return the reason. A
@@ -737,7 +741,6 @@ class StreamSubscriber:
         # Make the socket attach the new pipe now, which writes the subscription to it, rather
         # than at its next use.
         self._sub.getsockopt(zmq.EVENTS)  # type: ignore[union-attr]
-        self._live_up = True
         self._live_up_at = time.monotonic()
         if not self._synced and self._attempt is None and self._next_attempt_at is not None:
             # A new connection may be a new engine: the backoff its predecessor's failed
@@ -760,8 +763,7 @@ class StreamSubscriber:
         """An attempt is due but the live channel is not connected: say so in ``error``."""
         self._live_wait_noted = True
         with self._lock:
-            if self._synced:
-                return  # (cannot happen: a disconnect unsynchronizes first)
+            # (Never synchronized here: a disconnect unsynchronizes first.)
             cause = self._error or _NOT_YET
             self._error = (f"{cause}{_LIVE_WAIT}{self.stream.endpoint} is connected")
             self._publish_locked()
