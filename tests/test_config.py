@@ -42,6 +42,17 @@ def test_defaults_and_valid_static_config():
     assert cfg.discovery is None
 
 
+def test_shipped_loopback_config_matches_the_sim_port_rule():
+    """config/kv_events_sim_loopback.json follows `kvsvc sim --port 8000 --dp 2 --topic
+    xllm-kv` (README): events on port + 10000 + r, snapshots on port + 30000 + r."""
+    path = Path(__file__).resolve().parent.parent / "config" / "kv_events_sim_loopback.json"
+    cfg = load_kv_events_config(path)
+    assert [(s.instance_name, s.dp_rank, s.topic, s.endpoint, s.replay_endpoint)
+            for s in cfg.kept_streams()] == [
+        ("127.0.0.1:8000", r, "xllm-kv", f"tcp://127.0.0.1:{18000 + r}",
+         f"tcp://127.0.0.1:{38000 + r}") for r in (0, 1)]
+
+
 def test_example_config_file_is_valid():
     path = Path(__file__).resolve().parent.parent / "config" / "kv_events_static_example.json"
     cfg = load_kv_events_config(path)
