@@ -3,7 +3,7 @@
 Nothing starts here; gunicorn's ``post_worker_init`` starts the service (:mod:`kvsvc.server`).
 """
 
-from kvsvc.app import create_app
+from kvsvc.http.app import create_app
 from kvsvc.config import load_service_settings
 
 app = create_app(load_service_settings())

@@ -11,8 +11,8 @@ directory (16 stream threads) runs in this process, as in the service's worker.
 Measured, alternately in the same windows so both see the same machine state:
 
 - ``query``: :meth:`kvsvc.directory.Directory.query` of the prompt (keys + 16 streams);
-- ``route``: what ``/v1/internal/route`` does in process (:meth:`kvsvc.routes.Router.decide`):
-  the streams' identities, the query, and :class:`kvsvc.policy.CacheAware` over 16 DEFAULT
+- ``route``: what ``/v1/internal/route`` does in process (:meth:`kvsvc.http.routes.Router.decide`):
+  the streams' identities, the query, and :class:`kvsvc.routing.policy.CacheAware` over 16 DEFAULT
   instances with load reports.
 
 Rounds alternate an idle window (every stream synchronized) with a recovering window (from the
@@ -68,8 +68,8 @@ import zmq
 
 from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS
 from kvsvc.directory import Directory
-from kvsvc.policy import CacheAware
-from kvsvc.registry import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
+from kvsvc.routing.policy import CacheAware
+from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
 from kvsvc.streams.frame import END_MARKER, NO_WATERMARK, encode_live
 
 from ._common import (

@@ -168,7 +168,7 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
         if r.number in ANALYSIS and r.met is not True:
             lines += ["", ANALYSIS[r.number]]
         lines.append("")
-    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.bench_routing).
+    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing).
     old = RESULTS.read_text() if RESULTS.exists() else ""
     begin, end = "<!-- routing:begin -->", "<!-- routing:end -->"
     if begin in old and end in old:

@@ -1,5 +1,5 @@
 """Issue 3, benchmark 6: a 262,144-block snapshot (the §8 per-stream maximum) from the
-simulated engine (:class:`kvsvc.sim.engine.SimEngine`, own process, 1 MiB snapshot messages).
+simulated engine (:class:`kvsvc.testbed.sim.engine.SimEngine`, own process, 1 MiB snapshot messages).
 
 Steps, all in one run:
 
@@ -69,7 +69,7 @@ _FORK = mp.get_context("fork")
 
 def _run_sim(event_port: int, replay_port: int, ready, stop) -> None:
     """Sim process: fill one rank to exactly ``SNAPSHOT_BLOCKS`` Device blocks, then serve."""
-    from kvsvc.sim.engine import SimEngine
+    from kvsvc.testbed.sim.engine import SimEngine
 
     engine = SimEngine("bench-sim:1", event_port, replay_port, device_blocks=SNAPSHOT_BLOCKS,
                        max_snapshot_message_bytes=1 << 20)

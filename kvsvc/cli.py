@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .config import LOG_FORMATS, LOG_LEVELS, KvEventsConfig, ServiceSettings, load_service_settings
-from .errors import ConfigError
+from kvsvc.config import LOG_FORMATS, LOG_LEVELS, KvEventsConfig, ServiceSettings, load_service_settings
+from kvsvc.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,10 @@ _LOG_LEVELS = LOG_LEVELS
 
 #: Subcommands implemented elsewhere, imported on use: name -> (module, help).
 _LAZY_COMMANDS = {
-    "sim": ("kvsvc.sim.cli", "run a simulated engine publishing KV events"),
-    "demo": ("kvsvc.demo", "run the end-to-end demo"),
-    "soak": ("kvsvc.soak", "run the chaos soak audited against ground truth"),
-    "bench-routing": ("kvsvc.bench_routing", "replay traces through the router per policy"),
+    "sim": ("kvsvc.testbed.sim.cli", "run a simulated engine publishing KV events"),
+    "demo": ("kvsvc.testbed.demo", "run the end-to-end demo"),
+    "soak": ("kvsvc.testbed.soak", "run the chaos soak audited against ground truth"),
+    "bench-routing": ("kvsvc.testbed.bench_routing", "replay traces through the router per policy"),
 }
 
 
@@ -112,7 +112,7 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self_address",
                    help="host:port engines reach this service at, published as master "
                         "(KVSVC_SELF_ADDRESS, default host:port)")
-    # Routing (§11), xllm-service's flag names; see kvsvc.routes.
+    # Routing (§11), xllm-service's flag names; see kvsvc.http.routes.
     p.add_argument("--load_balance_policy", help="RR or CAR (KVSVC_LOAD_BALANCE_POLICY, "
                    "default CAR); SLO_AWARE is not supported")
     p.add_argument("--car_prefill_lambda", type=float,
@@ -203,8 +203,8 @@ def validate_service(settings: ServiceSettings) -> Optional[KvEventsConfig]:
     :returns: the validated §8 config (``None``: index disabled).
     :raises ConfigError: naming the field.
     """
-    from .app import create_app  # the app's own construction path: nothing starts there
-    from .routes import ROUTING_EXTENSION
+    from kvsvc.http.app import create_app  # the app's own construction path: nothing starts there
+    from kvsvc.http.routes import ROUTING_EXTENSION
 
     kv_config = settings.kv_events_config()
     app = create_app(settings, kv_config)

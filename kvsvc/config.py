@@ -7,15 +7,12 @@ naming the field (``streams[2].endpoint``, ``max_streams``, ``--port``). Unknown
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
-from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -31,7 +28,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .errors import ConfigError
+from kvsvc.address import (
+    check_bind_host,
+    check_tcp_endpoint,
+    endpoint_key,
+    parse_host_port,
+    parse_http_host_port,
+)
+from kvsvc.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,60 +45,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "text")
 #: Default of ``max_concurrent_snapshots`` (the directory's snapshot gate).
 DEFAULT_MAX_CONCURRENT_SNAPSHOTS = 1
-
-
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-
-
-def check_connect_host(host: str) -> str:
-    """A host a socket can connect to: an IP address that is not unspecified, or a DNS name.
-
-    ZMQ accepts more (``eth0;127.0.0.1`` source-address syntax, ``0`` for 0.0.0.0); none of it
-    belongs in a connect address, and each would defeat the duplicate-endpoint check.
-
-    :returns: the normalised host (lower-case name, compressed IP).
-    :raises ValueError: naming the host.
-    """
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
-            raise ValueError(f"host {host!r} is neither an IP address nor a DNS name") from None
-        return host.lower()
-    if ip.is_unspecified:
-        raise ValueError(f"host must be connectable, not {host!r}")
-    return ip.compressed
-
-
-def endpoint_key(value: str) -> tuple[str, int]:
-    """``(host, port)`` of a validated ``tcp://`` endpoint, normalised for duplicate checks."""
-    parts = urlsplit(value)
-    return check_connect_host(parts.hostname or ""), int(parts.port or 0)
-
-
-def _check_tcp_endpoint(value: str) -> str:
-    """``tcp://host:port`` with a connectable host (not ``*`` / ``0.0.0.0``) and port 1-65535 (§8)."""
-    if not value.startswith("tcp://"):
-        raise ValueError("must be tcp://host:port")
-    parts = urlsplit(value)
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"bad port in {value!r}") from exc
-    host = parts.hostname
-    if not host or port is None:
-        raise ValueError(f"must be tcp://host:port, got {value!r}")
-    if host in ("*", "0.0.0.0", "::") or "*" in parts.netloc:
-        raise ValueError(f"host must be connectable, not {host!r}")
-    if "@" in parts.netloc:
-        raise ValueError(f"must be tcp://host:port without user information, got {value!r}")
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} out of range 1-65535")
-    if parts.path or parts.query or parts.fragment:
-        raise ValueError(f"must be tcp://host:port with nothing after the port, got {value!r}")
-    check_connect_host(host)
-    return value
 
 
 class _Strict(BaseModel):
@@ -119,7 +69,7 @@ class StreamConfig(_Strict):
     hash_seed: Annotated[StrictInt, Field(ge=0, le=MAX_U64)] = 1024
     """XXH3 seed of the content keys (§4); internal to kvsvc."""
 
-    _endpoint_rule = field_validator("endpoint", "replay_endpoint")(_check_tcp_endpoint)
+    _endpoint_rule = field_validator("endpoint", "replay_endpoint")(check_tcp_endpoint)
 
 
 class DiscoveryConfig(_Strict):
@@ -323,7 +273,7 @@ class ServiceSettings(BaseSettings):
     A build is CPU work under the GIL, so with one at a time a request thread waits at most
     one build slice for it while many streams recover (bench 8); more speeds up recovery
     and lengthens that wait. 1-128."""
-    # -- routing (§11; xllm-service flag names), read by kvsvc.routes --
+    # -- routing (§11; xllm-service flag names), read by kvsvc.http.routes --
     load_balance_policy: str = "CAR"
     """``RR`` or ``CAR`` (§11); ``SLO_AWARE`` and other names refuse start-up."""
     car_prefill_lambda: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
@@ -375,26 +325,21 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _etcd_addr_form(cls, value: str) -> str:
         if value:
-            _split_host_port(value.removeprefix("http://"))
+            parse_http_host_port(value)
         return value
 
     @field_validator("self_address")
     @classmethod
     def _self_address_form(cls, value: str) -> str:
         if value:
-            _split_host_port(value)
+            parse_host_port(value)
         return value
 
     @field_validator("host")
     @classmethod
     def _bind_host(cls, value: str) -> str:
         # A bind address: an IP (0.0.0.0 / :: allowed here, unlike connect addresses) or a name.
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            if not _HOSTNAME.match(value):
-                raise ValueError(f"{value!r} is neither an IP address nor a host name") from None
-        return value
+        return check_bind_host(value)
 
     @model_validator(mode="after")
     def _token_sources(self) -> "ServiceSettings":
@@ -453,7 +398,8 @@ class ServiceSettings(BaseSettings):
         ``None`` when no registry is configured."""
         if not self.etcd_addr:
             return None
-        return _split_host_port(self.etcd_addr.removeprefix("http://"))
+        addr = parse_http_host_port(self.etcd_addr)
+        return addr.host, addr.port
 
     def advertised_address(self) -> str:
         """``host:port`` written as master address (§9): ``self_address``, else ``host:port``
@@ -476,22 +422,6 @@ def _token_problem(token: str) -> Optional[str]:
         return ("holds a character outside printable ASCII, which no X-Internal-Token header "
                 "can carry")
     return None
-
-
-def _split_host_port(value: str) -> tuple[str, int]:
-    """``host:port`` (IPv6 in brackets) -> ``(host, port)``.
-
-    :raises ValueError: not of that form, or port outside 1-65535.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"must be host:port, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} out of range 1-65535")
-    return host, port
 
 
 def check_discovery_needs_etcd(config: KvEventsConfig, etcd_addr: str) -> None:

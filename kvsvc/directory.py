@@ -34,12 +34,12 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import zmq
 
-from .config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, KvEventsConfig, StreamConfig
-from .errors import ConfigError, LifecycleError
-from .index.keys import chain_keys, pack_tokens
-from .streams.snapshot import GateStats, SnapshotGate
-from .streams.state import StreamId, StreamMatch, StreamState, StreamStatus
-from .streams.subscriber import StreamCounters, StreamSubscriber
+from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, KvEventsConfig, StreamConfig
+from kvsvc.errors import ConfigError, LifecycleError
+from kvsvc.index.keys import chain_keys, pack_tokens
+from kvsvc.streams.snapshot import GateStats, SnapshotGate
+from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
+from kvsvc.streams.subscriber import StreamCounters, StreamSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class Directory:
         :param cfg: the stream's configuration (limits are the directory's).
         :param timeout_s: start bound, seconds.
         :param identity: the incarnation of the instance the stream belongs to (discovery, §9:
-            ``kvsvc.discovery.instance_identity``); kept for :meth:`identity`.
+            ``kvsvc.cluster.discovery.instance_identity``); kept for :meth:`identity`.
         :returns: the new stream's id.
         :raises ConfigError: a stream with the same (instance_name, dp_rank) exists.
         :raises LifecycleError: the stream did not start in time (it is not added).

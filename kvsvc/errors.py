@@ -15,7 +15,7 @@ translated into these once, at the module boundary where they occur (``raise ...
     │       ├── SnapshotTimeout    whole reply not received within ``replay_timeout_ms``
     │       └── BufferOverflow     live deltas buffered during recovery over ``max_buffered_bytes``
     ├── LifecycleError         a thread did not start or stop in time
-    ├── EtcdError              an etcd request failed (translated once, in ``kvsvc.etcd``) (§9)
+    ├── EtcdError              an etcd request failed (translated once, in ``kvsvc.cluster.etcd``) (§9)
     │   └── EtcdUnavailable        etcd unreachable, timed out or answered 5xx: retry later
     ├── WaitTimeout            ``Registry.wait_for`` gave up (test helper)
     └── RequestError           bad HTTP input; ``status`` is the 4xx code to answer with (§10)
@@ -106,7 +106,7 @@ class RequestError(KvsvcError):
 
 class EtcdError(KvsvcError):
     """An etcd request failed for a reason other than unavailability (e.g. a 4xx answer or a
-    malformed reply). Raised only by :mod:`kvsvc.etcd`, chained to the etcd3gw/requests error."""
+    malformed reply). Raised only by :mod:`kvsvc.cluster.etcd`, chained to the etcd3gw/requests error."""
 
 
 class EtcdUnavailable(EtcdError):

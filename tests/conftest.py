@@ -1,13 +1,35 @@
-"""Shared fixtures: a ZMQ context per test and a leak check that fails a test which leaves a
-thread running (every thread a test starts must be stopped by its owner's ``close()``)."""
+"""Shared fixtures of every test group (``unit/``, ``integration/``, ``e2e/``, ``fuzz/``).
+
+- ``clean_env`` (autouse): no ``KVSVC_*`` variable of the outer environment reaches a test; it
+  returns the ``monkeypatch`` so a test can set its own.
+- ``no_thread_leak`` (autouse): fails a test that leaves a thread running (every thread a test
+  starts must be stopped by its owner's ``close()``).
+- ``zmq_ctx``: a ZMQ context per test.
+- ``etcd_server``: a real etcd on free loopback ports (``tests/etcd_server.py``); ``etcd``: a
+  client of it.
+- ``raw_engine``: a protocol publisher (``tests/publisher.py``) on free loopback ports.
+
+Support modules beside this file: ``util.py`` (bounded waits, free ports), ``publisher.py``
+(engines built from PROTOCOL.md), ``etcd_server.py``.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import zmq
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Settings come only from what each test passes, never from the outer environment."""
+    for key in [k for k in os.environ if k.startswith("KVSVC_")]:
+        monkeypatch.delenv(key)
+    return monkeypatch
 
 
 @pytest.fixture
@@ -46,6 +68,16 @@ def etcd_server():
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def etcd(etcd_server) -> Iterator[object]:
+    """A :class:`kvsvc.cluster.etcd.EtcdClient` of ``etcd_server``, closed after the test."""
+    from kvsvc.cluster.etcd import EtcdClient
+
+    client = EtcdClient(etcd_server.addr)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A real etcd server for tests: :class:`kvsvc.etcd_launcher.LocalEtcd` (free loopback client
+"""A real etcd server for tests: :class:`kvsvc.testbed.etcd_launcher.LocalEtcd` (free loopback client
 and peer ports, a temporary data directory, health-checked start, stop/restart on the same ports
 and data, full cleanup) plus the skip-or-fail rule for a missing binary.
 
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvsvc.etcd_launcher import INSTALL_HINT, LocalEtcd, etcd_binary
+from kvsvc.testbed.etcd_launcher import INSTALL_HINT, LocalEtcd, etcd_binary
 
 
 def require_etcd_binary() -> str:

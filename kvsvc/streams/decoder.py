@@ -42,9 +42,9 @@ from typing import Any, Sequence
 
 import ormsgpack
 
-from ..errors import DecodeError
-from ..index.keys import ARRAY_IS_WIRE_FORM, pack_tokens
-from ..events import (
+from kvsvc.errors import DecodeError
+from kvsvc.index.keys import ARRAY_IS_WIRE_FORM, pack_tokens
+from kvsvc.events import (
     DEVICE,
     MEDIUM_TIERS,
     OTHER_MEDIUM,

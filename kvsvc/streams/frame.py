@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..errors import DecodeError
+from kvsvc.errors import DecodeError
 
 #: Watermark value meaning "no live batch published yet" in a data message, and the
 #: watermark frame of the end marker (§7).

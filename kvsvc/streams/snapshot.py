@@ -66,12 +66,12 @@ import msgpack
 import ormsgpack
 import zmq
 
-from ..config import KvEventsConfig, StreamConfig
-from ..errors import DecodeError, SnapshotError, SnapshotTimeout, StreamError
-from ..events import Event
-from ..index.tier_index import TierIndex
-from .decoder import decode_event, decode_batch
-from .frame import encode_snapshot_request, parse_reply
+from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.errors import DecodeError, SnapshotError, SnapshotTimeout, StreamError
+from kvsvc.events import Event
+from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.decoder import decode_event, decode_batch
+from kvsvc.streams.frame import encode_snapshot_request, parse_reply
 
 log = logging.getLogger(__name__)
 

@@ -52,8 +52,8 @@ from typing import Container, Optional, Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..config import KvEventsConfig, StreamConfig
-from ..errors import (
+from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.errors import (
     BufferOverflow,
     CapacityExceeded,
     DecodeError,
@@ -64,12 +64,12 @@ from ..errors import (
     StreamError,
     UnknownParent,
 )
-from ..events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
-from ..index.tier_index import IndexStats, TierIndex
-from .decoder import decode_batch
-from .frame import parse_live
-from .snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotGate, SnapshotResult
-from .state import StreamId, StreamMatch, StreamState, StreamStatus
+from kvsvc.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from kvsvc.index.tier_index import IndexStats, TierIndex
+from kvsvc.streams.decoder import decode_batch
+from kvsvc.streams.frame import parse_live
+from kvsvc.streams.snapshot import MAXMSGSIZE_HEADROOM, SnapshotAttempt, SnapshotGate, SnapshotResult
+from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ _LIVE_WAIT = "; the snapshot is requested once the live channel "
 _NO_KEYS: frozenset[int] = frozenset()
 
 
-#: Labels of the metrics counters (kvsvc.metrics); fixed sets, never free text.
+#: Labels of the metrics counters (kvsvc.http.metrics); fixed sets, never free text.
 DECODE_ERROR_REASONS = ("frame", "payload", "event", "unknown_parent", "hash_conflict",
                         "capacity")
 RECOVERY_TRIGGERS = ("start", "disconnect", "decode_error", "index_error", "sequence_gap",
@@ -272,7 +272,7 @@ class StreamSubscriber:
         self._topic_mismatches = 0
         self._live_messages = 0
         self._duplicates_dropped = 0
-        # Metrics counters (kvsvc.metrics): written by the stream thread, the dicts under
+        # Metrics counters (kvsvc.http.metrics): written by the stream thread, the dicts under
         # _lock (counters() copies them under it); plain ints, no prometheus objects here.
         self._events_applied = dict.fromkeys(EVENT_TYPES.values(), 0)
         self._decode_errors = dict.fromkeys(DECODE_ERROR_REASONS, 0)

@@ -1,0 +1,427 @@
+"""Stream discovery (§9): the registry's instances, turned into the directory's streams by rule.
+
+Two layers:
+
+- :func:`plan_streams` is a pure function from a registry snapshot and the §8 ``discovery``
+  block to a :class:`Plan`: which (instance, DP rank) streams should exist, with which endpoints
+  and which instance identity, and which instances are excluded and why. It never logs, never
+  does I/O, and is unit-tested without etcd.
+- :class:`Discovery` owns one thread that every ``refresh_interval_ms`` reads
+  ``registry.snapshot()`` (the in-process snapshot; it never talks to etcd itself and never
+  runs on a request thread), plans, and applies the difference to the
+  :class:`~kvsvc.directory.Directory`: a stream whose configuration and identity are unchanged is
+  kept (its index too); a new incarnation, address or DP size replaces the instance's streams
+  (the new ones answer 0 hits until their first snapshot, §6); a stream no longer planned is
+  removed. One log line per change, naming the stream.
+
+Rules of the plan (§9):
+
+- Only ``backend_type == "xllm"`` instances; types DEFAULT and PREFILL always, MIX only while
+  its current role is prefill, never DECODE.
+- ``SUSPECT`` instances (and removed ones, absent from the snapshot) have no streams;
+  ``LEASE_LOST`` instances keep theirs.
+- Instance ``host:port`` with ``dp_size`` n (0 means 1): rank r gets
+  ``tcp://host:(port + event_port_offset + r)`` and ``tcp://host:(port + replay_port_offset + r)``.
+- A port above 65535 excludes that instance. An endpoint used twice (event or replay, across
+  every stream of every eligible instance, the instance's own included) excludes every instance
+  involved; events are never mixed between instances.
+- ``max_streams``: instances in name order; an instance whose ranks do not all fit is skipped
+  whole (later, smaller ones may still fit), exactly like static streams (§8).
+- Identity: the registration's ``incarnation_id``, else its ``register_ts_ms``
+  (:func:`instance_identity`); the router compares it with a stream's to apply §11.
+
+Errors: :class:`~kvsvc.errors.LifecycleError` when the thread does not start or stop in time.
+A stream that cannot be added (its thread did not start) is logged and retried on the next
+refresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+from pydantic import ValidationError
+
+from kvsvc.address import MAX_PORT, parse_host_port, tcp_endpoint
+from kvsvc.config import DiscoveryConfig, KvEventsConfig, StreamConfig
+from kvsvc.directory import Directory
+from kvsvc.errors import ConfigError, LifecycleError
+from kvsvc.cluster.registry import InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.streams.state import StreamId
+
+log = logging.getLogger(__name__)
+
+#: The only ``backend_type`` whose KV events kvsvc understands (§9).
+XLLM_BACKEND = "xllm"
+
+_JOIN_TIMEOUT_S = 10.0
+
+
+def instance_identity(instance: Any) -> str:
+    """The identity a stream is tied to (§9): ``incarnation_id`` when the registration has a
+    non-empty one, else ``register_ts_ms`` (as ``"register_ts_ms:<ms>"``, never equal to a
+    uuid).
+
+    :param instance: a :class:`~kvsvc.cluster.registry.Instance` (``incarnation_id``: str or None,
+        ``register_ts_ms``: int ms or None).
+    """
+    if instance.incarnation_id:
+        return str(instance.incarnation_id)
+    return f"register_ts_ms:{instance.register_ts_ms}"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStream:
+    """One stream the plan wants.
+
+    :param config: its configuration (endpoints from the port rule, discovery's block size,
+        topic and hash seed).
+    :param identity: its instance's :func:`instance_identity`.
+    :param dp_size: its instance's DP size (a change replaces every rank's stream).
+    """
+
+    config: StreamConfig
+    identity: str
+    dp_size: int
+
+    @property
+    def stream_id(self) -> StreamId:
+        """(instance_name, dp_rank)."""
+        return StreamId(self.config.instance_name, self.config.dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The outcome of :func:`plan_streams`.
+
+    :param streams: stream id -> planned stream, read-only.
+    :param excluded: instance name -> why an otherwise eligible instance has no streams
+        (port overflow, endpoint collision naming the other instance, bad name,
+        ``max_streams``), read-only. Instances that are simply not subscribed (DECODE, other
+        backends, MIX acting as decode, SUSPECT) are not listed.
+    """
+
+    streams: Mapping[StreamId, PlannedStream]
+    excluded: Mapping[str, str]
+
+    def instance_names(self) -> list[str]:
+        """Names of the instances with streams, sorted."""
+        return sorted({sid.instance_name for sid in self.streams})
+
+
+def _acts_as_prefill(instance: Any) -> bool:
+    """§9/§11: DEFAULT and PREFILL always; MIX only while its current role is prefill."""
+    if instance.type in (InstanceType.DEFAULT, InstanceType.PREFILL):
+        return True
+    if instance.type == InstanceType.MIX:
+        return instance.role == InstanceType.PREFILL
+    return False
+
+
+def _subscribed(instance: Any) -> bool:
+    return (instance.backend_type == XLLM_BACKEND and instance.state != InstanceState.SUSPECT
+            and _acts_as_prefill(instance))
+
+
+def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
+                 limits: KvEventsConfig) -> Plan:
+    """The streams the registry snapshot calls for (§9 rules, see the module docstring).
+
+    Pure: no logging, no I/O; the same input gives the same plan.
+
+    :param snapshot: the registry's snapshot (``instances``: name -> Instance).
+    :param discovery: the §8 ``discovery`` block (offsets, block size, topic, hash seed).
+    :param limits: the §8 document; only ``max_streams`` is used.
+    :returns: the planned streams and the excluded instances with reasons.
+    """
+    excluded: dict[str, str] = {}
+    # name -> list of (StreamConfig) for eligible instances, before collisions and the cut.
+    candidates: dict[str, list[StreamConfig]] = {}
+    identities: dict[str, tuple[str, int]] = {}
+    for name in sorted(snapshot.instances):
+        inst = snapshot.instances[name]
+        if not _subscribed(inst):
+            continue
+        try:
+            addr = parse_host_port(inst.name)
+        except ValueError:
+            addr = None
+        if addr is None or inst.name != name:
+            excluded[name] = f"instance name {inst.name!r} is not host:port"
+            continue
+        host, port = addr.host, addr.port
+        dp_size = inst.dp_size if inst.dp_size and inst.dp_size > 0 else 1
+        top = port + max(discovery.event_port_offset, discovery.replay_port_offset) + dp_size - 1
+        if top > MAX_PORT:
+            excluded[name] = (f"port overflow: rank {dp_size - 1} would use port {top} "
+                              f"> {MAX_PORT}")
+            continue
+        try:
+            configs = [StreamConfig(
+                instance_name=name, dp_rank=r, block_size=discovery.block_size,
+                endpoint=tcp_endpoint(host, port + discovery.event_port_offset + r),
+                replay_endpoint=tcp_endpoint(host, port + discovery.replay_port_offset + r),
+                topic=discovery.topic, hash_seed=discovery.hash_seed) for r in range(dp_size)]
+        except ValidationError as exc:
+            excluded[name] = f"no connectable endpoint for host {host!r}: {exc.errors()[0]['msg']}"
+            continue
+        candidates[name] = configs
+        identities[name] = (instance_identity(inst), dp_size)
+
+    # Endpoint collisions, across every eligible instance's event and replay endpoints.
+    owners: dict[str, str] = {}
+    collided: dict[str, str] = {}
+    for name, configs in candidates.items():
+        for cfg in configs:
+            for ep in (cfg.endpoint, cfg.replay_endpoint):
+                other = owners.get(ep)
+                if other is None:
+                    owners[ep] = name
+                    continue
+                if other == name:
+                    collided.setdefault(name, f"endpoint collision: {ep} used twice by {name}")
+                else:
+                    collided.setdefault(name, f"endpoint collision: {ep} also used by {other}")
+                    collided.setdefault(other, f"endpoint collision: {ep} also used by {name}")
+    excluded.update(collided)
+
+    streams: dict[StreamId, PlannedStream] = {}
+    for name in sorted(candidates):
+        if name in collided:
+            continue
+        configs = candidates[name]
+        if len(streams) + len(configs) > limits.max_streams:
+            excluded[name] = (f"max_streams={limits.max_streams} reached: {len(configs)} "
+                              f"streams skipped")
+            continue
+        identity, dp_size = identities[name]
+        for cfg in configs:
+            streams[StreamId(name, cfg.dp_rank)] = PlannedStream(cfg, identity, dp_size)
+    return Plan(MappingProxyType(streams), MappingProxyType(dict(sorted(excluded.items()))))
+
+
+#: Labels of discovery's metrics (kvsvc.http.metrics): fixed sets.
+CHANGE_KINDS = ("added", "replaced", "removed", "add_failed")
+EXCLUSION_KINDS = ("bad_name", "port_overflow", "bad_host", "endpoint_collision", "max_streams")
+_EXCLUSION_PREFIXES = (("instance name", "bad_name"), ("port overflow", "port_overflow"),
+                       ("no connectable endpoint", "bad_host"),
+                       ("endpoint collision", "endpoint_collision"),
+                       ("max_streams", "max_streams"))
+
+
+def exclusion_kind(reason: str) -> str:
+    """The :data:`EXCLUSION_KINDS` label of a :func:`plan_streams` exclusion reason."""
+    for prefix, kind in _EXCLUSION_PREFIXES:
+        if reason.startswith(prefix):
+            return kind
+    raise ValueError(f"unknown exclusion reason {reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """What one :meth:`Discovery.refresh` changed.
+
+    :param added: streams added for a new instance or rank.
+    :param replaced: streams replaced (new incarnation, address or DP size).
+    :param removed: streams removed (instance gone, SUSPECT, no longer eligible or excluded).
+    :param kept: streams left as they were (index kept).
+    :param failed: streams that could not be added; retried on the next refresh.
+    """
+
+    added: tuple[StreamId, ...]
+    replaced: tuple[StreamId, ...]
+    removed: tuple[StreamId, ...]
+    kept: int
+    failed: tuple[StreamId, ...]
+
+    @property
+    def changed(self) -> bool:
+        """True when any stream was added, replaced or removed."""
+        return bool(self.added or self.replaced or self.removed)
+
+
+class Discovery:
+    """The discovery thread (§9): registry snapshot -> plan -> directory, every
+    ``refresh_interval_ms``.
+
+    :param registry: anything with ``snapshot() -> RegistrySnapshot`` (the
+        :class:`~kvsvc.cluster.registry.Registry`); only its in-process snapshot is read.
+    :param directory: the directory whose streams discovery manages. Static streams must not
+        be configured together with discovery (§8), so every stream in it is discovery's.
+    :param discovery_cfg: the §8 ``discovery`` block.
+    :param limits: the §8 document (``max_streams``).
+    :param stream_timeout_s: bound of one stream's start or stop, seconds.
+    """
+
+    def __init__(self, registry: Any, directory: Directory, discovery_cfg: DiscoveryConfig,
+                 limits: KvEventsConfig, stream_timeout_s: float = 5.0) -> None:
+        self._registry = registry
+        self._directory = directory
+        self._cfg = discovery_cfg
+        self._limits = limits
+        self._stream_timeout_s = stream_timeout_s
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        # Discovery thread only (and refresh() callers while the thread is not running).
+        self._applied: dict[StreamId, PlannedStream] = {}
+        self._excluded: Mapping[str, str] = MappingProxyType({})
+        self._refresh_lock = threading.Lock()
+        self._refreshes = 0
+        # Metrics counters (kvsvc.http.metrics), under _counter_lock (never held across a refresh,
+        # which may wait for a stream's start): stream changes by kind and exclusions started
+        # (an instance newly excluded, or for a new reason) by kind.
+        self._counter_lock = threading.Lock()
+        self._changes = dict.fromkeys(CHANGE_KINDS, 0)
+        self._exclusions = dict.fromkeys(EXCLUSION_KINDS, 0)
+
+    @property
+    def refreshes(self) -> int:
+        """Completed refreshes since construction (lets tests wait for one more)."""
+        with self._refresh_lock:
+            return self._refreshes
+
+    def excluded(self) -> Mapping[str, str]:
+        """The last plan's excluded instances: name -> reason (read-only)."""
+        return self._excluded
+
+    def counters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Copies of (stream changes by :data:`CHANGE_KINDS`, exclusions started by
+        :data:`EXCLUSION_KINDS`) since construction (a short lock, never a refresh's)."""
+        with self._counter_lock:
+            return dict(self._changes), dict(self._exclusions)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the thread; it refreshes at once, then every ``refresh_interval_ms``.
+
+        :param timeout_s: bound of the wait for the thread to run, seconds.
+        :raises LifecycleError: already started, or the thread did not run in time.
+        """
+        if self._thread is not None:
+            raise LifecycleError("discovery already started")
+        self._stop.clear()
+        self._running.clear()
+        self._thread = threading.Thread(target=self._run, name="kvsvc-discovery", daemon=True)
+        self._thread.start()
+        if not self._running.wait(timeout_s):
+            self.close(timeout_s)
+            raise LifecycleError(f"discovery thread did not start within {timeout_s:.1f} s")
+        log.info("discovery started (refresh every %d ms, event_port_offset %d, "
+                 "replay_port_offset %d)", self._cfg.refresh_interval_ms,
+                 self._cfg.event_port_offset, self._cfg.replay_port_offset)
+
+    def close(self, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
+        """Stop the thread and join it. The streams stay in the directory (the directory's own
+        close stops them). Idempotent.
+
+        :raises LifecycleError: the thread did not stop within ``timeout_s`` (a refresh may be
+            waiting on a stream's start or stop).
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.error("discovery thread did not stop within %.1f s", timeout_s)
+            raise LifecycleError(f"discovery thread did not stop within {timeout_s:.1f} s")
+        log.info("discovery stopped")
+
+    def _run(self) -> None:
+        self._running.set()
+        interval_s = self._cfg.refresh_interval_ms / 1000.0
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception:  # keep discovering: the next refresh starts from scratch
+                log.exception("discovery refresh failed; retrying in %d ms",
+                              self._cfg.refresh_interval_ms)
+            self._stop.wait(interval_s)
+
+    # -- one refresh ---------------------------------------------------------------------------
+
+    def refresh(self) -> ApplyResult:
+        """Plan from the registry's current snapshot and apply the difference to the directory
+        (runs on the discovery thread; callable directly while the thread is not running).
+
+        :returns: what changed.
+        """
+        with self._refresh_lock:
+            plan = plan_streams(self._registry.snapshot(), self._cfg, self._limits)
+            result = self._apply(plan)
+            self._log_exclusions(plan.excluded)
+            self._refreshes += 1
+            with self._counter_lock:
+                for kind, sids in (("added", result.added), ("replaced", result.replaced),
+                                   ("removed", result.removed), ("add_failed", result.failed)):
+                    self._changes[kind] += len(sids)
+            return result
+
+    def _apply(self, plan: Plan) -> ApplyResult:
+        applied = self._applied
+        replaced = [sid for sid, ps in plan.streams.items()
+                    if sid in applied and applied[sid] != ps]
+        removed = [sid for sid in applied if sid not in plan.streams]
+        kept = sum(1 for sid, ps in plan.streams.items() if applied.get(sid) == ps)
+        # Removals first, so that a max_streams cut never runs over while replacing.
+        for sid in sorted(removed):
+            old = applied.pop(sid)
+            self._remove(sid)
+            log.info("discovery: stream %s removed (instance %s gone, suspect or no longer "
+                     "eligible; identity %s)", sid, sid.instance_name, old.identity)
+        for sid in sorted(replaced):
+            old = applied.pop(sid)
+            new = plan.streams[sid]
+            self._remove(sid)
+            log.info("discovery: stream %s replaced: identity %s -> %s, dp_size %d -> %d, "
+                     "endpoints %s|%s -> %s|%s (no hits until its first snapshot)", sid,
+                     old.identity, new.identity, old.dp_size, new.dp_size, old.config.endpoint,
+                     old.config.replay_endpoint, new.config.endpoint, new.config.replay_endpoint)
+        added: list[StreamId] = []
+        failed: list[StreamId] = []
+        for sid in sorted(plan.streams):
+            if sid in applied:
+                continue
+            ps = plan.streams[sid]
+            try:
+                self._directory.add_stream(ps.config, timeout_s=self._stream_timeout_s,
+                                           identity=ps.identity)
+            except (LifecycleError, ConfigError) as exc:
+                log.error("discovery: stream %s could not be added (%s); retrying next refresh",
+                          sid, exc)
+                failed.append(sid)
+                continue
+            applied[sid] = ps
+            if sid not in replaced:
+                added.append(sid)
+                log.info("discovery: stream %s added (identity %s, dp_size %d, endpoints %s|%s)",
+                         sid, ps.identity, ps.dp_size, ps.config.endpoint,
+                         ps.config.replay_endpoint)
+        return ApplyResult(tuple(added), tuple(s for s in sorted(replaced) if s in applied),
+                           tuple(sorted(removed)), kept, tuple(failed))
+
+    def _remove(self, sid: StreamId) -> None:
+        try:
+            self._directory.remove_stream(sid, timeout_s=self._stream_timeout_s)
+        except LifecycleError:
+            # Removed from the view regardless; only its thread lingers (already logged there).
+            log.error("discovery: stream %s thread did not stop within %.1f s", sid,
+                      self._stream_timeout_s)
+
+    def _log_exclusions(self, excluded: Mapping[str, str]) -> None:
+        """One line per instance whose exclusion starts, changes reason, or ends."""
+        before = self._excluded
+        for name, reason in excluded.items():
+            if before.get(name) != reason:
+                with self._counter_lock:
+                    self._exclusions[exclusion_kind(reason)] += 1
+                log.warning("discovery: instance %s excluded: %s", name, reason)
+        for name in before:
+            if name not in excluded:
+                log.info("discovery: instance %s no longer excluded", name)
+        self._excluded = excluded

@@ -1,0 +1,208 @@
+"""Master election among kvsvc replicas and the master's ``XLLM:LOADMETRICS`` writes (§9).
+
+The master holds ``XLLM:SERVICE:MASTER`` (value: its ``host:port``) under a lease of
+``master_lease_ttl_s``. Every refresh period (``ttl / 3``) the election thread either keeps the
+lease alive (master) or tries a put-if-absent of the key under its own lease (candidate). When
+the master dies, etcd deletes the key when its lease expires (at most one TTL after the last
+keep-alive) and a candidate creates it at its next attempt: failover takes at most one TTL plus
+one refresh period. ``close()`` revokes the lease, so a graceful hand-over takes one refresh.
+
+While master, the same thread writes ``XLLM:LOADMETRICS:<name>`` →
+``{"waiting_requests_num": int, "gpu_cache_usage_perc": float}`` every ``loadmetrics_interval_s``
+for each instance whose load changed since the last write, and deletes the key of every instance
+no longer in the registry (xllm-service's ``upload_load_metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+from kvsvc.errors import EtcdError, LifecycleError
+from kvsvc.cluster.etcd import EtcdClient
+
+if TYPE_CHECKING:
+    from kvsvc.cluster.registry import RegistrySettings, RegistrySnapshot
+
+log = logging.getLogger(__name__)
+
+MASTER_KEY = "XLLM:SERVICE:MASTER"
+LOADMETRICS_PREFIX = "XLLM:LOADMETRICS:"
+
+
+class MasterElection:
+    """The election thread (owned by :class:`kvsvc.cluster.registry.Registry`).
+
+    :param settings: ``etcd_addr``, ``namespace``, ``master_lease_ttl_s`` (whole seconds),
+        ``loadmetrics_interval_s``, ``self_address``.
+    :param get_snapshot: returns the registry's current snapshot (for the loads to write).
+    :param on_change: called with the new ``is_master`` value (on the election thread) each
+        time mastership is won or lost.
+    """
+
+    def __init__(self, settings: "RegistrySettings",
+                 get_snapshot: Callable[[], "RegistrySnapshot"],
+                 on_change: Callable[[bool], None]) -> None:
+        self._settings = settings
+        self._get_snapshot = get_snapshot
+        self._on_change = on_change
+        self._prefix = settings.key_prefix
+        self._master_key = self._prefix + MASTER_KEY
+        self._refresh_s = max(0.1, settings.master_lease_ttl_s / 3.0)
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._is_master = False
+        self._master_address: Optional[str] = None
+        # Lease state, touched by the election thread only.
+        self._lease_id: Optional[int] = None
+        self._last_keepalive = 0.0
+        # name -> received_at of the load last written; names whose key exists in etcd.
+        self._written: dict[str, float] = {}
+        self._next_loads = 0.0
+
+    @property
+    def is_master(self) -> bool:
+        """True while this process holds the master key (as of the last refresh)."""
+        return self._is_master
+
+    @property
+    def master_address(self) -> Optional[str]:
+        """The current master's address as last read from etcd (ours when master), or None."""
+        return self._master_address
+
+    @property
+    def refresh_s(self) -> float:
+        """Seconds between two election turns (``master_lease_ttl_s / 3``)."""
+        return self._refresh_s
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the election thread; returns once it runs (its first turn may still be going).
+
+        :raises LifecycleError: when the thread does not run within ``timeout_s``.
+        """
+        if self._thread is not None:
+            raise LifecycleError("election already started")
+        self._stop.clear()
+        self._running.clear()
+        self._thread = threading.Thread(target=self._run, name="kvsvc-election", daemon=True)
+        self._thread.start()
+        if not self._running.wait(timeout_s):
+            self.close()
+            raise LifecycleError(f"election thread not running after {timeout_s}s")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; it revokes its lease (releasing mastership at once). Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.error("election thread did not stop within %.1fs", timeout_s)
+
+    # -- election thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # Short per-request timeout: one turn must fit in a refresh period, or a live master
+        # could miss its keep-alive window.
+        client = EtcdClient(self._settings.etcd_addr, timeout_s=min(1.0, self._refresh_s))
+        self._running.set()
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self._turn(client)
+                self._stop.wait(max(0.0, self._refresh_s - (time.monotonic() - started)))
+        finally:
+            self._resign(client)
+            client.close()
+
+    def _turn(self, client: EtcdClient) -> None:
+        now = time.monotonic()
+        try:
+            if self._is_master:
+                self._keep(client, now)
+            else:
+                self._campaign(client, now)
+            if self._is_master and now >= self._next_loads:
+                self._write_loads(client)
+                self._next_loads = now + self._settings.loadmetrics_interval_s
+        except EtcdError as exc:
+            log.warning("election: etcd error: %s", exc)
+            # Without a successful keep-alive for a whole TTL the lease has surely expired in
+            # etcd and another replica may hold the key: stop claiming mastership.
+            if self._is_master and now - self._last_keepalive >= self._settings.master_lease_ttl_s:
+                self._lease_id = None
+                self._set_master(False, None, "no keep-alive for a whole lease TTL")
+
+    def _keep(self, client: EtcdClient, now: float) -> None:
+        assert self._lease_id is not None
+        ttl = client.keepalive(self._lease_id)
+        if ttl <= 0:
+            self._lease_id = None
+            self._set_master(False, None, "master lease expired")
+            return
+        self._last_keepalive = now
+        current = client.get(self._master_key)
+        if current is None or current.lease != self._lease_id:
+            # Deleted by hand or taken over: the key, not the lease, says who is master.
+            holder = current.value.decode("utf-8", "replace") if current else None
+            self._set_master(False, holder, "master key no longer held by our lease")
+
+    def _campaign(self, client: EtcdClient, now: float) -> None:
+        if self._lease_id is not None and client.keepalive(self._lease_id) <= 0:
+            self._lease_id = None
+        if self._lease_id is None:
+            self._lease_id = client.grant_lease(self._settings.master_lease_ttl_s)
+        self._last_keepalive = now
+        if client.create(self._master_key, self._settings.self_address, self._lease_id):
+            self._written.clear()
+            # Learn which LOADMETRICS keys exist, so those of instances gone meanwhile are
+            # deleted by the first write.
+            listed = client.list_prefix(self._prefix + LOADMETRICS_PREFIX)
+            for kv in listed.kvs:
+                self._written[kv.key[len(self._prefix + LOADMETRICS_PREFIX):]] = -1.0
+            self._next_loads = 0.0
+            self._set_master(True, self._settings.self_address, "created the master key")
+            return
+        current = client.get(self._master_key)
+        holder = current.value.decode("utf-8", "replace") if current else None
+        if holder != self._master_address:
+            log.info("election: master is %s", holder)
+            self._master_address = holder
+
+    def _set_master(self, is_master: bool, holder: Optional[str], why: str) -> None:
+        self._master_address = holder
+        if is_master == self._is_master:
+            return
+        self._is_master = is_master
+        log.info("election: %s is %s master (%s)", self._settings.self_address or "this service",
+                 "now" if is_master else "no longer", why)
+        self._on_change(is_master)
+
+    def _write_loads(self, client: EtcdClient) -> None:
+        snapshot = self._get_snapshot()
+        prefix = self._prefix + LOADMETRICS_PREFIX
+        for name, inst in snapshot.instances.items():
+            load = inst.load
+            if load is None or self._written.get(name) == load.received_at:
+                continue
+            value = json.dumps({"waiting_requests_num": load.waiting_requests_num,
+                                "gpu_cache_usage_perc": load.gpu_cache_usage_perc})
+            client.put(prefix + name, value)
+            self._written[name] = load.received_at
+        for name in [n for n in self._written if n not in snapshot.instances]:
+            client.delete(prefix + name)
+            del self._written[name]
+
+    def _resign(self, client: EtcdClient) -> None:
+        lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
+            try:
+                client.revoke(lease_id)
+            except EtcdError as exc:
+                log.warning("election: could not revoke lease on close: %s", exc)
+        self._set_master(False, None, "closed")

@@ -1,0 +1,370 @@
+"""Prometheus metrics of one app (``GET /metrics``), on a registry of its own.
+
+:class:`Metrics` owns a :class:`prometheus_client.CollectorRegistry` built by
+:func:`kvsvc.http.app.create_app` and kept in ``app.extensions["kvsvc.metrics"]``; the process-wide
+default registry is never used, so tests can build many apps in one process. gunicorn runs one
+worker (:mod:`kvsvc.server`), so a single-process registry sees every request.
+
+Two kinds of values:
+
+- **Read at scrape time** by :class:`ServiceCollector` from state the components keep anyway:
+  each stream's :meth:`~kvsvc.streams.subscriber.StreamSubscriber.status` and
+  :meth:`~kvsvc.streams.subscriber.StreamSubscriber.counters` (plain ints copied under the
+  stream lock, O(1) per stream, never an index traversal), the registry's immutable snapshot,
+  discovery's and the proxy's counters. The stream threads never touch a prometheus object.
+- **Observed on the request path** with prometheus_client instruments (:class:`Metrics`
+  attributes): query and route latency, routing decisions, the chosen P's predicted hit ratio,
+  heartbeats by outcome, proxied requests by status. One ``observe``/``inc`` each (~1 us).
+
+Every name has the ``kvsvc_`` prefix, counters end in ``_total``, durations are seconds and
+sizes bytes. Label sets are fixed (:data:`~kvsvc.streams.subscriber.DECODE_ERROR_REASONS` and
+friends); instance names and DP ranks are the only open label values, bounded by the cluster
+(§8 ``max_streams``). A per-stream or per-instance series disappears with its stream/instance.
+
+``/metrics`` is not behind the internal token unless ``--metrics_require_token`` is set
+(Prometheus scrapes it without credentials by default); it shows names, counts and states,
+never a token or a prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
+from kvsvc.cluster.registry import InstanceState
+from kvsvc.streams.state import StreamState
+
+if TYPE_CHECKING:  # imported for annotations only: kvsvc.http.app imports this module
+    from kvsvc.http.app import Service
+    from kvsvc.routing.policy import Decision
+
+log = logging.getLogger(__name__)
+
+METRICS_EXTENSION = "kvsvc.metrics"
+#: Outcomes of ``POST /v1/internal/heartbeat`` (kvsvc_heartbeats_total).
+HEARTBEAT_OUTCOMES = ("ok", "malformed", "invalid_load", "unknown_instance",
+                      "stale_incarnation", "no_registry", "unauthorized")
+#: Latency buckets of the query and route endpoints, seconds (100 us .. 1 s).
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 1.0)
+#: Buckets of the chosen P's predicted hit ratio, a fraction in [0, 1].
+HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+
+_STREAM_LABELS = ("instance", "dp_rank")
+
+
+class Metrics:
+    """The app's metrics registry and its request-path instruments.
+
+    :param service: the app's :class:`~kvsvc.http.app.Service` (read at scrape time only).
+    :param upstream_retries: callable returning the proxy's retry count, or ``None`` before
+        routing is set up (:func:`kvsvc.http.routes.init_app` sets :attr:`upstream_retries`).
+    :ivar upstream_in_flight: callable returning instance -> requests this worker has in flight
+        to it (:meth:`kvsvc.routing.policy.InFlight.counts`), or ``None`` before routing is set up
+        (:func:`kvsvc.http.routes.init_app` sets it).
+
+    :ivar registry: the app's own ``CollectorRegistry``.
+    :ivar query_seconds: histogram of ``POST /v1/internal/kv-cache/query`` handling, seconds
+        (parse + directory query + answer).
+    :ivar route_seconds: histogram of one routing decision (``Router.decide``), seconds, by
+        policy.
+    :ivar decisions: counter of routing decisions by policy and chosen P (``none`` when no
+        instance could serve).
+    :ivar hit_ratio: histogram of the chosen P's predicted hit ratio (CAR only; RR has none).
+    :ivar heartbeats: counter of heartbeats by :data:`HEARTBEAT_OUTCOMES`.
+    :ivar proxied: counter of OpenAI requests answered, by endpoint and HTTP status.
+    """
+
+    def __init__(self, service: "Service",
+                 upstream_retries: Optional[Callable[[], int]] = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.upstream_retries = upstream_retries
+        self.upstream_in_flight: Optional[Callable[[], dict[str, int]]] = None
+        reg = self.registry
+        self.query_seconds = Histogram(
+            "kvsvc_query_duration_seconds", "KV-cache query request handling time (§10).",
+            buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.route_seconds = Histogram(
+            "kvsvc_route_duration_seconds", "Routing decision time (§11), by policy.",
+            ["policy"], buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.decisions = Counter(
+            "kvsvc_routing_decisions_total",
+            "Routing decisions by policy and chosen prefill instance (none: no candidate).",
+            ["policy", "prefill"], registry=reg)
+        self.hit_ratio = Histogram(
+            "kvsvc_routing_predicted_hit_ratio",
+            "Predicted KV-cache hit ratio of the chosen prefill instance (CAR), fraction.",
+            buckets=HIT_RATIO_BUCKETS, registry=reg)
+        self.heartbeats = Counter(
+            "kvsvc_heartbeats_total", "Heartbeats received (§9), by outcome.", ["outcome"],
+            registry=reg)
+        self.proxied = Counter(
+            "kvsvc_proxy_requests_total",
+            "OpenAI requests answered by the router, by endpoint and HTTP status.",
+            ["endpoint", "status"], registry=reg)
+        reg.register(ServiceCollector(service, self))
+
+    def routed(self, decision: "Decision", seconds: float) -> None:
+        """Record one routing decision and how long it took.
+
+        :param decision: the policy's decision.
+        :param seconds: time spent deciding, seconds.
+        """
+        self.route_seconds.labels(decision.policy).observe(seconds)
+        prefill = decision.prefill
+        self.decisions.labels(decision.policy,
+                              prefill.name if prefill is not None else "none").inc()
+        if prefill is None:
+            return
+        for cand in decision.candidates:
+            if cand.side == "P" and cand.name == prefill.name:
+                if cand.hit_ratio is not None:
+                    self.hit_ratio.observe(cand.hit_ratio)
+                return
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (what ``GET /metrics`` answers)."""
+        return generate_latest(self.registry)
+
+
+def _counters(service: "Service") -> dict:
+    """stream id -> :class:`~kvsvc.streams.subscriber.StreamCounters` (empty without a
+    directory)."""
+    directory = service.directory
+    return {} if directory is None else directory.counters()
+
+
+class ServiceCollector(Collector):
+    """Collector reading the service's components at scrape time (see the module docstring).
+
+    :param service: the app's service.
+    :param metrics: the owning :class:`Metrics` (for the proxy's retry count).
+    """
+
+    def __init__(self, service: "Service", metrics: Metrics) -> None:
+        self._service = service
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield every scrape-time family (called by the registry on each scrape)."""
+        svc = self._service
+        yield GaugeMetricFamily("kvsvc_service_running",
+                                "1 between the service's start and close.",
+                                1.0 if svc.running else 0.0)
+        yield from self._streams(svc)
+        yield from self._registry(svc)
+        yield from self._discovery(svc)
+        retries = self._metrics.upstream_retries
+        if retries is not None:
+            yield CounterMetricFamily(
+                "kvsvc_proxy_upstream_retries_total",
+                "Upstream attempts on the next-best prefill after one failed before the "
+                "first byte.", retries())
+        in_flight = self._metrics.upstream_in_flight
+        if in_flight is not None:
+            counts = in_flight()
+            if svc.registry is not None:
+                # Registered instances with nothing in flight show 0 rather than no series.
+                counts = {**dict.fromkeys(svc.registry.snapshot().instances, 0), **counts}
+            family = GaugeMetricFamily(
+                "kvsvc_proxy_in_flight_requests",
+                "Requests this worker has sent to the instance and not finished relaying "
+                "(CAR adds those sent after the last load report to its waiting).",
+                labels=("instance",))
+            for name, count in sorted(counts.items()):
+                family.add_metric((name,), float(count))
+            yield family
+
+    # -- streams -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _streams(svc: "Service") -> Iterable[Metric]:
+        counters: dict = _counters(svc)
+        state = GaugeMetricFamily(
+            "kvsvc_stream_state", "1 for the stream's current §6 state, 0 for the others.",
+            labels=(*_STREAM_LABELS, "state"))
+        once = GaugeMetricFamily(
+            "kvsvc_stream_synchronized_once", "1 once the stream has been synchronized.",
+            labels=_STREAM_LABELS)
+        seq = GaugeMetricFamily(
+            "kvsvc_stream_last_applied_sequence",
+            "Sequence number of the last applied live batch (absent while unknown).",
+            labels=_STREAM_LABELS)
+        age = GaugeMetricFamily(
+            "kvsvc_stream_seconds_since_last_event",
+            "Seconds since the last live batch was decoded (absent before the first).",
+            labels=_STREAM_LABELS)
+        blocks = GaugeMetricFamily(
+            "kvsvc_stream_resident_blocks", "Resident blocks of the serving index, by tier.",
+            labels=(*_STREAM_LABELS, "tier"))
+        entries = GaugeMetricFamily(
+            "kvsvc_stream_engine_map_entries",
+            "Engine hashes remembered (blocks, aliases, EXCLUDED/ORPHAN markers; §8 capacity).",
+            labels=_STREAM_LABELS)
+        applied = CounterMetricFamily(
+            "kvsvc_stream_events_applied", "Live events applied to the serving index, by type.",
+            labels=(*_STREAM_LABELS, "type"))
+        events_skipped = CounterMetricFamily(
+            "kvsvc_stream_events_not_indexed",
+            "Live events accepted without indexing, by reason (other_medium: tier 0, §2).",
+            labels=(*_STREAM_LABELS, "reason"))
+        blocks_skipped = CounterMetricFamily(
+            "kvsvc_stream_blocks_not_indexed",
+            "Live block hashes accepted without indexing, by reason (excluded §3, "
+            "unknown_tokenless, unknown_removal §5).", labels=(*_STREAM_LABELS, "reason"))
+        decode = CounterMetricFamily(
+            "kvsvc_stream_decode_errors", "Malformed messages, batches or events, by reason.",
+            labels=(*_STREAM_LABELS, "reason"))
+        recov = CounterMetricFamily(
+            "kvsvc_stream_recoveries",
+            "Recoveries started (§6), by trigger (start: the first one of the thread).",
+            labels=(*_STREAM_LABELS, "trigger"))
+        syncs = CounterMetricFamily(
+            "kvsvc_stream_synchronizations",
+            "Completed recoveries (snapshot swaps and AllBlocksCleared baselines).",
+            labels=_STREAM_LABELS)
+        attempts = CounterMetricFamily(
+            "kvsvc_stream_snapshot_attempts", "Snapshot attempts (§7) ended, by outcome.",
+            labels=(*_STREAM_LABELS, "outcome"))
+        snap_dur = SummaryMetricFamily(
+            "kvsvc_stream_snapshot_duration_seconds",
+            "Successful snapshots, request to swap, seconds.", labels=_STREAM_LABELS)
+        last_dur = GaugeMetricFamily(
+            "kvsvc_stream_last_snapshot_duration_seconds",
+            "Duration of the last successful snapshot, seconds (absent before one).",
+            labels=_STREAM_LABELS)
+        last_bytes = GaugeMetricFamily(
+            "kvsvc_stream_last_snapshot_bytes",
+            "Wire bytes of the last successful snapshot reply.", labels=_STREAM_LABELS)
+        last_msgs = GaugeMetricFamily(
+            "kvsvc_stream_last_snapshot_messages",
+            "Data messages of the last successful snapshot reply.", labels=_STREAM_LABELS)
+        buffered = GaugeMetricFamily(
+            "kvsvc_stream_buffered_bytes",
+            "Live bytes buffered by the snapshot attempt in flight (§6 max_buffered_bytes).",
+            labels=_STREAM_LABELS)
+        resync = CounterMetricFamily(
+            "kvsvc_stream_resync_differences",
+            "Blocks that differed at periodic resyncs (silently lost events).",
+            labels=_STREAM_LABELS)
+        dropped = CounterMetricFamily(
+            "kvsvc_stream_messages_dropped",
+            "Live messages dropped without error, by reason (topic_mismatch §1, duplicate "
+            "§6: covered by the swapped-in snapshot).", labels=(*_STREAM_LABELS, "reason"))
+        states = [s.value for s in StreamState]
+        directory = svc.directory
+        for st in directory.statuses() if directory is not None else []:
+            labels = (st.stream.instance_name, str(st.stream.dp_rank))
+            for name in states:
+                state.add_metric((*labels, name), 1.0 if st.state.value == name else 0.0)
+            once.add_metric(labels, 1.0 if st.synchronized_once else 0.0)
+            if st.sequence is not None:
+                seq.add_metric(labels, float(st.sequence))
+            blocks.add_metric((*labels, "device"), float(st.device_blocks))
+            blocks.add_metric((*labels, "host"), float(st.host_blocks))
+            entries.add_metric(labels, float(st.entries))
+            syncs.add_metric(labels, float(st.recoveries))
+            resync.add_metric(labels, float(st.resync_differences))
+            c = counters.get(st.stream)
+            if c is None:
+                continue  # directory not started: no thread, no counters yet
+            if c.seconds_since_event is not None:
+                age.add_metric(labels, c.seconds_since_event)
+            for kind, n in c.events_applied.items():
+                applied.add_metric((*labels, kind), float(n))
+            for reason, n in c.not_indexed.items():
+                (events_skipped if reason == "other_medium" else blocks_skipped).add_metric(
+                    (*labels, reason), float(n))
+            for reason, n in c.decode_errors.items():
+                decode.add_metric((*labels, reason), float(n))
+            for trigger, n in c.recoveries_started.items():
+                recov.add_metric((*labels, trigger), float(n))
+            for outcome, n in c.snapshot_attempts.items():
+                attempts.add_metric((*labels, outcome), float(n))
+            snap_dur.add_metric(labels, c.snapshot_attempts["ok"], c.snapshot_seconds_sum)
+            if c.last_snapshot_seconds is not None:
+                last_dur.add_metric(labels, c.last_snapshot_seconds)
+            last_bytes.add_metric(labels, float(c.last_snapshot_bytes))
+            last_msgs.add_metric(labels, float(c.last_snapshot_messages))
+            buffered.add_metric(labels, float(c.buffered_bytes))
+            dropped.add_metric((*labels, "topic_mismatch"), float(c.topic_mismatches))
+            dropped.add_metric((*labels, "duplicate"), float(c.duplicates_dropped))
+        return (state, once, seq, age, blocks, entries, applied, events_skipped, blocks_skipped,
+                decode, recov, syncs, attempts, snap_dur, last_dur, last_bytes, last_msgs,
+                buffered, resync, dropped)
+
+    # -- registry and discovery --------------------------------------------------------------
+
+    @staticmethod
+    def _registry(svc: "Service") -> Iterable[Metric]:
+        registry = svc.registry
+        if registry is None:
+            return ()
+        snap = registry.snapshot()  # immutable, lock-free
+        now = time.monotonic()
+        fresh = GaugeMetricFamily("kvsvc_registry_fresh",
+                                  "1 while the registry's etcd view is fresh (§9).",
+                                  1.0 if snap.fresh else 0.0)
+        master = GaugeMetricFamily("kvsvc_registry_is_master",
+                                   "1 while this process holds XLLM:SERVICE:MASTER.",
+                                   1.0 if snap.is_master else 0.0)
+        state = GaugeMetricFamily(
+            "kvsvc_instance_state", "1 for the instance's current §9 state, 0 for the others.",
+            labels=("instance", "state"))
+        load_age = GaugeMetricFamily(
+            "kvsvc_instance_load_age_seconds",
+            "Seconds since the instance's last load report (absent before one).",
+            labels=("instance",))
+        waiting = GaugeMetricFamily(
+            "kvsvc_instance_waiting_requests", "Queued requests last reported by the instance.",
+            labels=("instance",))
+        usage = GaugeMetricFamily(
+            "kvsvc_instance_gpu_cache_usage_ratio",
+            "Device KV-cache usage last reported by the instance, fraction.",
+            labels=("instance",))
+        for name, inst in snap.instances.items():
+            for s in InstanceState:
+                state.add_metric((name, s.value), 1.0 if inst.state is s else 0.0)
+            if inst.load is not None:
+                load_age.add_metric((name,), max(0.0, now - inst.load.received_at))
+                waiting.add_metric((name,), float(inst.load.waiting_requests_num))
+                usage.add_metric((name,), inst.load.gpu_cache_usage_perc)
+        return fresh, master, state, load_age, waiting, usage
+
+    @staticmethod
+    def _discovery(svc: "Service") -> Iterable[Metric]:
+        discovery = svc.discovery
+        if discovery is None:
+            return ()
+        changes_by_kind, exclusions_by_kind = discovery.counters()
+        changes = CounterMetricFamily(
+            "kvsvc_discovery_stream_changes", "Streams changed by discovery (§9), by kind.",
+            labels=("kind",))
+        for kind in CHANGE_KINDS:
+            changes.add_metric((kind,), float(changes_by_kind[kind]))
+        exclusions = CounterMetricFamily(
+            "kvsvc_discovery_exclusions",
+            "Instances newly excluded by discovery's rules (conflicts), by reason.",
+            labels=("reason",))
+        for kind in EXCLUSION_KINDS:
+            exclusions.add_metric((kind,), float(exclusions_by_kind[kind]))
+        current = dict.fromkeys(EXCLUSION_KINDS, 0)
+        for reason in discovery.excluded().values():
+            current[exclusion_kind(reason)] += 1
+        excluded = GaugeMetricFamily(
+            "kvsvc_discovery_excluded_instances",
+            "Instances excluded by the last discovery plan, by reason.", labels=("reason",))
+        for kind in EXCLUSION_KINDS:
+            excluded.add_metric((kind,), float(current[kind]))
+        return changes, exclusions, excluded

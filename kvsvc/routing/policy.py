@@ -1,0 +1,596 @@
+"""Routing policies (§11): pick the prefill (P) and decode (D) instance of one request.
+
+Data flow: socket -> frame -> event -> index -> directory -> **policy** -> HTTP. A policy is a
+pure function of in-process values (a :class:`~kvsvc.cluster.registry.RegistrySnapshot`, the
+directory's :class:`~kvsvc.streams.state.StreamMatch` list and the streams' identities) plus
+one rotation counter per side; it never does ZMQ, etcd or network I/O (§11).
+
+Two implementations of :class:`Policy`:
+
+- :class:`RoundRobin` (``RR``, xllm-service's behaviour): rotates over the candidates of each
+  side in name order.
+- :class:`CacheAware` (``CAR``, §11 exactly): lowest ``score(P) = lambda * (1 - hit) +
+  (1 - lambda) * queue_cost`` and lowest ``score(D) = gpu_cache_usage_perc + waiting / max
+  waiting``; scores within :data:`TIE_EPSILON` of the minimum rotate round robin among the tied.
+
+Candidates (§11, both policies): schedulable (not ``SUSPECT``) instances with a load report.
+P side: ``role`` DEFAULT or PREFILL (a MIX instance's role is PREFILL or DECODE, see
+:mod:`kvsvc.cluster.registry`); D side: ``role`` DECODE. When the D side is empty only DEFAULT
+instances may serve (alone); when it is not, the P is chosen among the whole P side and paired
+with a D (the reading of "only DEFAULT may serve alone when there is no D" kept here).
+
+The router's own load (README "Where the spec is silent"): §11's ``waiting`` only moves when an
+instance reports load (heartbeats, about once a second), so a burst routed between two reports
+would all see the same queues. :class:`InFlight` (one per app, fed by the proxy) counts the
+requests this worker has dispatched and not yet finished; CAR's ``waiting`` of an instance is
+its reported ``waiting_requests_num`` plus the requests in flight that were dispatched *after*
+that report was received, the first of them excepted when the report showed an empty queue
+(that one is admitted, not queued) (:func:`waiting_estimate`). Requests dispatched before the
+report are already in it (queued ones in ``waiting``, admitted ones not waiting at all), so
+adding them would count them twice. With nothing in flight the estimate is the reported value:
+§11 exactly.
+
+Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-of-range
+``lambda``/``host_weight``; choosing never raises (no candidate gives a :class:`Decision` with
+``prefill=None``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+from kvsvc.cluster.discovery import instance_identity
+from kvsvc.errors import ConfigError
+from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.streams.state import StreamId, StreamMatch
+
+log = logging.getLogger(__name__)
+
+#: §11: scores within this of the minimum are ties.
+TIE_EPSILON = 1e-9
+
+#: Side labels of :class:`CandidateScore`.
+PREFILL_SIDE = "P"
+DECODE_SIDE = "D"
+
+#: Policy names accepted by ``--load_balance_policy`` (xllm-service's names).
+POLICY_NAMES = ("RR", "CAR")
+
+#: Why a rank counts 0 hits (``RankHit.reason``).
+REASON_MISSING = "missing"
+REASON_UNSYNCHRONIZED = "unsynchronized"
+REASON_STALE = "stale incarnation"
+REASON_NO_TOKENS = "no tokens"
+REASON_INDEX_DISABLED = "index disabled"
+
+
+@dataclass(frozen=True, slots=True)
+class RankHit:
+    """One DP rank's part of a P candidate's hit ratio (§11).
+
+    :ivar dp_rank: the rank, ``0 <= dp_rank < dp_size``.
+    :ivar device_hit_tokens: tokens of the reusable prefix on Device (0 when ``reason`` is set).
+    :ivar host_only_hit_tokens: tokens of the same prefix only on Host (0 when ``reason`` set).
+    :ivar hit_ratio: ``clamp((device + host_weight * host_only) / input_tokens, 0, 1)``; 0.0
+        when ``reason`` is set.
+    :ivar reason: ``None``, or why this rank counts 0 (``missing``, ``unsynchronized``,
+        ``stale incarnation``, ``no tokens``, ``index disabled``).
+    """
+
+    dp_rank: int
+    device_hit_tokens: int
+    host_only_hit_tokens: int
+    hit_ratio: float
+    reason: Optional[str]
+
+    def to_json(self) -> dict:
+        """JSON object of this rank."""
+        return {"dp_rank": self.dp_rank, "device_hit_tokens": self.device_hit_tokens,
+                "host_only_hit_tokens": self.host_only_hit_tokens,
+                "hit_ratio": self.hit_ratio, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """One candidate as the policy saw it.
+
+    :ivar name: instance ``host:port``.
+    :ivar side: ``"P"`` or ``"D"``.
+    :ivar ranks: P side: one :class:`RankHit` per DP rank (empty for RR and for D).
+    :ivar hit_ratio: P side under CAR: the minimum over ranks, in [0, 1]; ``None`` otherwise.
+    :ivar queue_cost: CAR: ``waiting / max waiting`` of the side, in [0, 1]; ``None`` for RR.
+    :ivar score: CAR: the §11 score (lowest wins); ``None`` for RR.
+    :ivar tied: CAR: within :data:`TIE_EPSILON` of the side's minimum (then rotated).
+    :ivar waiting_requests_num: the instance's reported queue length.
+    :ivar gpu_cache_usage_perc: the instance's reported Device usage, fraction in [0, 1].
+    :ivar in_flight: requests this worker has in flight to the instance.
+    :ivar in_flight_after_report: the part of ``in_flight`` dispatched after the instance's
+        load report, which CAR's queue term adds to ``waiting_requests_num`` (less one after
+        a report of an empty queue, :func:`waiting_estimate`).
+    """
+
+    name: str
+    side: str
+    ranks: tuple[RankHit, ...]
+    hit_ratio: Optional[float]
+    queue_cost: Optional[float]
+    score: Optional[float]
+    tied: bool
+    waiting_requests_num: int
+    gpu_cache_usage_perc: float
+    in_flight: int = 0
+    in_flight_after_report: int = 0
+
+    def to_json(self) -> dict:
+        """JSON object of this candidate (``POST /v1/internal/route``)."""
+        return {"name": self.name, "side": self.side,
+                "ranks": [r.to_json() for r in self.ranks], "hit_ratio": self.hit_ratio,
+                "queue_cost": self.queue_cost, "score": self.score, "tied": self.tied,
+                "waiting_requests_num": self.waiting_requests_num,
+                "gpu_cache_usage_perc": self.gpu_cache_usage_perc,
+                "in_flight": self.in_flight,
+                "in_flight_after_report": self.in_flight_after_report}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a policy chose for one request.
+
+    :ivar policy: the policy's name (``RR`` or ``CAR``).
+    :ivar prefill: the chosen P instance; ``None`` when no instance can serve.
+    :ivar decode: the chosen D instance; ``None`` when the D side is empty (DEFAULT alone).
+    :ivar candidates: every candidate, P side first, each side best first.
+    :ivar prefill_ranking: the eligible P instances best first (``prefill`` first): the proxy
+        retries on the next one when the first refuses (§11 leaves the order to the policy).
+    :ivar input_tokens: tokens the hit ratios were computed for (0 when unknown).
+    :ivar reason: why ``prefill`` is ``None`` (empty otherwise).
+    """
+
+    policy: str
+    prefill: Optional[Instance]
+    decode: Optional[Instance]
+    candidates: tuple[CandidateScore, ...]
+    prefill_ranking: tuple[Instance, ...]
+    input_tokens: int
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        """JSON object of the decision (``POST /v1/internal/route``)."""
+        return {"policy": self.policy,
+                "prefill": self.prefill.name if self.prefill is not None else None,
+                "decode": self.decode.name if self.decode is not None else None,
+                "input_tokens": self.input_tokens,
+                "candidates": [c.to_json() for c in self.candidates],
+                "reason": self.reason or None}
+
+
+#: Stream id -> the identity the stream was added for (``None``: static stream, not checked).
+Identities = Mapping[StreamId, Optional[str]]
+
+
+# -- the router's own load -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InFlightSnapshot:
+    """The requests one worker had in flight at one moment, per instance.
+
+    :ivar dispatched_at: instance ``host:port`` -> the ``time.monotonic()`` seconds at which
+        each request still in flight was sent to it, ascending (the clock of
+        :attr:`~kvsvc.cluster.registry.LoadMetrics.received_at`).
+    """
+
+    dispatched_at: Mapping[str, tuple[float, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def total(self, name: str) -> int:
+        """Requests in flight to ``name``."""
+        return len(self.dispatched_at.get(name, ()))
+
+    def after(self, name: str, since: float) -> int:
+        """Requests in flight to ``name`` dispatched strictly after ``since`` (monotonic s)."""
+        times = self.dispatched_at.get(name, ())
+        return len(times) - bisect.bisect_right(times, since)
+
+
+#: Nothing in flight (policies called without a ledger).
+NO_IN_FLIGHT = InFlightSnapshot()
+
+
+class Dispatch:
+    """One request in flight, counted against each of its instances until :meth:`release`.
+
+    Built by :meth:`InFlight.begin` only.
+    """
+
+    __slots__ = ("_ledger", "_key", "names")
+
+    def __init__(self, ledger: "InFlight", key: int, names: tuple[str, ...]) -> None:
+        self._ledger = ledger
+        self._key = key
+        self.names = names
+
+    def release(self) -> bool:
+        """Stop counting this request. Idempotent and thread-safe: only the first call counts.
+
+        :returns: True on the call that released it, False on later calls.
+        """
+        return self._ledger._end(self._key, self.names)
+
+
+class InFlight:
+    """Requests this worker has dispatched upstream and not yet finished, per instance
+    (README "Where the spec is silent": CAR's waiting estimate). One per app, built by the
+    app factory (:func:`kvsvc.http.routes.init_app`); the proxy calls :meth:`begin` when it sends a
+    request and releases the :class:`Dispatch` exactly once when the response has been
+    relayed, failed, or the client went away; the policy reads a :meth:`snapshot` on the
+    request path (a copy under the lock, no I/O). Thread-safe.
+
+    :param clock: monotonic seconds, the registry's clock (``time.monotonic``).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        # name -> dispatch key -> dispatch time. Times are taken under the lock, so each dict
+        # is in ascending time order (insertion order survives deletions).
+        self._open: dict[str, dict[int, float]] = {}
+
+    def begin(self, names: Sequence[str]) -> Dispatch:
+        """Count one request as in flight on each of ``names`` (e.g. its P and its D), from
+        now.
+
+        :param names: instance ``host:port`` names; duplicates count once.
+        :returns: the handle whose :meth:`Dispatch.release` ends the count.
+        """
+        unique = tuple(dict.fromkeys(names))
+        with self._lock:
+            key = next(self._keys)
+            now = self._clock()
+            for name in unique:
+                self._open.setdefault(name, {})[key] = now
+        return Dispatch(self, key, unique)
+
+    def _end(self, key: int, names: tuple[str, ...]) -> bool:
+        ended = False
+        with self._lock:
+            for name in names:
+                open_ = self._open.get(name)
+                if open_ is not None and open_.pop(key, None) is not None:
+                    ended = True
+                    if not open_:
+                        del self._open[name]
+        return ended
+
+    def counts(self) -> dict[str, int]:
+        """Instance ``host:port`` -> requests in flight (instances with none are absent)."""
+        with self._lock:
+            return {name: len(open_) for name, open_ in self._open.items()}
+
+    def snapshot(self) -> InFlightSnapshot:
+        """The dispatch times of every request in flight (copied under the lock)."""
+        with self._lock:
+            copy = {name: tuple(open_.values()) for name, open_ in self._open.items()}
+        return InFlightSnapshot(MappingProxyType(copy))
+
+
+def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
+    """CAR's ``waiting`` of a candidate (README "Where the spec is silent"): its reported
+    ``waiting_requests_num`` plus the requests this worker dispatched to it after that report
+    was received and that are still in flight, less one when the report showed an empty queue.
+
+    ``waiting`` counts queued requests, not admitted ones. Dispatches made before the report
+    are part of it (queued or admitted), so they are not added again. After a report of a
+    non-empty queue every new request queues behind it; after a report of an empty queue the
+    instance admits the first new request at once, and only the ones after it queue.
+
+    :returns: requests, >= 0; 0 without a load report.
+    """
+    if inst.load is None:
+        return 0
+    reported = inst.load.waiting_requests_num
+    unreported = in_flight.after(inst.name, inst.load.received_at)
+    if reported == 0:
+        return max(0, unreported - 1)
+    return reported + unreported
+
+
+class Policy(Protocol):
+    """A routing policy (§11). Implementations are thread-safe: request threads call
+    :meth:`choose` concurrently."""
+
+    name: str
+
+    def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
+               matches: Optional[list[StreamMatch]],
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+        """Pick P and D for one request.
+
+        :param token_ids: the prompt's token ids; ``None`` when unknown (no tokenizer), which
+            gives hit ratio 0 everywhere.
+        :param snapshot: the registry's snapshot.
+        :param matches: the directory's answer for ``token_ids``; ``None`` with the index
+            disabled (hit ratio 0).
+        :param identities: stream -> identity, read *before* ``matches`` (so a stream replaced
+            in between is judged by its predecessor's identity and counts 0); ``None`` or a
+            ``None`` value skips the incarnation check (static streams).
+        :param in_flight: this worker's requests in flight (:meth:`InFlight.snapshot`); CAR
+            adds those dispatched after each load report to ``waiting``.
+        """
+        ...
+
+
+# -- candidate selection (shared) ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Pools:
+    """Eligible instances of one request, each pool in name order."""
+
+    prefill: tuple[Instance, ...]
+    decode: tuple[Instance, ...]
+    reason: str
+
+
+def _schedulable(inst: Instance) -> bool:
+    # §11: not SUSPECT and a valid load report (the registry only keeps valid ones).
+    return inst.state is not InstanceState.SUSPECT and inst.load is not None
+
+
+def candidate_pools(snapshot: RegistrySnapshot) -> _Pools:
+    """Split the snapshot's candidates into P and D pools (§11), each in name order.
+
+    P side: role DEFAULT or PREFILL; D side: role DECODE. With an empty D side only DEFAULT
+    instances remain on the P side (they serve alone).
+    """
+    usable = [snapshot.instances[n] for n in sorted(snapshot.instances)
+              if _schedulable(snapshot.instances[n])]
+    prefill = [i for i in usable if i.role in (InstanceType.DEFAULT, InstanceType.PREFILL)]
+    decode = tuple(i for i in usable if i.role is InstanceType.DECODE)
+    if not decode:
+        alone = tuple(i for i in prefill if i.type is InstanceType.DEFAULT)
+        if alone:
+            return _Pools(alone, (), "")
+        reason = ("no schedulable instance with a load report" if not usable else
+                  "no decode instance and no DEFAULT instance to serve alone")
+        return _Pools((), (), reason)
+    if not prefill:
+        return _Pools((), decode, "no schedulable prefill instance")
+    return _Pools(tuple(prefill), decode, "")
+
+
+def _rotate(counter: list[int], lock: threading.Lock, n: int) -> int:
+    """Next index in ``range(n)`` from a shared counter (one increment per call)."""
+    with lock:
+        value = counter[0]
+        counter[0] = value + 1
+    return value % n
+
+
+# -- RR --------------------------------------------------------------------------------------------
+
+class RoundRobin:
+    """``RR``: each side rotates over its candidates in name order, one step per request
+    (xllm-service's round robin; a change of the candidate set keeps the counter).
+
+    No hit ratios are computed; the candidates carry ``None`` scores.
+    """
+
+    name = "RR"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
+
+    def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
+               matches: Optional[list[StreamMatch]],
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+        """See :meth:`Policy.choose`; ``token_ids``, ``matches`` and ``identities`` are
+        ignored, ``in_flight`` is only shown in the candidates."""
+        pools = candidate_pools(snapshot)
+        n_tokens = len(token_ids) if token_ids is not None else 0
+        if not pools.prefill:
+            return Decision(self.name, None, None, (), (), n_tokens, pools.reason)
+        start = _rotate(self._counters[PREFILL_SIDE], self._lock, len(pools.prefill))
+        ranking = pools.prefill[start:] + pools.prefill[:start]
+        decode = None
+        d_ranking: tuple[Instance, ...] = ()
+        if pools.decode:
+            d_start = _rotate(self._counters[DECODE_SIDE], self._lock, len(pools.decode))
+            d_ranking = pools.decode[d_start:] + pools.decode[:d_start]
+            decode = d_ranking[0]
+        cands = tuple(_plain(i, PREFILL_SIDE, in_flight) for i in ranking) + tuple(
+            _plain(i, DECODE_SIDE, in_flight) for i in d_ranking)
+        return Decision(self.name, ranking[0], decode, cands, ranking, n_tokens)
+
+
+def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateScore:
+    assert inst.load is not None
+    return CandidateScore(inst.name, side, (), None, None, None, False,
+                          inst.load.waiting_requests_num, inst.load.gpu_cache_usage_perc,
+                          in_flight.total(inst.name),
+                          in_flight.after(inst.name, inst.load.received_at))
+
+
+# -- CAR -------------------------------------------------------------------------------------------
+
+def _check_unit(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(name, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _clamp01(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
+              by_stream: Optional[Mapping[tuple[str, int], StreamMatch]],
+              identities: Optional[Identities], host_weight: float) -> tuple[RankHit, ...]:
+    """Every DP rank's hit of ``instance`` for one prompt (§11).
+
+    :param instance: a P candidate; ranks ``0 .. dp_size - 1``.
+    :param token_ids: the prompt, ``None`` when unknown.
+    :param by_stream: (instance_name, dp_rank) -> match; ``None`` with the index disabled.
+    :param identities: see :meth:`Policy.choose`.
+    :param host_weight: weight of Host-only hit tokens, in [0, 1].
+    :returns: ``dp_size`` ranks; a rank missing, unsynchronized or of another incarnation
+        counts 0 with its reason.
+    """
+    n_tokens = len(token_ids) if token_ids is not None else 0
+    expected = instance_identity(instance)
+    out: list[RankHit] = []
+    for rank in range(max(1, instance.dp_size)):
+        if by_stream is None:
+            out.append(RankHit(rank, 0, 0, 0.0, REASON_INDEX_DISABLED))
+            continue
+        match = by_stream.get((instance.name, rank))
+        if match is None:
+            out.append(RankHit(rank, 0, 0, 0.0, REASON_MISSING))
+            continue
+        if not match.synchronized:
+            out.append(RankHit(rank, 0, 0, 0.0, REASON_UNSYNCHRONIZED))
+            continue
+        if identities is not None:
+            identity = identities.get(StreamId(instance.name, rank))
+            if identity is not None and identity != expected:
+                out.append(RankHit(rank, 0, 0, 0.0, REASON_STALE))
+                continue
+        if n_tokens == 0:
+            out.append(RankHit(rank, 0, 0, 0.0, REASON_NO_TOKENS))
+            continue
+        dev, host = match.device_hit_tokens, match.host_only_hit_tokens
+        out.append(RankHit(rank, dev, host, _clamp01((dev + host_weight * host) / n_tokens),
+                           None))
+    return tuple(out)
+
+
+class CacheAware:
+    """``CAR`` (§11): the P candidate with the lowest ``lambda * (1 - kv_hit_ratio) +
+    (1 - lambda) * queue_cost`` and the D candidate with the lowest ``gpu_cache_usage_perc +
+    waiting / max waiting``; ties (within :data:`TIE_EPSILON` of the minimum) rotate among the
+    tied, in name order, one counter per side, advanced only by a tie.
+
+    :param prefill_lambda: ``--car_prefill_lambda``, in [0, 1] (1: cache only, 0: queue only).
+    :param host_hit_weight: ``--car_host_hit_weight``, weight of Host-only hit tokens, [0, 1].
+    :raises ConfigError: a parameter outside [0, 1].
+    """
+
+    name = "CAR"
+
+    def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5) -> None:
+        self.prefill_lambda = _check_unit("car_prefill_lambda", prefill_lambda)
+        self.host_hit_weight = _check_unit("car_host_hit_weight", host_hit_weight)
+        self._lock = threading.Lock()
+        self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
+
+    def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
+               matches: Optional[list[StreamMatch]],
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+        """See :meth:`Policy.choose`. ``waiting`` in both queue terms is
+        :func:`waiting_estimate` (the reported value when nothing is in flight)."""
+        pools = candidate_pools(snapshot)
+        n_tokens = len(token_ids) if token_ids is not None else 0
+        if not pools.prefill:
+            return Decision(self.name, None, None, (), (), n_tokens, pools.reason)
+        by_stream = (None if matches is None else
+                     {(m.instance_name, m.dp_rank): m for m in matches})
+        lam = self.prefill_lambda
+        queue = _queue_costs(pools.prefill, in_flight)
+        p_scored: list[tuple[float, Instance, tuple[RankHit, ...], float, float]] = []
+        for inst, q in zip(pools.prefill, queue):
+            ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
+            hit = min(r.hit_ratio for r in ranks)
+            p_scored.append((lam * (1.0 - hit) + (1.0 - lam) * q, inst, ranks, hit, q))
+        p_order, p_tied = self._pick([s[0] for s in p_scored], PREFILL_SIDE)
+        cands: list[CandidateScore] = []
+        for i in p_order:
+            score, inst, ranks, hit, q = p_scored[i]
+            assert inst.load is not None  # candidate_pools keeps only instances with a load
+            cands.append(CandidateScore(inst.name, PREFILL_SIDE, ranks, hit, q, score,
+                                        i in p_tied, inst.load.waiting_requests_num,
+                                        inst.load.gpu_cache_usage_perc,
+                                        in_flight.total(inst.name),
+                                        in_flight.after(inst.name, inst.load.received_at)))
+        ranking = tuple(p_scored[i][1] for i in p_order)
+        decode = None
+        if pools.decode:
+            d_queue = _queue_costs(pools.decode, in_flight)
+            d_scores = [_usage(inst) + q for inst, q in zip(pools.decode, d_queue)]
+            d_order, d_tied = self._pick(d_scores, DECODE_SIDE)
+            for i in d_order:
+                inst = pools.decode[i]
+                assert inst.load is not None
+                cands.append(CandidateScore(inst.name, DECODE_SIDE, (), None, d_queue[i],
+                                            d_scores[i], i in d_tied,
+                                            inst.load.waiting_requests_num,
+                                            inst.load.gpu_cache_usage_perc,
+                                            in_flight.total(inst.name),
+                                            in_flight.after(inst.name, inst.load.received_at)))
+            decode = pools.decode[d_order[0]]
+        return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens)
+
+    def _pick(self, scores: list[float], side: str) -> tuple[list[int], set[int]]:
+        """Order candidate indexes best first: the chosen tie member, then the rest by
+        (score, name order). Returns the order and the set of tied indexes (empty without a
+        tie)."""
+        best = min(scores)
+        tied = [i for i, s in enumerate(scores) if s <= best + TIE_EPSILON]
+        rest = sorted((i for i in range(len(scores)) if i not in tied),
+                      key=lambda i: (scores[i], i))
+        if len(tied) == 1:
+            return tied + rest, set()
+        start = _rotate(self._counters[side], self._lock, len(tied))
+        return tied[start:] + tied[:start] + rest, set(tied)
+
+
+def _usage(inst: Instance) -> float:
+    return inst.load.gpu_cache_usage_perc if inst.load is not None else 0.0
+
+
+def _queue_costs(pool: Sequence[Instance], in_flight: InFlightSnapshot) -> list[float]:
+    """§11 ``waiting / max(waiting over the pool)``, 0 when that maximum is 0 (no NaN), with
+    ``waiting`` = :func:`waiting_estimate`."""
+    waits = [waiting_estimate(i, in_flight) for i in pool]
+    top = max(waits, default=0)
+    if top == 0:
+        return [0.0] * len(waits)
+    return [w / top for w in waits]
+
+
+def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
+                index_enabled: bool = True) -> Policy:
+    """The policy selected by ``--load_balance_policy`` (xllm-service's names).
+
+    :param name: ``RR`` or ``CAR`` (``SLO_AWARE`` is refused with its own message).
+    :param prefill_lambda: ``--car_prefill_lambda``, CAR only.
+    :param host_hit_weight: ``--car_host_hit_weight``, CAR only.
+    :param index_enabled: False logs, once here at start-up, that CAR routes with hit ratio 0.
+    :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
+    """
+    if name == "SLO_AWARE":
+        raise ConfigError("--load_balance_policy",
+                          "SLO_AWARE is not supported by kvsvc yet; use CAR or RR")
+    if name == "RR":
+        log.info("routing policy RR")
+        return RoundRobin()
+    if name == "CAR":
+        policy = CacheAware(prefill_lambda, host_hit_weight)
+        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f)",
+                 policy.prefill_lambda, policy.host_hit_weight)
+        if not index_enabled:
+            # Worded without "index disabled": the service logs that line once already.
+            log.warning("routing policy CAR without a KV index (no kv_events_config_file): "
+                        "every hit ratio is 0, routing follows queue costs only")
+        return policy
+    raise ConfigError("--load_balance_policy",
+                      f"must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

@@ -1,0 +1,201 @@
+"""``kvsvc sim``: run one simulated engine instance in the foreground.
+
+Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
+``port + replay_port_offset + r`` (the §9 port rule, so a service configured by discovery finds
+it). With ``--etcd HOST:PORT`` it also serves ``GET /health`` on ``--host:--port`` and registers
+itself in the instance registry as ``XLLM:<TYPE>:<host:port>`` under a 3 s lease, heartbeating
+its load to the master service (§9, :mod:`kvsvc.testbed.sim.registration`); the internal token of the
+heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
+stop the lease is revoked. With ``--serve`` the same HTTP port also serves OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` with the latency model of
+:mod:`kvsvc.testbed.sim.serving` (``--prefill-us-per-token``, ``--decode-us-per-token``,
+``--max-num-seqs``, ``--time-scale``; text prompts tokenized by ``--tokenizer-path`` or the
+built-in byte scheme), and its waiting queue is the heartbeated ``waiting_requests_num``. With
+``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms`` apart;
+otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
+
+Exit codes: 0 clean stop, 2 bad arguments, 1 start-up failure (ports taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+from kvsvc.errors import ConfigError, LifecycleError
+from kvsvc.testbed.traces import load_trace, request_tokens
+from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.testbed.sim.serving import ServingConfig
+from kvsvc.testbed.sim.registration import EtcdRegistration, Load, RegisteredType
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kvsvc sim`` flags to ``parser``."""
+    parser.add_argument("--name", default="", help="instance name for logs (default host:port)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the instance's (nominal) HTTP port the other ports derive from")
+    parser.add_argument("--dp", type=int, default=1, help="DP ranks (default 1)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
+    parser.add_argument("--device-blocks", type=int, default=4096, help="Device pool per rank")
+    parser.add_argument("--host-blocks", type=int, default=0, help="Host pool per rank (0: none)")
+    parser.add_argument("--topic", default="", help="ZMQ topic (default empty)")
+    parser.add_argument("--event-port-offset", type=int, default=10000)
+    parser.add_argument("--replay-port-offset", type=int, default=30000)
+    parser.add_argument("--trace", default=None,
+                        help="replay this trace (conversation, synthetic or a path) after start")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="replay at most this many trace requests (0: all)")
+    parser.add_argument("--interval-ms", type=float, default=100.0,
+                        help="pause between replayed requests, ms")
+    parser.add_argument("--etcd", default="",
+                        help="etcd host:port: register in the instance registry (§9) and "
+                             "serve GET /health on --port")
+    parser.add_argument("--etcd-namespace", default="", help="registry key namespace")
+    parser.add_argument("--type", default="DEFAULT", choices=[t.name for t in RegisteredType],
+                        help="registered instance type (default DEFAULT)")
+    parser.add_argument("--internal-api-token-file", default="",
+                        help="file holding the service's X-Internal-Token for heartbeats "
+                             "(else KVSVC_INTERNAL_API_TOKEN)")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=1.0,
+                        help="heartbeat period, seconds (default 1)")
+    d = ServingConfig()
+    parser.add_argument("--serve", action="store_true",
+                        help="serve OpenAI completions on --port (kvsvc.testbed.sim.serving)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
+                        help="simulated us per uncached prompt token (default %(default)s)")
+    parser.add_argument("--host-load-us-per-token", type=float,
+                        default=d.host_load_us_per_token,
+                        help="simulated us per Host-only hit token (default %(default)s)")
+    parser.add_argument("--decode-us-per-token", type=float, default=d.decode_us_per_token,
+                        help="simulated us per output token (default %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help="running requests per rank; the rest wait (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=d.time_scale,
+                        help="time compression factor (default 1: real time)")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="HTTP connections served at once (default %(default)s)")
+    parser.add_argument("--model", default=d.model, help="model name of the answers")
+    parser.add_argument("--tokenizer-path", default="",
+                        help="tokenizer.json (or its directory) for text prompts; default: "
+                             "one token per UTF-8 byte")
+    parser.add_argument("--heartbeat-on-change-ms", type=float, default=0.0,
+                        help="with --serve: heartbeat early when the waiting queue changes, at "
+                             "most once per this many ms (0: only every interval)")
+    parser.add_argument("--master-refresh-s", type=float, default=0.0,
+                        help="re-read the master's address after this long (0: every heartbeat)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int:
+    """Run the engine until SIGINT/SIGTERM (or ``stop`` is set, for embedding and tests).
+
+    :param args: parsed :func:`add_arguments` flags.
+    :param stop: optional external stop switch; signal handlers are installed only when this
+        runs on the main thread.
+    :returns: exit code.
+    """
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    event_port = args.port + args.event_port_offset
+    replay_port = args.port + args.replay_port_offset
+    if args.dp < 1 or args.port < 1 or max(event_port, replay_port) + args.dp - 1 > 65535:
+        log.error("bad --port/--dp/offsets: ports out of range")
+        return EXIT_USAGE
+    token = os.environ.get("KVSVC_INTERNAL_API_TOKEN") or None
+    if args.etcd:
+        if args.host in ("0.0.0.0", "::", "*"):
+            log.error("--etcd needs a connectable --host (the instance name is host:port)")
+            return EXIT_USAGE
+        if args.internal_api_token_file:
+            try:
+                token = Path(args.internal_api_token_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                log.error("cannot read --internal-api-token-file: %s", exc.strerror)
+                return EXIT_USAGE
+    requests = []
+    if args.trace:
+        try:
+            requests = load_trace(args.trace)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        if args.requests > 0:
+            requests = requests[:args.requests]
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    serving: Optional[ServingConfig] = None
+    tokenizer = None
+    try:
+        if args.serve:
+            serving = ServingConfig(
+                prefill_us_per_token=args.prefill_us_per_token,
+                host_load_us_per_token=args.host_load_us_per_token,
+                decode_us_per_token=args.decode_us_per_token, max_num_seqs=args.max_num_seqs,
+                time_scale=args.time_scale, max_connections=args.max_connections,
+                model=args.model)
+            if args.tokenizer_path:
+                from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
+
+                tokenizer = PromptTokenizer.load(args.tokenizer_path)
+        engine = SimEngine(args.name or f"{args.host}:{args.port}", event_port, replay_port,
+                           dp_size=args.dp, block_size=args.block_size,
+                           device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                           topic=args.topic, host=args.host,
+                           http_port=args.port if args.etcd or args.serve else None,
+                           serving=serving, tokenizer=tokenizer)
+    except (ValueError, ConfigError) as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    registration: Optional[EtcdRegistration] = None
+    try:
+        engine.start()
+        if args.etcd:
+            registration = EtcdRegistration(
+                args.etcd, f"{args.host}:{args.port}", args.dp,
+                lambda: Load(engine.waiting_requests(), engine.device_usage()),
+                instance_type=RegisteredType[args.type], namespace=args.etcd_namespace,
+                token=token, heartbeat_interval_s=args.heartbeat_interval_s,
+                min_heartbeat_gap_s=(args.heartbeat_on_change_ms / 1000.0
+                                     if args.heartbeat_on_change_ms > 0 else None),
+                master_refresh_s=args.master_refresh_s)
+            if engine.serving is not None:
+                engine.serving.add_load_listener(registration.load_changed)
+            registration.start()
+    except (LifecycleError, ConfigError) as exc:
+        log.error("%s", exc)
+        engine.close()
+        return EXIT_FAILED
+    try:
+        log.info("sim %s: %d rank(s) running; Ctrl-C to stop", engine.name, args.dp)
+        for i, req in enumerate(requests):
+            if stop.is_set():
+                break
+            res = engine.execute(request_tokens(req, args.block_size))
+            log.info("sim %s: request %d on dp%d: device hit %d, host-only hit %d, stored %d "
+                     "blocks, seq %s", engine.name, i, res.rank, res.device_hit_tokens,
+                     res.host_only_hit_tokens, res.stored_blocks, res.seq)
+            stop.wait(args.interval_ms / 1000.0)
+        stop.wait()
+    finally:
+        try:
+            if registration is not None:
+                registration.close()
+        finally:
+            engine.close()
+        log.info("sim %s: stopped", engine.name)
+    return EXIT_OK

@@ -1,0 +1,213 @@
+"""The simulated engine's HTTP port: ``GET /health`` (§9: the registry probes
+``http://<name>/health`` when an instance's lease is deleted; success means ``LEASE_LOST``,
+failure ``SUSPECT``) and, when the engine serves requests, the OpenAI endpoints of
+:class:`~kvsvc.testbed.sim.serving.Serving` (``POST /v1/completions``, ``POST /v1/chat/completions``).
+
+:class:`HealthServer` is a threaded ``http.server`` (HTTP/1.0: one request per connection, so
+a client closing its connection is the end of its request) on its own thread, owned by the
+:class:`~kvsvc.testbed.sim.engine.SimEngine` that starts it: ``start()`` binds and returns once the
+serving thread runs (:class:`~kvsvc.errors.LifecycleError` when the port is taken),
+``close()`` shuts it down, ends the requests in flight, joins every thread and closes the
+socket. At most ``max_connections`` connections are served at once (one thread each); a
+connection over the limit is answered 503 at once.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from kvsvc.errors import LifecycleError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvsvc.testbed.sim.serving import Serving
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 5.0
+_CLOSE_TIMEOUT_S = 5.0
+_POLL_INTERVAL_S = 0.1
+
+
+#: Largest request body read, bytes (a 128k-token prompt as JSON is about 1 MiB).
+MAX_BODY_BYTES = 16 << 20
+_BUSY_REPLY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 70\r\n\r\n"
+               b'{"error": {"message": "too many connections", "type": "server_error"}}')
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``GET /health`` -> 200 ``{"status": "ok"}``; ``POST`` -> the engine's
+    :class:`~kvsvc.testbed.sim.serving.Serving` when it has one; anything else 404. No access log."""
+
+    server_version = "kvsvc-sim"
+    server: "_BoundedServer"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path.split("?", 1)[0] == "/health":
+            self._reply(200, {"status": "ok"})
+        else:
+            self._reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        serving = self.server.serving
+        if serving is None:
+            self._reply(404, {"error": "not found"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._reply(411, {"error": "Content-Length required"})
+            return
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self._reply(413, {"error": "body too large"})
+            return
+        body = self.rfile.read(length)
+
+        def start_response(status: int, headers: list[tuple[str, str]]) -> None:
+            self.send_response(status)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.end_headers()
+
+        def write(data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
+
+        serving.handle(self.path.split("?", 1)[0], body, self.connection, start_response, write)
+
+    def _reply(self, status: int, doc: dict) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # the registry probes often; one line per probe would drown the engine's log
+
+
+class _BoundedServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once; tracks its threads so
+    ``close()`` can join them."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, addr: tuple[str, int], max_connections: int,
+                 serving: Optional["Serving"]) -> None:
+        super().__init__(addr, _Handler)
+        self.serving = serving
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._live: set[threading.Thread] = set()
+        self._live_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(_BUSY_REPLY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        t = threading.Thread(target=self._run, args=(request, client_address),
+                             name=f"sim-http-conn-{client_address[1]}", daemon=True)
+        with self._live_lock:
+            self._live.add(t)
+        t.start()
+
+    def _run(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._live_lock:
+                self._live.discard(threading.current_thread())
+            self._slots.release()
+
+    def join_connections(self, timeout_s: float) -> int:
+        """Join the connection threads within ``timeout_s``; returns how many are left."""
+        deadline = time.monotonic() + timeout_s
+        with self._live_lock:
+            threads = list(self._live)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sum(1 for t in threads if t.is_alive())
+
+
+class HealthServer:
+    """``GET /health`` (and the OpenAI endpoints of ``serving``) on ``host:port``, the
+    instance's registered HTTP address.
+
+    :param host: bind address.
+    :param port: TCP port (the ``port`` of the instance name ``host:port``).
+    :param label: instance name for logs and the thread name.
+    :param serving: the request front, ``None`` for ``/health`` only.
+    :param max_connections: connections served at once (threads); more get 503.
+    """
+
+    def __init__(self, host: str, port: int, label: str, serving: Optional["Serving"] = None,
+                 max_connections: int = 256) -> None:
+        self.host = host
+        self.port = port
+        self._label = label
+        self._serving = serving
+        self._max_connections = max_connections
+        self._server: Optional[_BoundedServer] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Bind and serve on a thread; return once it serves.
+
+        :raises LifecycleError: the port cannot be bound, or the thread did not start in 5 s.
+        """
+        if self._thread is not None:
+            return
+        try:
+            server = _BoundedServer((self.host, self.port), self._max_connections,
+                                    self._serving)
+        except OSError as exc:
+            raise LifecycleError(f"sim {self._label}: cannot serve /health on "
+                                 f"{self.host}:{self.port}: {exc.strerror}") from exc
+        if self._serving is not None:
+            self._serving.open()
+        running = threading.Event()
+
+        def serve() -> None:
+            running.set()
+            server.serve_forever(poll_interval=_POLL_INTERVAL_S)
+
+        self._server = server
+        self._thread = threading.Thread(target=serve, name=f"sim-http-{self._label}", daemon=True)
+        self._thread.start()
+        if not running.wait(_START_TIMEOUT_S):
+            self.close()
+            raise LifecycleError(f"sim {self._label}: /health thread did not start")
+        log.info("sim %s: serving GET /health%s on %s:%d", self._label,
+                 " and OpenAI requests" if self._serving is not None else "", self.host, self.port)
+
+    def close(self) -> None:
+        """Stop serving, end the requests in flight (queued ones get 503, streams are cut),
+        join every thread (5 s) and close the socket. Idempotent."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        if thread is not None and thread.is_alive():
+            server.shutdown()  # returns once serve_forever has left its loop
+            thread.join(_CLOSE_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("sim %s: /health thread did not stop within %.0f s", self._label,
+                          _CLOSE_TIMEOUT_S)
+        if self._serving is not None:
+            self._serving.close()
+        left = server.join_connections(_CLOSE_TIMEOUT_S)
+        if left:
+            log.error("sim %s: %d HTTP connection threads did not stop within %.0f s",
+                      self._label, left, _CLOSE_TIMEOUT_S)
+        server.server_close()
+        log.info("sim %s: /health on %s:%d closed", self._label, self.host, self.port)

@@ -1,0 +1,305 @@
+"""Routing end to end (§11): a real etcd, serving simulated engines that register and heartbeat
+(§9), and the real ``kvsvc serve`` under gunicorn discovering them. Exact picks, exact
+``cached_tokens``, SSE relaying, cancellation on client disconnect, retry on a refused upstream,
+RR fairness, and a small ``bench-routing`` run."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from kvsvc.testbed.bench_routing import (BEGIN, END, BenchOptions, report, run_bench, targets,
+                                 write_section)
+from kvsvc.testbed.demo import ServiceProcess, free_instance_port, free_port_run
+from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.testbed.sim.registration import EtcdRegistration, Load
+from kvsvc.testbed.sim.serving import ServingConfig
+from kvsvc.testbed.traces import ideal_hit_ratio, load_trace
+from tests.etcd_server import EtcdServer, require_etcd_binary
+from tests.util import free_port, wait_for
+
+BS = 4
+OFFSETS = (10000, 30000)
+N_ENGINES = 3
+DISCOVERY = {"discovery": {"enabled": True, "block_size": BS, "topic": "",
+                           "event_port_offset": OFFSETS[0], "replay_port_offset": OFFSETS[1],
+                           "refresh_interval_ms": 100}}
+
+
+class Cluster:
+    """etcd + ``N_ENGINES`` in-process serving engines, registered and heartbeating."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(8)
+        self.etcd = EtcdServer(require_etcd_binary())
+        self.engines: list[SimEngine] = []
+        self.regs: list[EtcdRegistration] = []
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvsvc-e2e-routing-")
+
+    def start(self) -> None:
+        self.etcd.start()
+        taken: set[int] = set()
+        for i in range(N_ENGINES):
+            port = free_instance_port(1, *OFFSETS, avoid=taken)
+            eng = SimEngine(f"127.0.0.1:{port}", port + OFFSETS[0], port + OFFSETS[1],
+                            block_size=BS, device_blocks=256, http_port=port, seed=i,
+                            serving=ServingConfig(prefill_us_per_token=10.0,
+                                                  decode_us_per_token=2000.0))
+            self.engines.append(eng)
+            eng.start()
+        for eng in self.engines:
+            reg = EtcdRegistration(self.etcd.addr, eng.name, 1,
+                                   lambda e=eng: Load(e.waiting_requests(), e.device_usage()),
+                                   token=self.token, heartbeat_interval_s=0.1)
+            self.regs.append(reg)
+            reg.start()
+        for reg in self.regs:
+            reg.wait_registered()
+
+    def service(self, *flags: str) -> ServiceProcess:
+        """Start ``kvsvc serve`` (gunicorn) with discovery and ``flags``; returns once every
+        engine is a routing candidate (streams synchronized and a load report received)."""
+        cfg = Path(self.tmp.name) / "kv_events.json"
+        cfg.write_text(json.dumps(DISCOVERY), encoding="utf-8")
+        svc = ServiceProcess(cfg, free_port_run(1), self.token,
+                             Path(self.tmp.name) / f"service-{secrets.token_hex(4)}.log",
+                             etcd_addr=self.etcd.addr, extra_args=list(flags))
+        try:
+            svc.start(30.0, {(e.name, 0) for e in self.engines})
+            wait_for(lambda: len(route(svc, [1])["candidates"]) == N_ENGINES, 15.0,
+                     interval_s=0.05, what="every engine a candidate")
+        except BaseException:
+            svc.close()
+            raise
+        return svc
+
+    def by_name(self, name: str) -> SimEngine:
+        return {e.name: e for e in self.engines}[name]
+
+    def requests_served(self) -> dict[str, int]:
+        return {e.name: e.serving.stats().requests for e in self.engines}
+
+    def close(self) -> None:
+        try:
+            for reg in self.regs:
+                reg.close()
+        finally:
+            for eng in self.engines:
+                eng.close()
+            self.etcd.cleanup()
+            self.tmp.cleanup()
+
+
+def route(svc: ServiceProcess, token_ids: list[int]) -> dict:
+    r = svc.session.post(svc.base_url + "/v1/internal/route", json={"token_ids": token_ids},
+                         timeout=5.0)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(svc: ServiceProcess, prompt: list[int], **extra: object) -> requests.Response:
+    return requests.post(svc.base_url + "/v1/completions",
+                         json={"model": "sim", "prompt": prompt, "max_tokens": 2, **extra},
+                         timeout=10.0)
+
+
+def cached(r: requests.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def held_by(svc: ServiceProcess, prompt: list[int], name: str, hit_tokens: int) -> bool:
+    """The router sees ``hit_tokens`` of ``prompt`` on ``name`` (its index caught up)."""
+    cands = {c["name"]: c for c in route(svc, prompt)["candidates"]}
+    ranks = cands[name].get("ranks") or []
+    return bool(ranks) and ranks[0].get("device_hit_tokens", -1) == hit_tokens
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+
+
+
+
+class TestCacheAware:
+    """One CAR (lambda 0.5) service for the class."""
+
+    @pytest.fixture(scope="class")
+    def svc(self, cluster: Cluster) -> Iterator[ServiceProcess]:
+        s = cluster.service("--load_balance_policy", "CAR", "--model", "sim")
+        yield s
+        s.close()
+
+    def test_repeated_prompt_goes_to_the_holder_with_exact_cached_tokens(self, cluster, svc):
+        prompt = list(range(1000, 1012))  # 3 full blocks
+        before = cluster.requests_served()
+        r1 = complete(svc, prompt)
+        assert r1.status_code == 200
+        holder = r1.headers["x-kvsvc-prefill"]
+        assert r1.headers["x-kvsvc-decode"] == ""
+        assert holder in before
+        assert r1.json()["usage"] == {"prompt_tokens": 12, "completion_tokens": 2,
+                                      "total_tokens": 14,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
+        assert r1.json()["choices"][0]["text"] == " t0 t1"
+        wait_for(lambda: held_by(svc, prompt + [7], holder, 12), 10.0, interval_s=0.02,
+                 what="the index holding the prompt")
+        r2 = complete(svc, prompt + [7])
+        assert r2.headers["x-kvsvc-prefill"] == holder
+        assert cached(r2) == 12 and r2.json()["usage"]["prompt_tokens"] == 13
+        after = cluster.requests_served()
+        assert {n: after[n] - before[n] for n in after} == \
+            {n: (2 if n == holder else 0) for n in after}
+
+    def test_streaming_relays_sse_with_headers_and_exact_usage(self, cluster, svc):
+        prompt = list(range(2000, 2008))
+        body = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3}
+        r1 = complete(svc, prompt, **body)
+        holder = r1.headers["x-kvsvc-prefill"]
+        assert r1.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in r1.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and len(events) == 5  # 3 tokens, usage, DONE
+        assert json.loads(events[3][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        wait_for(lambda: held_by(svc, prompt, holder, 8), 10.0, interval_s=0.02,
+                 what="the index holding the prompt")
+        r2 = complete(svc, prompt, **body)
+        assert r2.headers["x-kvsvc-prefill"] == holder
+        events = [e for e in r2.text.split("\n\n") if e]
+        usage = json.loads(events[3][6:])["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 8}
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == \
+            [" t0", " t1", " t2"]
+
+    def test_client_disconnect_mid_stream_cancels_upstream(self, cluster, svc):
+        r = requests.post(svc.base_url + "/v1/completions", stream=True, timeout=10.0,
+                          json={"model": "sim", "prompt": list(range(3000, 3008)),
+                                "max_tokens": 5000, "stream": True})  # 10 s of decode
+        eng = cluster.by_name(r.headers["x-kvsvc-prefill"])
+        cancelled = eng.serving.stats().cancelled
+        first = next(r.iter_lines())
+        assert first.startswith(b"data: ")
+        assert eng.serving.stats().running == 1
+        r.close()
+        wait_for(lambda: eng.serving.stats().cancelled == cancelled + 1, 5.0,
+                 what="the engine seeing the request cancelled")
+        assert eng.serving.stats().running == 0
+
+    def test_refused_upstream_is_retried_once_on_the_next_candidate(self, cluster, svc):
+        dead = f"127.0.0.1:{free_port()}"  # registered, heartbeating, nothing listening
+        reg = EtcdRegistration(cluster.etcd.addr, dead, 1, lambda: Load(0, 0.0),
+                               token=cluster.token, heartbeat_interval_s=0.1)
+        reg.start()
+        try:
+            wait_for(lambda: len(route(svc, [1])["candidates"]) == N_ENGINES + 1, 15.0,
+                     interval_s=0.05, what="the dead instance a candidate")
+            before = cluster.requests_served()
+            failures_before = svc.log_tail(10_000).count(f"upstream {dead} failed")
+            # Fresh prompts: every candidate ties at hit 0 and the tie rotates, so 8 requests
+            # pick the dead instance first exactly twice.
+            answers = [complete(svc, [40_000 + 10 * i + j for j in range(8)]) for i in range(8)]
+            assert [a.status_code for a in answers] == [200] * 8
+            assert dead not in {a.headers["x-kvsvc-prefill"] for a in answers}
+            after = cluster.requests_served()
+            assert sum(after.values()) - sum(before.values()) == 8
+            assert svc.log_tail(10_000).count(f"upstream {dead} failed") - failures_before == 2
+        finally:
+            reg.close()
+
+
+class TestRoundRobin:
+    """One RR service for the class."""
+
+    @pytest.fixture(scope="class")
+    def svc(self, cluster: Cluster) -> Iterator[ServiceProcess]:
+        s = cluster.service("--load_balance_policy", "RR")
+        yield s
+        s.close()
+
+    def test_rr_is_exactly_fair_and_ignores_the_cache(self, cluster, svc):
+        before = cluster.requests_served()
+        prompt = list(range(5000, 5008))
+        picks = [complete(svc, prompt).headers["x-kvsvc-prefill"] for _ in range(9)]
+        assert {n: picks.count(n) for n in before} == {n: 3 for n in before}
+        # Round robin in name order, one step per request.
+        assert picks[:3] == picks[3:6] == picks[6:]
+        after = cluster.requests_served()
+        assert {n: after[n] - before[n] for n in after} == {n: 3 for n in after}
+
+
+def test_small_bench_routing_run(etcd_server, tmp_path):
+    n = 24
+    opts = BenchOptions(traces=("conversation",), window_s=0, max_requests=n, time_scale=100.0,
+                        policies=(("RR", None), ("CAR", 0.5)), engines=2,
+                        etcd=etcd_server.addr, ready_timeout_s=30.0, client_threads=16,
+                        service_threads=16)
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        results = run_bench(opts, f)
+    reqs = load_trace("conversation")[:n]
+    prompt_tokens = sum(r.input_length for r in reqs)
+    ideal = ideal_hit_ratio(reqs).token_ratio
+    assert [r.policy for r in results] == ["RR", "CAR λ=0.5"]
+    for r in results:
+        assert (r.requests, r.failed, len(r.ttft_ms), r.prompt_tokens) == (n, 0, n, prompt_tokens)
+        assert sum(r.per_engine.values()) == n and len(r.per_engine) == 2
+        assert r.ideal_ratio == ideal
+        assert 0 <= r.cached_tokens <= prompt_tokens
+        assert all(t >= 0 for t in r.ttft_ms)
+    assert sorted(results[0].per_engine.values()) == [12, 12]
+    text = report(results, opts)
+    assert text.count("| conversation |") == 2
+    assert len(targets(results)) == 5
+    assert "CAR λ=0.5" in out.read_text()
+
+
+def test_write_section_replaces_only_the_routing_section(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# head\n\nbody\n", encoding="utf-8")
+    write_section("first", path)
+    assert path.read_text() == f"# head\n\nbody\n\n{BEGIN}\nfirst\n{END}\n"
+    path.write_text(path.read_text() + "\n## tail\n", encoding="utf-8")
+    write_section("second", path)
+    assert path.read_text() == f"# head\n\nbody\n\n{BEGIN}\nsecond\n{END}\n\n## tail\n"
+
+
+def test_arrivals_spread_buckets_evenly_in_trace_order():
+    from kvsvc.testbed.bench_routing import arrival_ms
+    from kvsvc.testbed.traces import TraceRequest
+
+    reqs = [TraceRequest(ts, 1, 1, (0,)) for ts in (1000, 1000, 1000, 1000, 4000, 7000, 7000)]
+    assert arrival_ms(reqs, "trace") == [0, 0, 0, 0, 3000, 6000, 6000]
+    # Buckets spread over the gap to the next timestamp; the last over the median gap (3 s).
+    assert arrival_ms(reqs) == [0, 750, 1500, 2250, 3000, 6000, 7500]
+    with pytest.raises(ValueError):
+        arrival_ms(reqs, "poisson")
+
+
+def test_policies_flag_and_targets():
+    from kvsvc.testbed.bench_routing import RunResult, parse_policies
+
+    assert parse_policies("RR, CAR:0.5,car:1") == (("RR", None), ("CAR", 0.5), ("CAR", 1.0))
+    for bad in ("", "LEAST", "CAR:2", "RR:1"):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+    rr = RunResult("conversation", "RR", requests=4, prompt_tokens=100, cached_tokens=10,
+                   ideal_ratio=0.3, ttft_ms=[1.0, 2.0, 3.0, 10.0],
+                   per_engine={"a": 2, "b": 2})
+    car = RunResult("conversation", "CAR λ=0.5", requests=4, prompt_tokens=100,
+                    cached_tokens=25, ideal_ratio=0.3, ttft_ms=[1.0, 1.0, 2.0, 5.0],
+                    per_engine={"a": 3, "b": 1})
+    assert (car.hit_ratio, car.load_imbalance, car.ttft(0.9), rr.ttft(0.5)) == \
+        (0.25, 1.5, 5.0, 2.0)
+    assert [ok for _, ok in targets([rr, car])] == [True, True, True, True, True]
+    car.per_engine = {"a": 4, "b": 0}
+    assert [ok for _, ok in targets([rr, car])] == [True, True, False, True, True]

@@ -1,0 +1,164 @@
+"""``POST /v1/internal/heartbeat`` (§9) through the Flask test client: 200 records the load at
+once, 400 malformed changes nothing, 401 bad token, 409 unknown instance or stale incarnation,
+503 without a registry. The registry is the real one over a real etcd."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import flask
+import pytest
+
+from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app, parse_heartbeat
+from kvsvc.config import load_service_settings
+from kvsvc.errors import RequestError
+from kvsvc.cluster.etcd import EtcdClient
+
+TOKEN = "hb-token"
+HEADERS = {"X-Internal-Token": TOKEN}
+NAME = "127.0.0.1:7001"
+INCARNATION = "inc-aaaa"
+
+
+
+
+@contextmanager
+def running_app(etcd_addr: str = "", token: Optional[str] = TOKEN) -> Iterator[flask.Flask]:
+    settings = load_service_settings(internal_api_token=token, etcd_addr=etcd_addr,
+                                     host="127.0.0.1", port=18888)
+    app = create_app(settings, None)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    try:
+        yield app
+    finally:
+        svc.close(timeout_s=10.0)
+
+
+def body(name: str = NAME, incarnation: Optional[str] = INCARNATION, waiting: object = 3,
+         usage: object = 0.25, **extra: object) -> dict:
+    doc = {"name": name, "incarnation_id": incarnation,
+           "load_metrics": {"waiting_requests_num": waiting, "gpu_cache_usage_perc": usage},
+           "latency_metrics": {"recent_max_ttft": 12, "recent_max_tbt": 3}}
+    doc.update(extra)
+    return doc
+
+
+def post(client, doc: object, headers: Optional[dict] = None):
+    data = doc if isinstance(doc, (bytes, str)) else json.dumps(doc)
+    return client.post(HEARTBEAT_PATH, data=data, headers=HEADERS if headers is None else headers,
+                       content_type="application/json")
+
+
+@pytest.fixture
+def registered(etcd_server) -> Iterator[flask.Flask]:
+    """A running app whose registry holds NAME (incarnation INCARNATION) and NAME2 without an
+    incarnation; the keys are written directly, held by a long lease."""
+    client = EtcdClient(etcd_server.addr)
+    try:
+        lease = client.grant_lease(60)
+        client.put(f"XLLM:PREFILL:{NAME}", json.dumps({
+            "name": NAME, "rpc_address": NAME, "type": 1, "incarnation_id": INCARNATION,
+            "register_ts_ms": 1000, "dp_size": 1, "backend_type": "xllm"}), lease_id=lease)
+        client.put("XLLM:DECODE:127.0.0.1:7002", json.dumps({
+            "name": "127.0.0.1:7002", "type": 2, "register_ts_ms": 2000}), lease_id=lease)
+        with running_app(etcd_server.addr) as app:
+            registry = app.extensions[EXTENSION].registry
+            registry.wait_for(lambda s: len(s.instances) == 2, timeout_s=10.0)
+            yield app
+    finally:
+        client.close()
+
+
+def load_of(app: flask.Flask, name: str = NAME):
+    inst = app.extensions[EXTENSION].registry.snapshot().instances[name]
+    return None if inst.load is None else (inst.load.waiting_requests_num,
+                                           inst.load.gpu_cache_usage_perc)
+
+
+def test_heartbeat_200_records_the_load_at_once(registered):
+    client = registered.test_client()
+    r = post(client, body(waiting=3, usage=0.25))
+    assert (r.status_code, r.get_json()) == (200, {"ok": True})
+    assert load_of(registered) == (3, 0.25)
+    r = post(client, body(waiting=0, usage=1))
+    assert (r.status_code, r.get_json()) == (200, {"ok": True})
+    assert load_of(registered) == (0, 1.0)
+    # No incarnation on either side: accepted (cannot be judged).
+    r = post(client, body(name="127.0.0.1:7002", incarnation=None, waiting=7, usage=0.5))
+    assert (r.status_code, r.get_json()) == (200, {"ok": True})
+    assert load_of(registered, "127.0.0.1:7002") == (7, 0.5)
+
+
+def test_heartbeat_409_unknown_instance_and_stale_incarnation(registered):
+    client = registered.test_client()
+    r = post(client, body(name="127.0.0.1:9999"))
+    assert r.status_code == 409
+    assert r.get_json() == {"error": "unknown instance '127.0.0.1:9999'"}
+    r = post(client, body(incarnation="inc-old"))
+    assert r.status_code == 409
+    assert r.get_json() == {"error": f"stale incarnation 'inc-old' for '{NAME}' "
+                                     f"(registered '{INCARNATION}')"}
+    assert load_of(registered) is None
+
+
+WAITING_ERROR = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
+MALFORMED = [
+    (b"{not json", "body is not valid JSON"),
+    ([1, 2], "body must be a JSON object"),
+    ({"incarnation_id": INCARNATION, "load_metrics": {}}, "name: must be a non-empty string"),
+    (body(name=""), "name: must be a non-empty string"),
+    (body(incarnation=5), "incarnation_id: must be a string"),
+    ({"name": NAME, "incarnation_id": INCARNATION}, "load_metrics: must be an object"),
+    (body(waiting=-1), WAITING_ERROR),
+    (body(waiting=1.5), WAITING_ERROR),
+    (body(waiting=True), WAITING_ERROR),
+    (body(waiting="3"), WAITING_ERROR),
+    # Would reach the Prometheus gauge and the CAR queue term as a float: OverflowError.
+    (body(waiting=10**400), WAITING_ERROR),
+    (body(waiting=2**31), WAITING_ERROR),
+    (body(usage=1.5), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
+    (body(usage=-0.1), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
+    (body(usage=None), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
+    (body(latency_metrics=[1]), "latency_metrics: must be an object"),
+]
+
+
+def test_heartbeat_400_malformed_changes_nothing(registered):
+    # One etcd and service for every case (each costs a second to start).
+    client = registered.test_client()
+    assert post(client, body(waiting=2, usage=0.5)).status_code == 200
+    for doc, error in MALFORMED:
+        r = post(client, doc)
+        assert (r.status_code, r.get_json()) == (400, {"error": error}), doc
+        assert load_of(registered) == (2, 0.5)
+
+
+def test_heartbeat_401_without_the_token_changes_nothing(registered):
+    client = registered.test_client()
+    for headers in ({}, {"X-Internal-Token": "wrong"}):
+        r = post(client, body(), headers=headers)
+        assert (r.status_code, r.get_json()) == (401, {"error": "missing or wrong X-Internal-Token"})
+    assert load_of(registered) is None
+
+
+def test_heartbeat_without_registry_is_503():
+    with running_app("") as app:
+        r = post(app.test_client(), body())
+        assert (r.status_code, r.get_json()) == (
+            503, {"error": "no instance registry configured (--etcd_addr is empty)"})
+        assert post(app.test_client(), b"[").status_code == 400
+
+
+def test_parse_heartbeat_ignores_unknown_keys_and_nan_is_refused():
+    hb = parse_heartbeat(json.dumps(body(extra_field=1, usage=0)).encode())
+    assert (hb.name, hb.incarnation_id, hb.waiting_requests_num, hb.gpu_cache_usage_perc) == (
+        NAME, INCARNATION, 3, 0.0)
+    assert parse_heartbeat(json.dumps(body(incarnation="")).encode()).incarnation_id is None
+    with pytest.raises(RequestError) as info:
+        parse_heartbeat(b'{"name": "a:1", "load_metrics": {"waiting_requests_num": 0, '
+                        b'"gpu_cache_usage_perc": NaN}}')
+    assert (info.value.status, info.value.message) == (
+        400, "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")

@@ -1,0 +1,272 @@
+"""Upstream forwarding against small real HTTP servers on 127.0.0.1: JSON and SSE relayed,
+hop-by-hop headers dropped both ways, retry once on a refused or silent upstream, errors after
+the response head passed through, and closing the body closes the upstream connection."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+
+from kvsvc.routing.proxy import (
+    Proxy,
+    ProxySettings,
+    UpstreamError,
+    downstream_headers,
+    upstream_headers,
+)
+from tests.util import free_port, wait_for
+
+#: Bound of every wait inside a test server's handler.
+HANDLER_WAIT_S = 10.0
+
+
+class Upstream:
+    """A threaded HTTP server whose ``POST`` behaviour is ``mode``; it records the requests.
+
+    Modes: ``json`` (200 echo), ``error`` (500 JSON), ``sse`` (one event, then two more once
+    ``release`` is set), ``flood`` (1 KiB SSE events until the connection breaks, bounded),
+    ``cut`` (a JSON head announcing 100 bytes, 11 of them, then the connection is dropped),
+    ``hang`` (no answer until ``release``, then the connection is dropped).
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requests: list[dict] = []
+        self.release = threading.Event()
+        self.broken = threading.Event()
+        self.events_written = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                owner.requests.append({"path": self.path, "headers": dict(self.headers),
+                                       "body": body})
+                getattr(owner, "_" + owner.mode)(self, body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.name = f"127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        kwargs={"poll_interval": 0.05}, name="test-upstream")
+
+    def start(self) -> "Upstream":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(5)
+
+    # -- behaviours ---------------------------------------------------------------------------
+
+    def _json(self, h, body: bytes) -> None:
+        data = json.dumps({"echo": json.loads(body or b"null")}).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Connection", "X-Hop")
+        h.send_header("X-Hop", "dropped")
+        h.send_header("Keep-Alive", "timeout=5")
+        h.send_header("X-Upstream", "kept")
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _error(self, h, body: bytes) -> None:
+        data = b'{"error": {"message": "engine overloaded"}}'
+        h.send_response(500)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _sse_head(self, h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+    @staticmethod
+    def _chunk(h, data: bytes) -> None:
+        h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        h.wfile.flush()
+
+    def _sse(self, h, body: bytes) -> None:
+        self._sse_head(h)
+        self._chunk(h, b"data: 0\n\n")
+        self.release.wait(HANDLER_WAIT_S)
+        self._chunk(h, b"data: 1\n\n")
+        self._chunk(h, b"data: [DONE]\n\n")
+        h.wfile.write(b"0\r\n\r\n")
+
+    def _flood(self, h, body: bytes) -> None:
+        self._sse_head(h)
+        event = b"data: " + b"x" * 1016 + b"\n\n"
+        try:
+            for _ in range(100_000):  # 100 MiB at most: far beyond any socket buffers
+                self._chunk(h, event)
+                self.events_written += 1
+        except OSError:
+            self.broken.set()
+        h.close_connection = True
+
+    def _cut(self, h, body: bytes) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b'{"partial": ')
+        h.wfile.flush()
+        h.close_connection = True
+
+    def _hang(self, h, body: bytes) -> None:
+        self.release.wait(HANDLER_WAIT_S)
+        h.close_connection = True
+
+
+@contextmanager
+def upstreams(*modes: str) -> Iterator[list[Upstream]]:
+    servers = [Upstream(m).start() for m in modes]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.close()
+
+
+@pytest.fixture
+def proxy() -> Iterator[Proxy]:
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=0.5))
+    yield p
+    p.close()
+
+
+def refused_name() -> str:
+    """A loopback ``host:port`` nobody listens on (connections are refused)."""
+    return f"127.0.0.1:{free_port()}"
+
+
+def fixed(body: bytes):
+    return lambda target: body
+
+
+def test_json_relayed_and_hop_by_hop_headers_dropped_both_ways(proxy):
+    sent = upstream_headers([
+        ("Host", "kvsvc:8888"), ("Content-Length", "12"), ("Connection", "keep-alive, X-Trace"),
+        ("X-Trace", "hop"), ("Keep-Alive", "300"), ("TE", "trailers"),
+        ("Proxy-Authorization", "Basic x"), ("X-Internal-Token", "secret"),
+        ("Authorization", "Bearer k"), ("Content-Type", "application/json"),
+        ("X-Request-Id", "r1")])
+    assert sent == {"Authorization": "Bearer k", "Content-Type": "application/json",
+                    "X-Request-Id": "r1"}
+    with upstreams("json") as (up,):
+        reply = proxy.forward([up.name], "/v1/completions?x=1", fixed(b'{"prompt": "hi"}'),
+                              sent)
+        assert (reply.target, reply.status, reply.attempts) == (up.name, 200, [up.name])
+        assert reply.body.read_all() == b'{"echo": {"prompt": "hi"}}'
+        headers = {k.lower(): v for k, v in reply.headers}
+        assert headers["x-upstream"] == "kept" and headers["content-type"] == "application/json"
+        for dropped in ("connection", "x-hop", "keep-alive", "content-length"):
+            assert dropped not in headers
+        assert not reply.is_event_stream
+        (req,) = up.requests
+        assert req["path"] == "/v1/completions?x=1"
+        assert req["body"] == b'{"prompt": "hi"}'
+        got = {k.lower(): v for k, v in req["headers"].items()}
+        assert got["authorization"] == "Bearer k" and got["x-request-id"] == "r1"
+        for absent in ("x-internal-token", "x-trace", "proxy-authorization", "te", "cookie"):
+            assert absent not in got
+        assert got["content-length"] == "16"
+    assert proxy.failures() == {}
+
+
+def test_downstream_headers_drop_connection_named_ones():
+    assert downstream_headers({"Connection": "close, X-A", "X-A": "1", "X-B": "2",
+                               "Transfer-Encoding": "chunked", "Content-Length": "5"}) == [
+        ("X-B", "2")]
+
+
+def test_refused_upstream_is_marked_and_retried_once_on_the_next(proxy, caplog):
+    dead = refused_name()
+    with upstreams("json") as (up,):
+        reply = proxy.forward([dead, up.name, "127.0.0.1:1"], "/v1/completions",
+                              lambda target: json.dumps({"to": target}).encode(), {})
+        assert (reply.target, reply.status, reply.attempts) == (up.name, 200, [dead, up.name])
+        # The retried body is built for the new target (P/D bodies name the prefill).
+        assert reply.body.read_all() == json.dumps({"echo": {"to": up.name}}).encode()
+    assert proxy.failures() == {dead: 1}
+
+
+def test_two_refusals_give_502_and_only_one_retry(proxy):
+    dead1, dead2, dead3 = refused_name(), refused_name(), refused_name()
+    with pytest.raises(UpstreamError) as err:
+        proxy.forward([dead1, dead2, dead3], "/v1/completions", fixed(b"{}"), {})
+    assert err.value.status == 502
+    assert err.value.message == (f"upstream {dead2}: connection failed "
+                                 f"(tried {dead1}, {dead2})")
+    assert proxy.failures() == {dead1: 1, dead2: 1}
+
+
+def test_silent_upstream_times_out_before_first_byte_and_is_retried(proxy):
+    with upstreams("hang", "json") as (slow, fast):
+        reply = proxy.forward([slow.name, fast.name], "/v1/chat/completions",
+                              fixed(b'{"a": 1}'), {})
+        assert (reply.target, reply.attempts) == (fast.name, [slow.name, fast.name])
+        assert reply.body.read_all() == b'{"echo": {"a": 1}}'
+        assert len(slow.requests) == 1
+        with pytest.raises(UpstreamError) as err:
+            proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
+        assert err.value.status == 504
+    assert proxy.failures() == {slow.name: 2}
+
+
+def test_error_status_after_the_head_is_passed_through_not_retried(proxy):
+    with upstreams("error", "json") as (bad, good):
+        reply = proxy.forward([bad.name, good.name], "/v1/completions", fixed(b"{}"), {})
+        assert (reply.target, reply.status, reply.attempts) == (bad.name, 500, [bad.name])
+        assert reply.body.read_all() == b'{"error": {"message": "engine overloaded"}}'
+        assert good.requests == []
+    assert proxy.failures() == {}
+
+
+def test_sse_chunks_are_relayed_as_they_arrive(proxy):
+    with upstreams("sse") as (up,):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b'{"stream": true}'), {})
+        assert reply.is_event_stream
+        chunks = iter(reply.body)
+        # The first event arrives while the upstream still holds the rest back.
+        assert next(chunks) == b"data: 0\n\n"
+        up.release.set()
+        assert b"".join(chunks) == b"data: 1\n\ndata: [DONE]\n\n"
+        assert reply.body.bytes_relayed == 9 + 9 + 14
+        reply.body.close()
+
+
+def test_closing_the_body_mid_stream_closes_the_upstream(proxy):
+    with upstreams("flood") as (up,):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b'{"stream": true}'), {})
+        chunks = iter(reply.body)
+        assert next(chunks).startswith(b"data: xxx")  # de-chunked, undecoded SSE bytes
+        reply.body.close()
+        reply.body.close()  # idempotent
+        wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")
+        assert up.events_written < 100_000
+        assert list(chunks) == []
+
+
+def test_closing_before_reading_closes_the_upstream(proxy):
+    with upstreams("flood") as (up,):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        reply.body.close()
+        wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")

@@ -1,0 +1,386 @@
+"""Registry (§9) against a real etcd: join, refresh, replacement, DP size change, malformed and
+unknown fields, lease loss with the /health probe (LEASE_LOST -> SUSPECT -> removed, with
+timings), heartbeats, and an etcd restart while running."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from kvsvc.errors import ConfigError, InvalidHeartbeat, StaleIncarnation, UnknownInstance
+from kvsvc.cluster.registry import (
+    Instance,
+    InstanceState,
+    InstanceType,
+    LoadMetrics,
+    Registry,
+    RegistrySettings,
+)
+from tests.util import free_port, wait_for
+
+GRACE_S = 0.5
+REMOVAL_S = 1.0
+PROBE_TIMEOUT_S = 0.3
+
+
+def settings(addr: str, **kw) -> RegistrySettings:
+    base = dict(etcd_addr=addr, namespace="t", relist_interval_s=1.0, lease_lost_grace_s=GRACE_S,
+                suspect_removal_s=REMOVAL_S, health_probe_timeout_s=PROBE_TIMEOUT_S,
+                loadmetrics_interval_s=0.3, master_lease_ttl_s=1, self_address="svc-a:1")
+    base.update(kw)
+    return RegistrySettings(**base)
+
+
+
+
+@pytest.fixture
+def registry(etcd_server) -> Iterator[Registry]:
+    reg = Registry(settings(etcd_server.addr))
+    reg.start()
+    yield reg
+    reg.close()
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        status = 200 if self.path == "/health" else 404
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def health() -> Iterator[str]:
+    """A ``/health`` server on 127.0.0.1; yields its ``host:port`` (the instance name)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="test-health")
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def key(name: str, type_: str = "PREFILL") -> str:
+    return f"/t/XLLM:{type_}:{name}"
+
+
+def value(name: str, type_: int = 1, **fields) -> str:
+    return json.dumps({"name": name, "type": type_, **fields})
+
+
+def state_of(reg: Registry, name: str):
+    inst = reg.snapshot().instances.get(name)
+    return inst.state if inst else None
+
+
+def test_settings_rejected():
+    with pytest.raises(ConfigError) as err:
+        RegistrySettings(etcd_addr="nohostport")
+    assert err.value.field == "etcd_addr"
+    with pytest.raises(ConfigError) as err:
+        RegistrySettings(etcd_addr="127.0.0.1:2379", lease_lost_grace_s=0)
+    assert err.value.field == "lease_lost_grace_s"
+    with pytest.raises(ConfigError) as err:
+        RegistrySettings(etcd_addr="127.0.0.1:2379", master_lease_ttl_s=0)
+    assert err.value.field == "master_lease_ttl_s"
+
+
+def test_join_parsed_fields_and_unknown_fields_ignored(registry, etcd):
+    etcd.put(key("10.0.0.1:8000"), value("10.0.0.1:8000", 1, incarnation_id="inc-1",
+                                         register_ts_ms=1700000000123, dp_size=2,
+                                         backend_type="xllm", rpc_address="10.0.0.1:9000",
+                                         cluster_ids=[1, 2], future_field={"x": 1}))
+    etcd.put(key("10.0.0.2:8000", "DEFAULT"), "{}")
+    snap = registry.wait_for(lambda s: len(s.instances) == 2, 5)
+    assert snap.fresh is True
+    assert snap.instances["10.0.0.1:8000"] == Instance(
+        name="10.0.0.1:8000", type=InstanceType.PREFILL, role=InstanceType.PREFILL,
+        incarnation_id="inc-1", register_ts_ms=1700000000123, dp_size=2, backend_type="xllm",
+        rpc_address="10.0.0.1:9000", state=InstanceState.ACTIVE, load=None)
+    assert snap.instances["10.0.0.2:8000"] == Instance(
+        name="10.0.0.2:8000", type=InstanceType.DEFAULT, role=InstanceType.DEFAULT,
+        incarnation_id=None, register_ts_ms=None, dp_size=1, backend_type="xllm",
+        rpc_address=None, state=InstanceState.ACTIVE, load=None)
+    # Keys outside the namespace are not ours.
+    etcd.put("XLLM:PREFILL:10.0.0.9:8000", "{}")
+    etcd.put(key("10.0.0.3:8000", "DECODE"), value("10.0.0.3:8000", 2, dp_size=0))
+    snap = registry.wait_for(lambda s: "10.0.0.3:8000" in s.instances, 5)
+    assert sorted(snap.instances) == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    assert snap.instances["10.0.0.3:8000"].dp_size == 1
+    assert snap.instances["10.0.0.3:8000"].role is InstanceType.DECODE
+
+
+def test_refresh_same_incarnation_dp_change_and_replacement(registry, etcd):
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name, incarnation_id="a", dp_size=1, register_ts_ms=1))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    registry.heartbeat(name, "a", 7, 0.25)
+    load = registry.snapshot().instances[name].load
+    assert (load.waiting_requests_num, load.gpu_cache_usage_perc) == (7, 0.25)
+
+    gen = registry.snapshot().generation
+    etcd.put(key(name), value(name, incarnation_id="a", dp_size=1, register_ts_ms=1))
+    # A refresh with identical content changes nothing visible; load kept.
+    etcd.put(key(name), value(name, incarnation_id="a", dp_size=4, register_ts_ms=1))
+    snap = registry.wait_for(lambda s: s.instances[name].dp_size == 4, 5)
+    assert snap.generation > gen
+    assert snap.instances[name].incarnation_id == "a"
+    assert snap.instances[name].load == load
+    assert snap.instances[name].state is InstanceState.ACTIVE
+
+    etcd.put(key(name), value(name, incarnation_id="b", dp_size=4, register_ts_ms=2))
+    snap = registry.wait_for(lambda s: s.instances[name].incarnation_id == "b", 5)
+    assert snap.instances[name].load is None   # the old process's load is dropped
+    assert snap.instances[name].register_ts_ms == 2
+    with pytest.raises(StaleIncarnation) as err:
+        registry.heartbeat(name, "a", 1, 0.1)
+    assert err.value.status == 409
+
+
+def test_replacement_without_incarnation_by_register_ts(registry, etcd):
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name, register_ts_ms=100))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    registry.heartbeat(name, None, 3, 0.5)
+    etcd.put(key(name), value(name, register_ts_ms=200))
+    snap = registry.wait_for(lambda s: s.instances[name].register_ts_ms == 200, 5)
+    assert snap.instances[name].load is None
+
+
+def test_malformed_registrations_ignored_others_unaffected(registry, etcd, caplog):
+    good = "10.0.0.1:8000"
+    etcd.put(key(good), value(good))
+    etcd.put(key("10.0.0.2:8000"), "not json")
+    etcd.put(key("10.0.0.3:8000"), value("10.0.0.3:8000", type_=2))       # type differs
+    etcd.put(key("10.0.0.4:8000"), value("10.0.0.99:8000"))               # name differs
+    etcd.put(key("nohostport"), "{}")
+    etcd.put(key("10.0.0.5:8000"), json.dumps({"dp_size": "2"}))           # wrong type
+    etcd.put(key("10.0.0.6:8000"), "[1, 2]")
+    last = "10.0.0.7:8000"
+    etcd.put(key(last, "DEFAULT"), value(last, 0))
+    snap = registry.wait_for(lambda s: last in s.instances, 5)
+    assert sorted(snap.instances) == [good, last]
+    # Re-lists (1 s period) must not log the same bad revision again: wait for two of them.
+    gen = registry.snapshot().generation
+    _until(time.monotonic() + 2.2)
+    # A malformed PUT over a good registration drops that instance, nothing else.
+    etcd.put(key(good), "{broken")
+    snap = registry.wait_for(lambda s: good not in s.instances, 5)
+    assert sorted(snap.instances) == [last]
+    assert snap.generation > gen
+    with pytest.raises(UnknownInstance):
+        registry.heartbeat(good, None, 1, 0.1)
+    logged = [r.getMessage() for r in caplog.records if "malformed registration" in r.getMessage()]
+    assert len(logged) == 7
+
+
+def test_load_value_no_float_holds_is_malformed_and_a_bug_does_not_end_the_registry(
+        registry, etcd, monkeypatch, caplog):
+    """A LOADMETRICS value with a 400-digit usage used to raise OverflowError in the registry
+    thread and end it for good (never fresh again). Now it is malformed; and any other
+    unexpected error is logged, the registry goes stale, re-lists and carries on."""
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    etcd.put(f"/t/XLLM:LOADMETRICS:{name}",
+             '{"waiting_requests_num": 1, "gpu_cache_usage_perc": 1' + "0" * 400 + "}")
+    wait_for(lambda: any("malformed load" in r.getMessage() for r in caplog.records),
+             timeout_s=5, what="the load value logged as malformed")
+    assert registry.snapshot().fresh
+    real = Registry._apply_list
+    calls = []
+
+    def broken_once(self, listed, now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("injected bug")
+        return real(self, listed, now)
+
+    monkeypatch.setattr(Registry, "_apply_list", broken_once)
+    registry.wait_for(lambda s: not s.fresh, 10)     # the next re-list hits the bug
+    other = "10.0.0.2:8000"
+    etcd.put(key(other), value(other))
+    snap = registry.wait_for(lambda s: s.fresh and other in s.instances, 10)
+    assert sorted(snap.instances) == [name, other] and len(calls) >= 2
+    assert any("registry: internal error" in r.getMessage() for r in caplog.records)
+
+
+def test_same_name_under_two_types_ignored(registry, etcd):
+    name = "10.0.0.1:8000"
+    etcd.put(key(name, "PREFILL"), value(name, 1))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    etcd.put(key(name, "DECODE"), value(name, 2))
+    registry.wait_for(lambda s: name not in s.instances, 5)
+    etcd.delete(key(name, "DECODE"))
+    snap = registry.wait_for(lambda s: name in s.instances, 5)
+    assert snap.instances[name].type is InstanceType.PREFILL
+
+
+def test_lease_expiry_probe_ok_lease_lost_suspect_removed(registry, etcd, health):
+    lease = etcd.grant_lease(1)
+    etcd.put(key(health), value(health, incarnation_id="x"), lease_id=lease)
+    registry.wait_for(lambda s: health in s.instances, 5)
+    t0 = time.monotonic()   # the lease is never refreshed: etcd deletes the key after ~1 s
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.LEASE_LOST, 5)
+    t_lost = time.monotonic()
+    inst = registry.snapshot().instances[health]
+    assert inst.load is None and inst.incarnation_id == "x"
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.SUSPECT, 5)
+    t_suspect = time.monotonic()
+    registry.wait_for(lambda s: health not in s.instances, 5)
+    t_removed = time.monotonic()
+    print(f"lease expiry -> LEASE_LOST {t_lost - t0:.3f}s; LEASE_LOST -> SUSPECT "
+          f"{t_suspect - t_lost:.3f}s; SUSPECT -> removed {t_removed - t_suspect:.3f}s")
+    assert 0.5 <= t_lost - t0 <= 3.0
+    assert GRACE_S - 0.05 <= t_suspect - t_lost <= GRACE_S + 0.3
+    assert REMOVAL_S - 0.05 <= t_removed - t_suspect <= REMOVAL_S + 0.3
+
+
+def test_heartbeat_during_lease_lost_delays_suspect(registry, etcd, health):
+    etcd.put(key(health), value(health, incarnation_id="x"))
+    registry.wait_for(lambda s: health in s.instances, 5)
+    etcd.delete(key(health))
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.LEASE_LOST, 5)
+    t_lost = time.monotonic()
+    # Heartbeats every 0.2 s for 1 s keep it LEASE_LOST (grace 0.5 s).
+    for _ in range(5):
+        registry.heartbeat(health, "x", 2, 0.5)
+        assert state_of(registry, health) is InstanceState.LEASE_LOST
+        _until(time.monotonic() + 0.2)
+    t_last = time.monotonic()
+    assert t_last - t_lost >= 1.0
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.SUSPECT, 5)
+    assert time.monotonic() - t_last >= GRACE_S - 0.25
+    assert registry.snapshot().instances[health].load.waiting_requests_num == 2
+
+
+def _until(deadline: float) -> None:
+    """Let wall-clock time pass (heartbeat pacing, re-list periods): the only places where the
+    thing under test is the passing of time itself, not a condition to wait for."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        threading.Event().wait(remaining)
+
+
+def test_probe_failure_suspect_then_removed(registry, etcd):
+    name = f"127.0.0.1:{free_port()}"   # nothing listens: /health fails
+    etcd.put(key(name), value(name))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    t0 = time.monotonic()
+    etcd.delete(key(name))
+    registry.wait_for(lambda s: s.instances[name].state is InstanceState.SUSPECT, 5)
+    t_suspect = time.monotonic()
+    registry.wait_for(lambda s: name not in s.instances, 5)
+    t_removed = time.monotonic()
+    print(f"deregister -> SUSPECT {t_suspect - t0:.3f}s; SUSPECT -> removed "
+          f"{t_removed - t_suspect:.3f}s")
+    assert t_suspect - t0 <= PROBE_TIMEOUT_S + 0.5
+    assert REMOVAL_S - 0.05 <= t_removed - t_suspect <= REMOVAL_S + 0.3
+
+
+def test_put_during_lease_lost_and_suspect_brings_back_active(registry, etcd, health):
+    etcd.put(key(health), value(health, incarnation_id="x"))
+    registry.wait_for(lambda s: health in s.instances, 5)
+    registry.heartbeat(health, "x", 4, 0.5)
+    etcd.delete(key(health))
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.LEASE_LOST, 5)
+    etcd.put(key(health), value(health, incarnation_id="x"))
+    snap = registry.wait_for(lambda s: s.instances[health].state is InstanceState.ACTIVE, 5)
+    assert snap.instances[health].load.waiting_requests_num == 4   # same incarnation
+    # From SUSPECT too.
+    etcd.delete(key(health))
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.SUSPECT, 5)
+    etcd.put(key(health), value(health, incarnation_id="x"))
+    registry.wait_for(lambda s: s.instances[health].state is InstanceState.ACTIVE, 5)
+
+
+def test_heartbeats(registry, etcd):
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name, incarnation_id="a"))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    before = time.monotonic()
+    registry.heartbeat(name, "a", 3, 0.5)
+    load = registry.snapshot().instances[name].load
+    assert isinstance(load, LoadMetrics)
+    assert (load.waiting_requests_num, load.gpu_cache_usage_perc) == (3, 0.5)
+    assert before <= load.received_at <= time.monotonic()
+    registry.heartbeat(name, None, 0, 0)         # no incarnation: accepted
+    assert registry.snapshot().instances[name].load.waiting_requests_num == 0
+    with pytest.raises(UnknownInstance) as err:
+        registry.heartbeat("10.0.0.9:8000", "a", 1, 0.1)
+    assert err.value.status == 409
+    with pytest.raises(StaleIncarnation) as err:
+        registry.heartbeat(name, "old", 1, 0.1)
+    assert err.value.status == 409
+    for bad in ((-1, 0.1), (1, 1.5), (True, 0.1), (1, "0.1"), (1.0, 0.1), (2**31, 0.1),
+                (10**400, 0.1), (1, 10**400)):   # an int no float can hold: refused, no crash
+        with pytest.raises(InvalidHeartbeat) as err:
+            registry.heartbeat(name, "a", *bad)
+        assert err.value.status == 400
+    assert registry.snapshot().instances[name].load.waiting_requests_num == 0
+
+
+def test_etcd_down_at_start_then_up(etcd_server):
+    etcd_server.stop()
+    reg = Registry(settings(etcd_server.addr))
+    reg.start()
+    try:
+        snap = reg.snapshot()
+        assert (snap.fresh, len(snap.instances)) == (False, 0)
+        etcd_server.start()
+        reg.wait_for(lambda s: s.fresh, 10)
+    finally:
+        reg.close()
+
+
+def test_etcd_restart_keeps_snapshot_then_relists(registry, etcd_server, etcd):
+    names = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    for n in names:
+        etcd.put(key(n), value(n, incarnation_id="i"))
+    registry.wait_for(lambda s: len(s.instances) == 2, 5)
+    registry.heartbeat(names[0], "i", 5, 0.5)
+    before = registry.snapshot().instances
+    etcd_server.stop()
+    t_down = time.monotonic()
+    snap = registry.wait_for(lambda s: not s.fresh, 10)
+    print(f"etcd down -> not fresh {time.monotonic() - t_down:.3f}s")
+    assert dict(snap.instances) == dict(before)
+    etcd_server.start()
+    t_up = time.monotonic()
+    snap = registry.wait_for(lambda s: s.fresh, 10)
+    print(f"etcd up -> fresh {time.monotonic() - t_up:.3f}s")
+    assert dict(snap.instances) == dict(before)
+    # The watch is re-established: a new key shows up, a deleted one is probed.
+    etcd.put(key("10.0.0.3:8000"), value("10.0.0.3:8000"))
+    snap = registry.wait_for(lambda s: "10.0.0.3:8000" in s.instances, 5)
+    assert [snap.instances[n].state for n in names] == [InstanceState.ACTIVE] * 2
+
+
+def test_mix_roles(registry, etcd):
+    etcd.put(key("10.0.0.1:8000", "MIX"), value("10.0.0.1:8000", 3))
+    snap = registry.wait_for(lambda s: "10.0.0.1:8000" in s.instances, 5)
+    assert snap.instances["10.0.0.1:8000"].role is InstanceType.DECODE   # no decoder yet
+    etcd.put(key("10.0.0.2:8000", "MIX"), value("10.0.0.2:8000", 3))
+    snap = registry.wait_for(lambda s: "10.0.0.2:8000" in s.instances, 5)
+    assert snap.instances["10.0.0.2:8000"].role is InstanceType.PREFILL
+    etcd.put(key("10.0.0.3:8000", "MIX"), value("10.0.0.3:8000", 3))
+    snap = registry.wait_for(lambda s: "10.0.0.3:8000" in s.instances, 5)
+    assert snap.instances["10.0.0.3:8000"].role is InstanceType.PREFILL
+    # The only decoder goes: the MIX prefill with the greatest name flips to DECODE.
+    etcd.delete(key("10.0.0.1:8000", "MIX"))
+    snap = registry.wait_for(lambda s: "10.0.0.1:8000" not in s.instances or
+                             s.instances["10.0.0.1:8000"].state is InstanceState.SUSPECT, 5)
+    assert {n: i.role for n, i in snap.instances.items() if i.state is not InstanceState.SUSPECT} \
+        == {"10.0.0.2:8000": InstanceType.PREFILL, "10.0.0.3:8000": InstanceType.DECODE}

@@ -1,0 +1,246 @@
+"""Routing endpoints through the Flask test client, with a real Registry on a real etcd
+(instances registered as etcd keys, loads sent as heartbeats), real upstream HTTP servers and,
+for cache hits, a real static stream fed by tests/publisher.py."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import flask
+import pytest
+
+from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app
+from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
+from kvsvc.cluster.etcd import EtcdClient
+from kvsvc.http.routes import ROUTING_EXTENSION
+from tests.publisher import ProtocolPublisher, stored
+from tests.integration.test_proxy import refused_name, upstreams
+from tests.unit.test_tokenize import build_tokenizer
+from tests.util import free_ports, wait_for
+
+TOKEN = "route-token"
+AUTH = {"X-Internal-Token": TOKEN}
+NS = "r"
+TYPES = {"DEFAULT": 0, "PREFILL": 1, "DECODE": 2, "MIX": 3}
+
+
+
+
+
+
+@contextmanager
+def running(etcd_server, kv_config: Optional[KvEventsConfig] = None,
+            **overrides) -> Iterator[flask.Flask]:
+    """A started app with a registry on ``etcd_server``; closed (proxy too) afterwards."""
+    kwargs = dict(internal_api_token=TOKEN, etcd_addr=etcd_server.addr, etcd_namespace=NS,
+                  model="m1,m2", upstream_connect_timeout_s=1.0, upstream_read_timeout_s=2.0)
+    kwargs.update(overrides)
+    app = create_app(load_service_settings(**kwargs), kv_config)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    try:
+        yield app
+    finally:
+        app.extensions[ROUTING_EXTENSION].close()
+        svc.close(timeout_s=5.0)
+
+
+def register(app, etcd: EtcdClient, name: str, type_: str = "DEFAULT", waiting: int = 0,
+             usage: float = 0.0, heartbeat: bool = True) -> None:
+    """Put the instance's §9 key, wait until the registry has it, then send its load."""
+    etcd.put(f"/{NS}/XLLM:{type_}:{name}", json.dumps(
+        {"name": name, "type": TYPES[type_], "incarnation_id": f"inc-{name}"}))
+    registry = app.extensions[EXTENSION].registry
+    registry.wait_for(lambda s: name in s.instances, timeout_s=10.0)
+    if heartbeat:
+        r = app.test_client().post(HEARTBEAT_PATH, headers=AUTH, json={
+            "name": name, "incarnation_id": f"inc-{name}",
+            "load_metrics": {"waiting_requests_num": waiting, "gpu_cache_usage_perc": usage}})
+        assert r.status_code == 200, r.get_json()
+
+
+def completion(client, body, **kwargs):
+    return client.post("/v1/completions", data=body if isinstance(body, (bytes, str))
+                       else json.dumps(body), content_type="application/json", **kwargs)
+
+
+def openai_error(r) -> tuple[int, str, Optional[str], Optional[str]]:
+    err = r.get_json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return r.status_code, err["type"], err["param"], err["code"]
+
+
+# -- proxying --------------------------------------------------------------------------------------
+
+def test_completion_proxied_to_the_default_instance_with_headers(etcd_server, etcd):
+    with upstreams("json") as (up,), running(etcd_server) as app:
+        register(app, etcd, up.name)
+        body = b'{"model": "m1", "prompt": [1, 2, 3], "max_tokens": 4}'
+        r = completion(app.test_client(), body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert r.get_json() == {"echo": json.loads(body)}
+        assert (r.headers["x-kvsvc-prefill"], r.headers["x-kvsvc-decode"]) == (up.name, "")
+        assert r.headers["X-Upstream"] == "kept" and "X-Hop" not in r.headers
+        (req,) = up.requests
+        assert req["body"] == body  # the client's bytes, unchanged without a D
+        assert req["headers"]["Authorization"] == "Bearer k"
+
+
+def test_pd_mode_body_carries_routing_and_chat_is_proxied(etcd_server, etcd):
+    with upstreams("json") as (p,), running(etcd_server) as app:
+        register(app, etcd, p.name, "PREFILL")
+        register(app, etcd, "127.0.0.1:1", "DECODE", usage=0.5)
+        msgs = [{"role": "user", "content": "hello"}]
+        r = app.test_client().post("/v1/chat/completions",
+                                   json={"model": "m2", "messages": msgs})
+        assert r.status_code == 200
+        assert (r.headers["x-kvsvc-prefill"], r.headers["x-kvsvc-decode"]) == (
+            p.name, "127.0.0.1:1")
+        assert json.loads(p.requests[0]["body"]) == {
+            "model": "m2", "messages": msgs,
+            "routing": {"prefill_name": p.name, "decode_name": "127.0.0.1:1"}}
+        assert p.requests[0]["path"] == "/v1/chat/completions"
+
+
+def test_sse_stream_relayed_chunk_by_chunk(etcd_server, etcd):
+    with upstreams("sse") as (up,), running(etcd_server) as app:
+        register(app, etcd, up.name)
+        r = completion(app.test_client(), {"model": "m1", "prompt": "hi", "stream": True},
+                       buffered=False)
+        assert r.status_code == 200
+        assert r.headers["Content-Type"] == "text/event-stream"
+        assert r.headers["x-kvsvc-prefill"] == up.name
+        chunks = iter(r.response)
+        assert next(chunks) == b"data: 0\n\n"
+        up.release.set()
+        assert b"".join(chunks) == b"data: 1\n\ndata: [DONE]\n\n"
+        r.close()
+
+
+def test_client_going_away_mid_stream_closes_the_upstream(etcd_server, etcd):
+    with upstreams("flood") as (up,), running(etcd_server) as app:
+        register(app, etcd, up.name)
+        r = completion(app.test_client(), {"model": "m1", "prompt": [5], "stream": True},
+                       buffered=False)
+        assert next(iter(r.response)).startswith(b"data: xxx")
+        r.close()  # what the WSGI server does when the client disconnects
+        wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")
+
+
+def test_refused_upstream_retried_on_the_next_best(etcd_server, etcd):
+    dead = refused_name()
+    with upstreams("json") as (up,), running(etcd_server) as app:
+        register(app, etcd, dead, waiting=0)
+        register(app, etcd, up.name, waiting=4)  # queue cost 1: ranked second
+        r = completion(app.test_client(), {"model": "m1", "prompt": [1]})
+        assert r.status_code == 200
+        assert r.headers["x-kvsvc-prefill"] == up.name
+        assert app.extensions[ROUTING_EXTENSION].proxy.failures() == {dead: 1}
+
+
+def test_no_candidate_is_503_and_unreachable_upstreams_502(etcd_server, etcd):
+    with running(etcd_server) as app:
+        client = app.test_client()
+        r = completion(client, {"model": "m1", "prompt": "x"})
+        assert openai_error(r) == (503, "service_unavailable", None, None)
+        assert r.get_json()["error"]["message"] == (
+            "no instance available: no schedulable instance with a load report")
+        register(app, etcd, "127.0.0.1:2", heartbeat=False)  # no load report: not a candidate
+        assert completion(client, {"model": "m1", "prompt": "x"}).status_code == 503
+        dead = refused_name()
+        register(app, etcd, dead)
+        r = completion(client, {"model": "m1", "prompt": "x"})
+        assert openai_error(r) == (502, "upstream_error", None, None)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b"{nope", None),
+    ("/v1/completions", b"[1]", None),
+    ("/v1/completions", b'{"model": "m1"}', "prompt"),
+    ("/v1/completions", b'{"model": "m1", "prompt": []}', "prompt"),
+    ("/v1/completions", b'{"model": "m1", "prompt": [1, -2]}', "prompt"),
+    ("/v1/completions", b'{"model": "m1", "prompt": [1, true]}', "prompt"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "stream": "yes"}', "stream"),
+    ("/v1/completions", b'{"prompt": "x"}', "model"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"content": "x"}]}',
+     "messages[0].role"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user"}], "tools": 1}',
+     "tools"),
+])
+def test_malformed_body_is_400_before_routing(etcd_server, path, body, param):
+    with running(etcd_server) as app:  # no instance at all: routing would answer 503
+        r = app.test_client().post(path, data=body, content_type="application/json")
+        assert openai_error(r) == (400, "invalid_request_error", param, None)
+
+
+def test_unknown_model_404_models_list_and_413(etcd_server):
+    with running(etcd_server, max_request_bytes=2048) as app:
+        client = app.test_client()
+        r = completion(client, {"model": "gpt-x", "prompt": "hi"})
+        assert openai_error(r) == (404, "invalid_request_error", "model", "model_not_found")
+        assert r.get_json()["error"]["message"] == "The model `gpt-x` does not exist."
+        r = client.get("/v1/models")
+        assert r.get_json() == {"object": "list", "data": [
+            {"id": "m1", "object": "model", "created": 0, "owned_by": "kvsvc"},
+            {"id": "m2", "object": "model", "created": 0, "owned_by": "kvsvc"}]}
+        r = completion(client, {"model": "m1", "prompt": "x" * 2100})
+        assert openai_error(r) == (413, "invalid_request_error", None, "request_too_large")
+        r = completion(client, {"model": "m1", "prompt": "x" * 1900})
+        assert r.status_code == 503  # within the limit: validated, then no candidate
+
+
+# -- decision endpoint -----------------------------------------------------------------------------
+
+def one_stream(name: str, event_port: int, replay_port: int) -> KvEventsConfig:
+    return parse_kv_events_config({"streams": [{
+        "instance_name": name, "block_size": 4, "endpoint": f"tcp://127.0.0.1:{event_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}], "replay_timeout_ms": 500})
+
+
+def test_route_endpoint_reports_hits_and_picks_the_cached_instance(etcd_server, etcd, zmq_ctx,
+                                                                     tmp_path):
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    event_port, replay_port = free_ports(2)
+    cached, cold = "127.0.0.1:9101", "127.0.0.1:9102"
+    pub = ProtocolPublisher(zmq_ctx, event_port, replay_port)
+    # Tokens [1, 6, 7, 8] (= "<s> hello world how") and [9, 10, 6, 7] stored: two blocks.
+    pub.set_snapshot([stored([11, 12], None, [1, 6, 7, 8, 9, 10, 6, 7], 4)], watermark=None)
+    with pub, running(etcd_server, one_stream(cached, event_port, replay_port),
+                      tokenizer_path=str(tmp_path / "tokenizer.json")) as app:
+        svc = app.extensions[EXTENSION]
+        wait_for(svc.directory.ready, timeout_s=10.0, what="stream synchronized")
+        register(app, etcd, cached, waiting=1)
+        register(app, etcd, cold, waiting=2)
+        client = app.test_client()
+        assert client.post("/v1/internal/route", json={"token_ids": [1]}).status_code == 401
+        r = client.post("/v1/internal/route", headers=AUTH,
+                        json={"token_ids": [1, 6, 7, 8, 9, 10, 6, 7, 5, 5]})
+        assert r.status_code == 200
+        got = r.get_json()
+        assert (got["policy"], got["prefill"], got["decode"], got["input_tokens"],
+                got["tokenized"]) == ("CAR", cached, None, 10, True)
+        # cached: hit 8/10, queue 1/2: 0.5 * 0.2 + 0.5 * 0.5 = 0.35; cold: 0.5 + 0.5 = 1.0.
+        by_name = {c["name"]: c for c in got["candidates"]}
+        assert by_name[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
+                                             "host_only_hit_tokens": 0, "hit_ratio": 0.8,
+                                             "reason": None}]
+        assert by_name[cold]["ranks"][0]["reason"] == "missing"
+        assert (by_name[cached]["queue_cost"], by_name[cold]["queue_cost"]) == (0.5, 1.0)
+        assert by_name[cached]["score"] == pytest.approx(0.35, abs=1e-12)
+        assert by_name[cold]["score"] == 1.0
+        assert [c["name"] for c in got["candidates"]] == [cached, cold]
+        # A text prompt is tokenized ("<s> hello world how" -> [1, 6, 7, 8]): one block hit.
+        r = client.post("/v1/internal/route", headers=AUTH,
+                        json={"model": "m1", "prompt": "hello world how"})
+        got = r.get_json()
+        by_name = {c["name"]: c for c in got["candidates"]}
+        assert (got["input_tokens"], got["tokenized"]) == (4, True)
+        assert by_name[cached]["hit_ratio"] == 1.0
+        assert r.status_code == 200
+        # Nothing was sent anywhere: both instances are unreachable names.
+        assert client.post("/v1/internal/route", headers=AUTH, json={"x": 1}).status_code == 400

@@ -1,0 +1,252 @@
+"""The Flask app (§10) through its test client, with a real Directory of real subscribers."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import flask
+import pytest
+
+from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app, max_content_length
+from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
+from tests.util import free_ports
+
+TOKEN = "s3cret-token"
+HEADERS = {"X-Internal-Token": TOKEN}
+INSTANCE = "127.0.0.1:9000"
+
+
+
+
+def one_stream_config(event_port: int, replay_port: int, block_size: int = 4) -> KvEventsConfig:
+    return parse_kv_events_config({
+        "streams": [{"instance_name": INSTANCE, "block_size": block_size,
+                     "endpoint": f"tcp://127.0.0.1:{event_port}",
+                     "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}],
+        "replay_timeout_ms": 300,
+    })
+
+
+@contextmanager
+def running_app(kv_config: Optional[KvEventsConfig], token: Optional[str] = TOKEN,
+                max_query_tokens: int = 64, start: bool = True) -> Iterator[flask.Flask]:
+    """A fresh app per test; its service is started (unless ``start`` is False) and closed."""
+    settings = load_service_settings(internal_api_token=token, max_query_tokens=max_query_tokens)
+    app = create_app(settings, kv_config)
+    service = app.extensions[EXTENSION]
+    if start:
+        service.start(timeout_s=5.0)
+    try:
+        yield app
+    finally:
+        service.close(timeout_s=5.0)
+
+
+@pytest.fixture
+def app():
+    """A running app with one stream whose engine is absent (stays unsynchronized)."""
+    event_port, replay_port = free_ports(2)
+    with running_app(one_stream_config(event_port, replay_port)) as app:
+        yield app
+
+
+def post(client, body, headers=HEADERS, **kwargs):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return client.post(QUERY_PATH, data=data, headers=headers, content_type="application/json",
+                       **kwargs)
+
+
+def unsynchronized_match(response_match: dict) -> dict:
+    """The numeric part of a §10 match of a stream that has no index yet."""
+    return {k: response_match[k] for k in (
+        "instance_name", "dp_rank", "synchronized", "sequence", "device_hit_tokens",
+        "host_only_hit_tokens", "reusable_prefix_tokens", "device_blocks", "host_blocks")}
+
+
+ZERO = {"instance_name": INSTANCE, "dp_rank": 0, "synchronized": False, "sequence": None,
+        "device_hit_tokens": 0, "host_only_hit_tokens": 0, "reusable_prefix_tokens": 0,
+        "device_blocks": 0, "host_blocks": 0}
+
+
+# -- auth ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{}, {"X-Internal-Token": "wrong"},
+                                     {"X-Internal-Token": TOKEN + "x"},
+                                     {"X-Internal-Token": ""}])
+def test_query_without_right_token_is_401(app, headers):
+    r = post(app.test_client(), {"token_ids": [1, 2, 3, 4]}, headers=headers)
+    assert r.status_code == 401
+    assert r.get_json() == {"error": "missing or wrong X-Internal-Token"}
+
+
+def test_query_with_right_token_answers_every_stream(app):
+    r = post(app.test_client(), {"token_ids": [1, 2, 3, 4, 5]})
+    assert r.status_code == 200
+    matches = r.get_json()["matches"]
+    assert len(matches) == 1
+    assert unsynchronized_match(matches[0]) == ZERO
+    assert isinstance(matches[0]["error"], str) and matches[0]["error"]
+
+
+def test_no_token_configured_needs_no_header():
+    event_port, replay_port = free_ports(2)
+    with running_app(one_stream_config(event_port, replay_port), token=None) as app:
+        r = post(app.test_client(), {"token_ids": [7]}, headers={})
+        assert r.status_code == 200
+        assert unsynchronized_match(r.get_json()["matches"][0]) == ZERO
+
+
+def test_unknown_internal_path_needs_token_then_404(app):
+    client = app.test_client()
+    assert client.get("/v1/internal/nope").status_code == 401
+    r = client.get("/v1/internal/nope", headers=HEADERS)
+    assert r.status_code == 404
+    assert set(r.get_json()) == {"error"}
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, error", [
+    (b"not json", "body is not valid JSON"),
+    (b"", "body is not valid JSON"),
+    (b"\xff\xfe", "body is not valid JSON"),
+    # Deeper than both JSON parsers go: orjson refuses, the stdlib one runs out of stack.
+    # orjson refuses UTF-16, and the stdlib fallback runs out of stack on the nesting.
+    pytest.param(('{"token_ids": [1], "x": ' + "[" * 5000 + "]" * 5000 + "}").encode("utf-16"),
+                 "body is nested too deeply", id="deeply-nested-fallback"),
+    (b"[1, 2]", "body must be a JSON object"),
+    (b'"token_ids"', "body must be a JSON object"),
+    (b"null", "body must be a JSON object"),
+    (b"{}", "token_ids: missing"),
+    (b'{"tokens": [1]}', "token_ids: missing"),
+    (b'{"token_ids": "1,2"}', "token_ids: must be a list of integers"),
+    (b'{"token_ids": null}', "token_ids: must be a list of integers"),
+    (b'{"token_ids": {"0": 1}}', "token_ids: must be a list of integers"),
+    (b'{"token_ids": [1, "2"]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [1, 2.0]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [true]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [1, null]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [[1]]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [NaN]}', "token_ids: every element must be an integer"),
+    (b'{"token_ids": [-1]}', "token_ids: every element must be in [0, 2147483647]"),
+    (b'{"token_ids": [2147483648]}', "token_ids: every element must be in [0, 2147483647]"),
+    (b'{"token_ids": [0, 99999999999999999999999]}',
+     "token_ids: every element must be in [0, 2147483647]"),
+])
+def test_bad_query_body_is_400(app, body, error):
+    r = post(app.test_client(), body)
+    assert r.status_code == 400
+    assert r.get_json() == {"error": error}
+
+
+def test_too_many_tokens_is_400_and_the_limit_itself_is_fine(app):
+    client = app.test_client()
+    r = post(client, {"token_ids": list(range(65))})
+    assert r.status_code == 400
+    assert r.get_json() == {"error": "token_ids: 65 tokens, more than max_query_tokens=64"}
+    r = post(client, {"token_ids": [2**31 - 1] * 64})
+    assert r.status_code == 200
+    assert unsynchronized_match(r.get_json()["matches"][0]) == ZERO
+
+
+def test_body_over_derived_limit_is_413(app):
+    limit = max_content_length(64)
+    assert limit == 64 * 12 + 64 * 1024
+    r = post(app.test_client(), b"{" + b" " * limit + b"}")
+    assert r.status_code == 413
+    assert set(r.get_json()) == {"error"}
+    # Exactly at the limit the body is read (and is valid JSON here).
+    r = post(app.test_client(), b'{"token_ids": []' + b" " * (limit - 17) + b"}")
+    assert r.status_code == 200
+
+
+def test_empty_token_ids_gives_status_with_zero_hits(app):
+    r = post(app.test_client(), {"token_ids": []})
+    assert r.status_code == 200
+    assert [unsynchronized_match(m) for m in r.get_json()["matches"]] == [ZERO]
+
+
+def test_json_404_and_405(app):
+    client = app.test_client()
+    r = client.get("/nope")
+    assert (r.status_code, r.content_type) == (404, "application/json")
+    assert set(r.get_json()) == {"error"}
+    r = client.get(QUERY_PATH, headers=HEADERS)
+    assert (r.status_code, r.content_type) == (405, "application/json")
+    assert set(r.get_json()) == {"error"}
+    assert "POST" in r.headers["Allow"]
+    r = client.post("/health")
+    assert r.status_code == 405
+    assert set(r.get_json()) == {"error"}
+
+
+def test_unexpected_error_is_json_500(app, monkeypatch):
+    directory = app.extensions[EXTENSION].directory
+
+    def broken(token_ids):
+        raise RuntimeError("boom")
+
+    # A mock only to force the rare path: an unexpected exception inside a view.
+    monkeypatch.setattr(directory, "query", broken)
+    r = post(app.test_client(), {"token_ids": [1]})
+    assert r.status_code == 500
+    assert r.get_json() == {"error": "internal server error"}
+
+
+# -- health, readiness, disabled index -----------------------------------------------------------
+
+def test_health_is_ok_even_before_start():
+    event_port, replay_port = free_ports(2)
+    with running_app(one_stream_config(event_port, replay_port), start=False) as app:
+        r = app.test_client().get("/health")
+        assert (r.status_code, r.get_json()) == (200, {"status": "ok"})
+
+
+def test_ready_503_before_start_lists_streams():
+    event_port, replay_port = free_ports(2)
+    with running_app(one_stream_config(event_port, replay_port), start=False) as app:
+        r = app.test_client().get("/ready")
+        assert r.status_code == 503
+        assert r.get_json() == {
+            "ready": False, "running": False, "index_enabled": True,
+            "streams": [{"instance_name": INSTANCE, "dp_rank": 0, "state": "unsynchronized",
+                         "synchronized_once": False, "sequence": None,
+                         "error": "not started", "device_blocks": 0, "host_blocks": 0,
+                         "recoveries": 0, "resync_differences": 0}]}
+
+
+def test_index_disabled_answers_no_matches_and_is_ready(caplog):
+    with caplog.at_level("WARNING", logger="kvsvc.http.app"):
+        with running_app(None) as app:
+            client = app.test_client()
+            r = post(client, {"token_ids": [1, 2, 3]})
+            assert (r.status_code, r.get_json()) == (200, {"matches": []})
+            r = client.get("/ready")
+            assert (r.status_code, r.get_json()) == (200, {
+                "ready": True, "running": True, "index_enabled": False, "streams": []})
+            # Validation still applies with the index disabled.
+            assert post(client, {"token_ids": [-5]}).status_code == 400
+    disabled = [r for r in caplog.records if "index disabled" in r.getMessage()]
+    assert len(disabled) == 1
+
+
+def test_chunked_body_over_the_limit_is_413_not_cut_short(app):
+    """A chunked body has no Content-Length to refuse up front; it is read up to the limit
+    plus one byte. Cut at the limit, this body would be a different, valid query."""
+    limit = max_content_length(64)
+    head = b'{"token_ids": [1]}'
+    client = app.test_client()
+
+    def chunked(body: bytes):
+        # As gunicorn serves a chunked body: no length, the stream ends at the last chunk.
+        return client.post(QUERY_PATH, input_stream=io.BytesIO(body), headers={
+            **HEADERS, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+            environ_overrides={"wsgi.input_terminated": True})
+
+    r = chunked(head + b" " * (limit - len(head)) + b"this is not json")
+    assert (r.status_code, set(r.get_json())) == (413, {"error"})
+    r = chunked(head + b" " * (limit - len(head)))   # exactly at the limit: read and answered
+    assert r.status_code == 200 and r.get_json()["matches"][0]["device_hit_tokens"] == 0

@@ -1,0 +1,360 @@
+"""§8 configuration rules (every error names its field) and the service settings sources."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsvc.config import (
+    load_kv_events_config,
+    load_service_settings,
+    parse_kv_events_config,
+)
+from kvsvc.errors import ConfigError
+
+
+def stream(name: str = "a:1", rank: int = 0, port: int = 5000, **extra: Any) -> dict:
+    """One valid ``streams[]`` entry with distinct endpoints per (port)."""
+    doc = {"instance_name": name, "dp_rank": rank,
+           "endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{port + 1}"}
+    doc.update(extra)
+    return doc
+
+
+def config_error(data: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_kv_events_config(data)
+    return info.value
+
+
+def test_defaults_and_valid_static_config():
+    cfg = parse_kv_events_config({"streams": [stream()]})
+    assert (cfg.max_streams, cfg.max_blocks_per_stream, cfg.max_message_bytes,
+            cfg.max_buffered_bytes, cfg.replay_timeout_ms, cfg.resync_interval_ms) == (
+        128, 262144, 8388608, 16777216, 2000, 30000)
+    s = cfg.streams[0]
+    assert (s.dp_rank, s.block_size, s.topic, s.hash_seed) == (0, 128, "", 1024)
+    assert cfg.discovery is None
+
+
+def test_shipped_loopback_config_matches_the_sim_port_rule():
+    """config/kv_events_sim_loopback.json follows `kvsvc sim --port 8000 --dp 2 --topic
+    xllm-kv` (README): events on port + 10000 + r, snapshots on port + 30000 + r."""
+    path = Path(__file__).resolve().parents[2] / "config" / "kv_events_sim_loopback.json"
+    cfg = load_kv_events_config(path)
+    assert [(s.instance_name, s.dp_rank, s.topic, s.endpoint, s.replay_endpoint)
+            for s in cfg.kept_streams()] == [
+        ("127.0.0.1:8000", r, "xllm-kv", f"tcp://127.0.0.1:{18000 + r}",
+         f"tcp://127.0.0.1:{38000 + r}") for r in (0, 1)]
+
+
+def test_example_config_file_is_valid():
+    path = Path(__file__).resolve().parents[2] / "config" / "kv_events_static_example.json"
+    cfg = load_kv_events_config(path)
+    assert [(s.instance_name, s.dp_rank) for s in cfg.kept_streams()] == [
+        ("10.0.0.5:9000", 0), ("10.0.0.5:9000", 1), ("10.0.0.6:9000", 0)]
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"streams": [], "bogus": 1}, "bogus"),
+    ({"streams": [stream(colour="red")]}, "streams[0].colour"),
+    ({"discovery": {"enabled": False, "extra": 1}}, "discovery.extra"),
+])
+def test_unknown_key_is_named(data, field):
+    err = config_error(data)
+    assert (err.field, err.message) == (field, "unknown key")
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"max_streams": "8"}, "max_streams"),
+    ({"max_streams": 8.0}, "max_streams"),
+    ({"max_streams": True}, "max_streams"),
+    ({"streams": {}}, "streams"),
+    ({"streams": [stream(dp_rank="0")]}, "streams[0].dp_rank"),
+    ({"streams": [stream(block_size=None)]}, "streams[0].block_size"),
+    ({"streams": [stream(topic=1)]}, "streams[0].topic"),
+    ({"streams": [stream(hash_seed=1.5)]}, "streams[0].hash_seed"),
+    ({"discovery": {"enabled": "yes"}}, "discovery.enabled"),
+])
+def test_wrong_type_is_named(data, field):
+    assert config_error(data).field == field
+
+
+@pytest.mark.parametrize("key, bad, good", [
+    ("max_streams", 0, 1), ("max_streams", 129, 128),
+    ("max_blocks_per_stream", 0, 1),
+    ("max_message_bytes", 1023, 1024),
+    ("max_buffered_bytes", 1023, 1024),
+    ("replay_timeout_ms", 0, 1),
+    ("resync_interval_ms", 999, 1000),
+])
+def test_limit_ranges(key, bad, good):
+    assert config_error({key: bad}).field == key
+    assert getattr(parse_kv_events_config({key: good}), key) == good
+
+
+@pytest.mark.parametrize("bad, good", [(49, 50), (60001, 60000)])
+def test_refresh_interval_range(bad, good):
+    err = config_error({"discovery": {"refresh_interval_ms": bad}})
+    assert err.field == "discovery.refresh_interval_ms"
+    cfg = parse_kv_events_config({"discovery": {"refresh_interval_ms": good}})
+    assert cfg.discovery.refresh_interval_ms == good
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("dp_rank", -1), ("block_size", 0), ("hash_seed", -1), ("hash_seed", 2**64),
+    ("instance_name", ""),
+])
+def test_stream_field_ranges(field, bad):
+    assert config_error({"streams": [stream(**{field: bad})]}).field == f"streams[0].{field}"
+
+
+def test_missing_required_stream_fields_are_named():
+    for key in ("instance_name", "endpoint", "replay_endpoint"):
+        doc = stream()
+        del doc[key]
+        err = config_error({"streams": [doc]})
+        assert err.field == f"streams[0].{key}"
+
+
+@pytest.mark.parametrize("endpoint", [
+    "tcp://*:5000", "tcp://0.0.0.0:5000", "127.0.0.1:5000", "ipc:///tmp/x",
+    "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://127.0.0.1:5000/x",
+    # ZMQ would take these, but none is a plain connect address: userinfo, ZMQ's
+    # "interface;address" source syntax, "0" (= 0.0.0.0), the IPv6 unspecified address.
+    "tcp://u@127.0.0.1:5000", "tcp://eth0;127.0.0.1:5000", "tcp://0:5000", "tcp://[::]:5000",
+])
+@pytest.mark.parametrize("key", ["endpoint", "replay_endpoint"])
+def test_endpoint_rules(key, endpoint):
+    err = config_error({"streams": [stream(port=6000, **{key: endpoint})]})
+    assert err.field == f"streams[0].{key}"
+
+
+def test_streams_and_enabled_discovery_are_exclusive():
+    err = config_error({"streams": [stream()], "discovery": {"enabled": True}})
+    assert err.field == "streams"
+    assert "mutually exclusive" in err.message
+    # Disabled discovery beside streams, or enabled discovery with no streams, is fine.
+    assert len(parse_kv_events_config(
+        {"streams": [stream()], "discovery": {"enabled": False}}).streams) == 1
+    assert parse_kv_events_config({"discovery": {}}).discovery.enabled is True
+
+
+def test_duplicate_instance_rank_pair_rejected():
+    err = config_error({"streams": [stream("a:1", 0, 5000), stream("a:1", 0, 5010)]})
+    assert err.field == "streams[1]"
+    assert "duplicate" in err.message
+
+
+@pytest.mark.parametrize("second, field", [
+    ({"endpoint": "tcp://127.0.0.1:5000"}, "streams[1].endpoint"),
+    ({"endpoint": "tcp://127.0.0.1:5001"}, "streams[1].endpoint"),
+    ({"replay_endpoint": "tcp://127.0.0.1:5000"}, "streams[1].replay_endpoint"),
+    ({"replay_endpoint": "tcp://127.0.0.1:5001"}, "streams[1].replay_endpoint"),
+    # Compared as (host, port), not as strings.
+    ({"endpoint": "tcp://127.0.0.1:05000"}, "streams[1].endpoint"),
+    ({"endpoint": "tcp://[::1]:7000"}, None),
+])
+def test_endpoint_used_twice_rejected(second, field):
+    doc = {"streams": [stream("a:1", 0, 5000), stream("b:1", 0, 5010, **second)]}
+    if field is None:  # a different host is a different endpoint
+        assert len(parse_kv_events_config(doc).streams) == 2
+        return
+    assert config_error(doc).field == field
+
+
+def test_same_stream_event_and_replay_endpoint_rejected():
+    err = config_error({"streams": [stream(replay_endpoint="tcp://127.0.0.1:5000")]})
+    assert err.field == "streams[0].replay_endpoint"
+
+
+def test_max_streams_cuts_whole_instances_in_name_order(caplog):
+    streams = [stream("c:1", 0, 5000), stream("b:1", 1, 5010), stream("b:1", 0, 5020),
+               stream("a:1", 0, 5030), stream("d:1", 0, 5040)]
+    cfg = parse_kv_events_config({"streams": streams, "max_streams": 3})
+    with caplog.at_level(logging.WARNING, logger="kvsvc.config"):
+        kept = cfg.kept_streams()
+    # a (1) + b (2) = 3; c and d would exceed and are skipped whole.
+    assert [(s.instance_name, s.dp_rank) for s in kept] == [("a:1", 0), ("b:1", 0), ("b:1", 1)]
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_max_streams_never_splits_an_instance():
+    streams = [stream("a:1", 0, 5000), stream("a:1", 1, 5010), stream("b:1", 0, 5020)]
+    cfg = parse_kv_events_config({"streams": streams, "max_streams": 1})
+    # a has 2 ranks and does not fit; b (1 rank) does.
+    assert [(s.instance_name, s.dp_rank) for s in cfg.kept_streams()] == [("b:1", 0)]
+
+
+def test_top_level_must_be_object_and_file_errors(tmp_path):
+    assert config_error([]).field == "kv_events_config_file"
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(tmp_path / "missing.json")
+    assert info.value.field == "kv_events_config_file"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(bad)
+    assert info.value.field == "kv_events_config_file"
+    assert "not valid JSON" in info.value.message
+    not_utf8 = tmp_path / "latin1.json"
+    not_utf8.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(not_utf8)
+    assert info.value.field == "kv_events_config_file"
+    assert "not UTF-8" in info.value.message
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(deep)
+    assert info.value.field == "kv_events_config_file"
+
+
+def test_duplicate_json_key_is_named(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"max_streams": 0, "max_streams": 5}', encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(path)
+    assert (info.value.field, info.value.message) == (
+        "max_streams", "key given twice in one JSON object")
+
+
+# -- service settings ----------------------------------------------------------------------------
+
+
+
+def test_settings_defaults(clean_env):
+    s = load_service_settings()
+    assert (s.host, s.port, s.kv_events_config_file, s.max_query_tokens, s.log_level) == (
+        "0.0.0.0", 8888, "", 1 << 20, "info")
+    assert s.token() is None
+    assert s.kv_events_config() is None
+
+
+def test_settings_from_env_and_flags_override_env(clean_env):
+    clean_env.setenv("KVSVC_PORT", "9001")
+    clean_env.setenv("KVSVC_HOST", "127.0.0.1")
+    clean_env.setenv("KVSVC_MAX_QUERY_TOKENS", "500")
+    s = load_service_settings()
+    assert (s.host, s.port, s.max_query_tokens) == ("127.0.0.1", 9001, 500)
+    s = load_service_settings(port=9002, host=None, max_query_tokens=None)
+    assert (s.host, s.port, s.max_query_tokens) == ("127.0.0.1", 9002, 500)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"port": 0}, "--port"), ({"port": 65536}, "--port"),
+    ({"max_query_tokens": 0}, "--max_query_tokens"),
+])
+def test_settings_ranges_named(clean_env, kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(**kwargs)
+    assert info.value.field == field
+
+
+def test_settings_bad_env_value_named(clean_env):
+    """An error names the variable the value came from; a flag that overrides it, the flag."""
+    clean_env.setenv("KVSVC_PORT", "http")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_PORT", "Input should be a valid integer, unable to parse string as an integer")
+    clean_env.setenv("KVSVC_PORT", "9000")
+    clean_env.setenv("KVSVC_CAR_PREFILL_LAMBDA", "2")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(port=0)
+    assert info.value.field == "--port"
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(port=9001)
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_CAR_PREFILL_LAMBDA", "Input should be less than or equal to 1")
+
+
+def test_token_from_env_and_from_file(clean_env, tmp_path):
+    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "s3cret")
+    assert load_service_settings().token() == "s3cret"
+    clean_env.delenv("KVSVC_INTERNAL_API_TOKEN")
+    path = tmp_path / "token"
+    path.write_text("from-file\n", encoding="utf-8")
+    assert load_service_settings(internal_api_token_file=str(path)).token() == "from-file"
+
+
+def test_token_and_token_file_are_exclusive(clean_env, tmp_path):
+    path = tmp_path / "token"
+    path.write_text("x", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(internal_api_token="a", internal_api_token_file=str(path))
+    assert info.value.field == "--internal_api_token_file"
+
+
+def test_token_file_missing_or_empty(clean_env, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(internal_api_token_file=str(tmp_path / "nope")).token()
+    assert info.value.field == "internal_api_token_file"
+    empty = tmp_path / "empty"
+    empty.write_text("  \n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(internal_api_token_file=str(empty)).token()
+    assert (info.value.field, info.value.message) == ("internal_api_token_file", "file is empty")
+
+
+def test_token_file_first_line_is_the_token(clean_env, tmp_path):
+    path = tmp_path / "token"
+    path.write_text("s3cret\nsecond line ignored\n", encoding="utf-8")
+    assert load_service_settings(internal_api_token_file=str(path)).token() == "s3cret"
+
+
+@pytest.mark.parametrize("token, problem", [
+    (" abc", "starts or ends with whitespace"), ("abc ", "starts or ends with whitespace"),
+    ("\tabc", "starts or ends with whitespace"), ("abc\n", "starts or ends with whitespace"),
+    ("a\x01b", "holds a character outside printable ASCII"),
+    ("a\u00e9b", "holds a character outside printable ASCII"),
+])
+def test_a_token_no_header_can_carry_is_refused(clean_env, tmp_path, token, problem):
+    """HTTP strips a header value's surrounding whitespace and gunicorn refuses control
+    characters, so such a token locks every client out; the message never shows the token."""
+    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", token)
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_INTERNAL_API_TOKEN", f"{problem}, which no X-Internal-Token header can carry")
+    clean_env.delenv("KVSVC_INTERNAL_API_TOKEN")
+    if token.strip() != token:
+        return  # a token file's line is stripped: that token is fine there
+    path = tmp_path / "token"
+    path.write_text(token + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(internal_api_token_file=str(path)).token()
+    assert (info.value.field, info.value.message) == (
+        "internal_api_token_file",
+        f"the token {problem}, which no X-Internal-Token header can carry")
+
+
+def test_empty_token_from_env_is_refused(clean_env):
+    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert info.value.field == "KVSVC_INTERNAL_API_TOKEN"
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("0.0.0.0", True), ("::", True), ("127.0.0.1", True), ("svc-1.example", True),
+    ("*", False), ("", False), ("a b", False),
+])
+def test_bind_host_validated(clean_env, host, ok):
+    if ok:
+        assert load_service_settings(host=host).host == host
+        return
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(host=host)
+    assert info.value.field == "--host"
+
+
+def test_kv_events_config_loaded_through_settings(clean_env, tmp_path):
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"streams": [stream()], "max_streams": 4}), encoding="utf-8")
+    cfg = load_service_settings(kv_events_config_file=str(path)).kv_events_config()
+    assert (len(cfg.streams), cfg.max_streams) == (1, 4)
