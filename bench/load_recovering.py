@@ -69,7 +69,7 @@ import zmq
 from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS
 from kvsvc.directory import Directory
 from kvsvc.routing.policy import CacheAware
-from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
 from kvsvc.streams.frame import END_MARKER, NO_WATERMARK, encode_live
 
 from ._common import (

@@ -49,7 +49,7 @@ from kvsvc.address import MAX_PORT, parse_host_port, tcp_endpoint
 from kvsvc.config import DiscoveryConfig, KvEventsConfig, StreamConfig
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, LifecycleError
-from kvsvc.cluster.registry import InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.cluster.model import InstanceState, InstanceType, RegistrySnapshot, instance_identity
 from kvsvc.streams.state import StreamId
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,6 @@ log = logging.getLogger(__name__)
 XLLM_BACKEND = "xllm"
 
 _JOIN_TIMEOUT_S = 10.0
-
-
-def instance_identity(instance: Any) -> str:
-    """The identity a stream is tied to (§9): ``incarnation_id`` when the registration has a
-    non-empty one, else ``register_ts_ms`` (as ``"register_ts_ms:<ms>"``, never equal to a
-    uuid).
-
-    :param instance: a :class:`~kvsvc.cluster.registry.Instance` (``incarnation_id``: str or None,
-        ``register_ts_ms``: int ms or None).
-    """
-    if instance.incarnation_id:
-        return str(instance.incarnation_id)
-    return f"register_ts_ms:{instance.register_ts_ms}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,11 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from kvsvc.errors import EtcdError, LifecycleError
 from kvsvc.cluster.etcd import EtcdClient
-
-if TYPE_CHECKING:
-    from kvsvc.cluster.registry import RegistrySettings, RegistrySnapshot
+from kvsvc.cluster.model import RegistrySettings, RegistrySnapshot
 
 log = logging.getLogger(__name__)
 

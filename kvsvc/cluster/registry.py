@@ -36,22 +36,31 @@ the MIX decode with the smallest name flips to ``PREFILL``. Every flip is logged
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import requests
 
-from kvsvc.address import parse_host_port
 from kvsvc.cluster.election import MasterElection
+from kvsvc.cluster.model import (
+    Instance,
+    InstanceState,
+    InstanceType,
+    LoadMetrics,
+    Malformed,
+    Registration,
+    RegistrySettings,
+    RegistrySnapshot,
+    check_load,
+    parse_load,
+    parse_registration,
+)
 from kvsvc.errors import (
-    ConfigError,
     EtcdError,
     InvalidHeartbeat,
     LifecycleError,
@@ -64,150 +73,12 @@ from kvsvc.cluster.etcd import PUT, EtcdClient, KeyValue, ListResult, WatchEvent
 log = logging.getLogger(__name__)
 
 
-class InstanceType(enum.IntEnum):
-    """Registered instance type; the value is the JSON ``type`` field (§9)."""
-
-    DEFAULT = 0
-    PREFILL = 1
-    DECODE = 2
-    MIX = 3
-
-
-class InstanceState(str, enum.Enum):
-    """§9 instance states. ``ACTIVE`` and ``LEASE_LOST`` are schedulable, ``SUSPECT`` is not."""
-
-    ACTIVE = "ACTIVE"
-    LEASE_LOST = "LEASE_LOST"
-    SUSPECT = "SUSPECT"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadMetrics:
-    """The latest load report of an instance (§9).
-
-    :ivar waiting_requests_num: queued requests, >= 0.
-    :ivar gpu_cache_usage_perc: Device KV-cache usage, a fraction in [0, 1].
-    :ivar received_at: ``time.monotonic()`` seconds when this process received it (heartbeat or
-        a new ``XLLM:LOADMETRICS`` revision).
-    """
-
-    waiting_requests_num: int
-    gpu_cache_usage_perc: float
-    received_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Instance:
-    """One registered instance as the registry sees it (§9).
-
-    :ivar name: ``host:port`` from the key.
-    :ivar type: registered type.
-    :ivar role: current role: equal to ``type`` except for MIX, which is PREFILL or DECODE by the
-        MIX role rule of this module's docstring.
-    :ivar incarnation_id: the process incarnation, None when the registration carries none.
-    :ivar register_ts_ms: registration time in ms since the epoch, None when absent.
-    :ivar dp_size: DP ranks, >= 1 (0 or absent in the value means 1).
-    :ivar backend_type: ``"xllm"`` unless the value says otherwise.
-    :ivar rpc_address: the engine's RPC address, None when absent.
-    :ivar state: §9 state.
-    :ivar load: latest load, None until one arrives.
-    """
-
-    name: str
-    type: InstanceType
-    role: InstanceType
-    incarnation_id: Optional[str]
-    register_ts_ms: Optional[int]
-    dp_size: int
-    backend_type: str
-    rpc_address: Optional[str]
-    state: InstanceState
-    load: Optional[LoadMetrics]
-
-
-@dataclass(frozen=True, slots=True)
-class RegistrySnapshot:
-    """An immutable view of the registry.
-
-    :ivar instances: read-only mapping name -> :class:`Instance`.
-    :ivar fresh: etcd reachable and listed within the last re-list period; False means the
-        instances are the last known ones (readiness degraded).
-    :ivar is_master: this process holds ``XLLM:SERVICE:MASTER``.
-    :ivar generation: increments on every change of the snapshot.
-    """
-
-    instances: Mapping[str, Instance]
-    fresh: bool
-    is_master: bool
-    generation: int
-
-
-@dataclass(frozen=True)
-class RegistrySettings:
-    """Registry timings and identity. All durations in seconds.
-
-    :ivar etcd_addr: ``host:port`` of etcd (xllm-service ``--etcd_addr``).
-    :ivar namespace: key prefix ``/<namespace>/`` when non-empty.
-    :ivar relist_interval_s: full re-list period (the watch only accelerates).
-    :ivar lease_lost_grace_s: LEASE_LOST -> SUSPECT after this long without a heartbeat (§9: 3 s).
-    :ivar suspect_removal_s: SUSPECT -> removed after this long (§9: 15 s; xllm-service
-        ``--detect_disconnected_instance_interval``).
-    :ivar health_probe_timeout_s: timeout of one ``GET http://<name>/health``.
-    :ivar loadmetrics_interval_s: master's ``XLLM:LOADMETRICS`` write period (§9: 3 s).
-    :ivar master_lease_ttl_s: TTL of the master key's lease, whole seconds >= 1.
-    :ivar self_address: this service's ``host:port``, the master key's value.
-    :raises ConfigError: from construction when a value is out of range.
-    """
-
-    etcd_addr: str
-    namespace: str = ""
-    relist_interval_s: float = 5.0
-    lease_lost_grace_s: float = 3.0
-    suspect_removal_s: float = 15.0
-    health_probe_timeout_s: float = 1.0
-    loadmetrics_interval_s: float = 3.0
-    master_lease_ttl_s: int = 3
-    self_address: str = ""
-
-    def __post_init__(self) -> None:
-        from kvsvc.cluster.etcd import parse_addr
-
-        parse_addr(self.etcd_addr)
-        if "/" in self.namespace:
-            raise ConfigError("namespace", f"must not contain '/', got {self.namespace!r}")
-        for field in ("relist_interval_s", "lease_lost_grace_s", "suspect_removal_s",
-                      "health_probe_timeout_s", "loadmetrics_interval_s"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(field, f"must be a number > 0, got {value!r}")
-        ttl = self.master_lease_ttl_s
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
-            raise ConfigError("master_lease_ttl_s", f"must be an int >= 1, got {ttl!r}")
-
-    @property
-    def key_prefix(self) -> str:
-        """``/<namespace>/`` or ``""``: what comes before every §9 key."""
-        return f"/{self.namespace}/" if self.namespace else ""
-
-
-@dataclass(frozen=True, slots=True)
-class _Registration:
-    """A parsed, valid registration value (internal)."""
-
-    type: InstanceType
-    incarnation_id: Optional[str]
-    register_ts_ms: Optional[int]
-    dp_size: int
-    backend_type: str
-    rpc_address: Optional[str]
-
-
 @dataclass(slots=True)
 class _Record:
     """Mutable per-instance state; touched only under ``Registry._lock``."""
 
     name: str
-    reg: _Registration
+    reg: Registration
     key_revision: int
     state: InstanceState
     since: float                      # monotonic s when ``state`` was entered
@@ -215,88 +86,6 @@ class _Record:
     load: Optional[LoadMetrics] = None
     last_heartbeat: Optional[float] = None
     probe_needed: bool = False        # key deleted while ACTIVE: the timer thread probes
-
-
-class Malformed(ValueError):
-    """Internal: a registration value or key that cannot be used (never leaves this module)."""
-
-
-def _check_name(name: str) -> None:
-    try:
-        parse_host_port(name)
-    except ValueError:
-        raise Malformed(f"instance name {name!r} is not host:port") from None
-
-
-def parse_registration(key_type: InstanceType, name: str, value: bytes) -> _Registration:
-    """Parse one ``XLLM:<TYPE>:<name>`` value (§9). Unknown fields are ignored.
-
-    :raises Malformed: not a JSON object, a field of the wrong type, ``name``/``type``
-        disagreeing with the key, a name that is not ``host:port``.
-    """
-    _check_name(name)
-    try:
-        obj = json.loads(value)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
-    if not isinstance(obj, dict):
-        raise Malformed("not a JSON object")
-
-    def opt(field: str, kind: type) -> object:
-        v = obj.get(field)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise Malformed(f"{field}: expected {kind.__name__}, got {type(v).__name__}")
-        return v
-
-    if opt("name", str) not in (None, name):
-        raise Malformed(f"name {obj['name']!r} differs from the key's {name!r}")
-    type_v = opt("type", int)
-    if type_v is not None and type_v != int(key_type):
-        raise Malformed(f"type {type_v} differs from the key's {key_type.name}")
-    incarnation = opt("incarnation_id", str) or None
-    ts = opt("register_ts_ms", int)
-    if ts is not None and ts < 0:
-        raise Malformed(f"register_ts_ms {ts} < 0")
-    dp = opt("dp_size", int)
-    if dp is not None and not 0 <= dp <= 65536:
-        raise Malformed(f"dp_size {dp} out of range 0-65536")
-    backend = opt("backend_type", str) or "xllm"
-    rpc = opt("rpc_address", str) or None
-    return _Registration(type=key_type, incarnation_id=incarnation, register_ts_ms=ts,
-                         dp_size=dp or 1, backend_type=backend, rpc_address=rpc)
-
-
-def _parse_load(value: bytes) -> tuple[int, float]:
-    """``{"waiting_requests_num": int >= 0, "gpu_cache_usage_perc": number in [0, 1]}``.
-
-    :raises Malformed: anything else.
-    """
-    try:
-        obj = json.loads(value)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
-    if not isinstance(obj, dict):
-        raise Malformed("not a JSON object")
-    return _check_load(obj.get("waiting_requests_num"), obj.get("gpu_cache_usage_perc"))
-
-
-#: Largest ``waiting_requests_num`` accepted: a queue length, and every consumer (the CAR
-#: queue term, the Prometheus gauge) must be able to take it as a float.
-MAX_WAITING_REQUESTS = 2**31 - 1
-
-
-def _check_load(waiting: object, usage: object) -> tuple[int, float]:
-    if (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0
-            or waiting > MAX_WAITING_REQUESTS):
-        shown = f"{waiting!r}"[:40]
-        raise Malformed(f"waiting_requests_num must be an int in [0, {MAX_WAITING_REQUESTS}], "
-                        f"got {shown}")
-    if isinstance(usage, bool) or not isinstance(usage, (int, float)) \
-            or not 0 <= usage <= 1:  # no float(): an int too large for one would raise
-        raise Malformed(f"gpu_cache_usage_perc must be a number in [0, 1], got {usage!r}")
-    return waiting, float(usage)
 
 
 _TYPES_BY_NAME = {t.name: t for t in InstanceType}
@@ -324,7 +113,7 @@ class Registry:
         self._view: dict[str, KeyValue] = {}          # instance keys as etcd holds them
         self._records: dict[str, _Record] = {}
         self._etcd_loads: dict[str, tuple[int, Optional[LoadMetrics]]] = {}  # name -> (rev, load)
-        self._parsed: dict[str, tuple[int, object]] = {}  # key -> (rev, _Registration | Malformed)
+        self._parsed: dict[str, tuple[int, object]] = {}  # key -> (rev, Registration | Malformed)
         self._conflicts_logged: dict[str, tuple] = {}    # name -> keys+revisions logged
         self._fresh = False
         self._last_list_ok = 0.0
@@ -423,7 +212,7 @@ class Registry:
         :raises StaleIncarnation: (409) the registered instance has a different incarnation.
         """
         try:
-            waiting, usage = _check_load(waiting_requests_num, gpu_cache_usage_perc)
+            waiting, usage = check_load(waiting_requests_num, gpu_cache_usage_perc)
         except Malformed as exc:
             raise InvalidHeartbeat(str(exc)) from None
         now = time.monotonic()
@@ -517,7 +306,7 @@ class Registry:
                 continue
             kv, reg = entries[0]
             rec = self._records.get(name)
-            if not isinstance(reg, _Registration):
+            if not isinstance(reg, Registration):
                 if rec is not None:
                     del self._records[name]
                     log.info("registry: %s removed (malformed registration)", name)
@@ -583,7 +372,7 @@ class Registry:
         if old is not None and old[0] >= kv.mod_revision:
             return False
         try:
-            waiting, usage = _parse_load(kv.value)
+            waiting, usage = parse_load(kv.value)
             load: Optional[LoadMetrics] = LoadMetrics(waiting, usage, now)
         except Malformed as exc:
             log.error("registry: malformed load %s (revision %d) ignored: %s", kv.key,

@@ -69,7 +69,8 @@ from kvsvc.errors import (
 )
 from kvsvc.index.keys import ARRAY_IS_WIRE_FORM, pack_tokens
 from kvsvc.http.metrics import METRICS_EXTENSION, Metrics
-from kvsvc.cluster.registry import MAX_WAITING_REQUESTS, Registry, RegistrySettings
+from kvsvc.cluster.model import MAX_WAITING_REQUESTS, RegistrySettings
+from kvsvc.cluster.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
-from kvsvc.cluster.registry import InstanceState
+from kvsvc.cluster.model import InstanceState
 from kvsvc.streams.state import StreamState
 
 if TYPE_CHECKING:  # imported for annotations only: kvsvc.http.app imports this module

@@ -47,7 +47,7 @@ from kvsvc.errors import RequestError
 from kvsvc.http.metrics import METRICS_EXTENSION, Metrics
 from kvsvc.routing.policy import Decision, InFlight, Policy, make_policy
 from kvsvc.routing.proxy import Proxy, ProxySettings, UpstreamError, upstream_headers
-from kvsvc.cluster.registry import RegistrySnapshot
+from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.routing.prompt import ChatPrompt, CompletionPrompt, PromptTokenizer, TokenSource
 
 log = logging.getLogger(__name__)

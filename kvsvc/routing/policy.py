@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from kvsvc.cluster.discovery import instance_identity
+from kvsvc.cluster.model import instance_identity
 from kvsvc.errors import ConfigError
-from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
 from kvsvc.streams.state import StreamId, StreamMatch
 
 log = logging.getLogger(__name__)

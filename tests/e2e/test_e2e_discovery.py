@@ -26,7 +26,7 @@ from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app
 from kvsvc.config import load_service_settings, parse_kv_events_config
 from kvsvc.testbed.demo import free_instance_port
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.cluster.registry import InstanceState
+from kvsvc.cluster.model import InstanceState
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.streams.state import StreamId

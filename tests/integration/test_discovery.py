@@ -17,7 +17,7 @@ import pytest
 from kvsvc.config import DiscoveryConfig, KvEventsConfig, parse_kv_events_config
 from kvsvc.directory import Directory
 from kvsvc.cluster.discovery import Discovery, Plan, instance_identity, plan_streams
-from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.streams.state import StreamId
 from tests.util import wait_for

@@ -13,7 +13,8 @@ import time
 
 
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.cluster.registry import Registry, RegistrySettings
+from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.registry import Registry
 from tests.util import free_port, wait_for
 
 TTL_S = 1
@@ -92,7 +93,8 @@ def test_election_loadmetrics_and_non_master_reads(etcd_server, etcd):
 
 _CHILD = """
 import sys, threading
-from kvsvc.cluster.registry import Registry, RegistrySettings
+from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.registry import Registry
 reg = Registry(RegistrySettings(etcd_addr=sys.argv[1], self_address="child:1",
                                 master_lease_ttl_s={ttl}, relist_interval_s=1.0))
 reg.start()

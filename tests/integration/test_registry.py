@@ -13,14 +13,8 @@ from typing import Iterator
 import pytest
 
 from kvsvc.errors import ConfigError, InvalidHeartbeat, StaleIncarnation, UnknownInstance
-from kvsvc.cluster.registry import (
-    Instance,
-    InstanceState,
-    InstanceType,
-    LoadMetrics,
-    Registry,
-    RegistrySettings,
-)
+from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySettings
+from kvsvc.cluster.registry import Registry
 from tests.util import free_port, wait_for
 
 GRACE_S = 0.5

@@ -22,7 +22,7 @@ from kvsvc.routing.policy import (
     RoundRobin,
     make_policy,
 )
-from kvsvc.cluster.registry import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
 from kvsvc.streams.state import StreamId, StreamMatch
 
 D, P, DEC, MIX = InstanceType.DEFAULT, InstanceType.PREFILL, InstanceType.DECODE, InstanceType.MIX

@@ -19,7 +19,7 @@ from kvsvc.routing.policy import (
     RoundRobin,
     waiting_estimate,
 )
-from kvsvc.cluster.registry import InstanceType, LoadMetrics
+from kvsvc.cluster.model import InstanceType, LoadMetrics
 from tests.unit.test_policy import TOKENS, inst, match, names, scores, snap
 
 REPORTED_AT = 1.0  # tests.unit.test_policy.inst's LoadMetrics.received_at
