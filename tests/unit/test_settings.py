@@ -16,11 +16,15 @@ import pytest
 from kvsvc import settings as settings_module
 from kvsvc.cli import build_parser, main, resolve_serve_settings, serve_environment
 from kvsvc.errors import ConfigError
+from kvsvc.routing import policy
 from kvsvc.settings import (
+    CAR_WEIGHT_RANGE,
+    POLICY_NAMES,
     README_BEGIN,
     README_END,
     SECTIONS,
     SETTINGS,
+    UNSUPPORTED_POLICIES,
     ServiceSettings,
     export_environment,
     load_service_settings,
@@ -195,7 +199,33 @@ def test_check_config_lists_every_setting_with_its_source(clean_env, capsys):
     assert "s3cret-token" not in out
 
 
-# -- choices ------------------------------------------------------------------------------------
+# -- policy names and CAR ranges, declared once --------------------------------------------------
+
+def test_policy_names_and_ranges_are_the_ones_routing_checks():
+    assert policy.POLICY_NAMES is POLICY_NAMES
+    for name in POLICY_NAMES:
+        assert load_service_settings(load_balance_policy=name).load_balance_policy == name
+        assert policy.make_policy(name).name == name
+    for name, message in UNSUPPORTED_POLICIES.items():
+        with pytest.raises(ConfigError) as by_settings:
+            load_service_settings(load_balance_policy=name)
+        with pytest.raises(ConfigError) as by_policy:
+            policy.make_policy(name)
+        assert by_settings.value.message == by_policy.value.message == message
+    low, high = CAR_WEIGHT_RANGE
+    for field, kwarg in (("car_prefill_lambda", "prefill_lambda"),
+                         ("car_host_hit_weight", "host_hit_weight")):
+        for ok in (low, high):
+            assert getattr(load_service_settings(**{field: ok}), field) == ok
+            policy.make_policy("CAR", **{kwarg: ok})
+        for bad in (low - 0.01, high + 0.01):
+            with pytest.raises(ConfigError) as err:
+                load_service_settings(**{field: bad})
+            assert err.value.field == f"--{field}"
+            with pytest.raises(ConfigError) as err:
+                policy.make_policy("CAR", **{kwarg: bad})
+            assert err.value.field == field
+
 
 @pytest.mark.parametrize("row", [r for r in SETTINGS if r.meta.choices], ids=lambda r: r.name)
 def test_values_outside_the_choices_are_refused_naming_the_setting(clean_env, row):
