@@ -4,6 +4,6 @@ Nothing starts here; gunicorn's ``post_worker_init`` starts the service (:mod:`k
 """
 
 from kvsvc.http.app import create_app
-from kvsvc.config import load_service_settings
+from kvsvc.settings import load_service_settings
 
 app = create_app(load_service_settings())

@@ -25,8 +25,18 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from kvsvc.config import LOG_FORMATS, LOG_LEVELS, KvEventsConfig, ServiceSettings, load_service_settings
+from kvsvc.config import KvEventsConfig
 from kvsvc.errors import ConfigError
+from kvsvc.settings import (
+    SettingRow,
+    ServiceSettings,
+    add_arguments,
+    describe_settings,
+    export_environment,
+    flag_values,
+    load_service_settings,
+    setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +47,6 @@ EXIT_CONFIG = 2
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GUNICORN_CONF = PROJECT_ROOT / "config" / "gunicorn.conf.py"
 
-_LOG_LEVELS = LOG_LEVELS
-
 #: Subcommands implemented elsewhere, imported on use: name -> (module, help).
 _LAZY_COMMANDS = {
     "sim": ("kvsvc.testbed.sim.cli", "run a simulated engine publishing KV events"),
@@ -48,93 +56,11 @@ _LAZY_COMMANDS = {
 }
 
 
-#: ``serve`` flags of the routing settings (§11), passed through as ``KVSVC_*``.
-_ROUTING_FLAGS = ("load_balance_policy", "car_prefill_lambda", "car_host_hit_weight",
-                  "tokenizer_path", "model", "upstream_connect_timeout_s",
-                  "upstream_read_timeout_s", "max_request_bytes")
-
-
-#: ``serve`` flags of logging and metrics, passed through as ``KVSVC_*``.
-_OPS_FLAGS = ("log_format", "access_log", "metrics_require_token")
-
-#: ``serve`` flags of the worker's sizing, passed through as ``KVSVC_*`` (repr of the value).
-_SERVER_FLAGS = ("worker_threads", "max_concurrent_snapshots")
-
-
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
                        description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.")
-    _add_service_flags(p)
+    add_arguments(p)  # one flag per row of the settings table
     p.set_defaults(func=cmd_serve)
-
-
-def _bool_flag(value: str) -> bool:
-    """``true``/``false`` (also 1/0, yes/no, on/off) for the boolean flags."""
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
-def _add_service_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of ``serve`` (and of ``check-config``, which validates the same things)."""
-    p.add_argument("--host", help="HTTP bind address (KVSVC_HOST, default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="HTTP port (KVSVC_PORT, default 8888)")
-    p.add_argument("--kv_events_config_file",
-                   help="§8 JSON file; empty disables the index (KVSVC_KV_EVENTS_CONFIG_FILE)")
-    p.add_argument("--internal_api_token_file",
-                   help="file holding the X-Internal-Token value (KVSVC_INTERNAL_API_TOKEN_FILE)")
-    p.add_argument("--internal_api_token",
-                   help="token value; visible in `ps` to every local user: prefer "
-                        "KVSVC_INTERNAL_API_TOKEN or --internal_api_token_file")
-    p.add_argument("--max_query_tokens", type=int,
-                   help="largest token_ids list of a query (KVSVC_MAX_QUERY_TOKENS)")
-    p.add_argument("--log_level", choices=_LOG_LEVELS, help="log level (KVSVC_LOG_LEVEL)")
-    p.add_argument("--log_format", choices=LOG_FORMATS,
-                   help="json: one JSON object per line (default, for journald/log shippers); "
-                        "text: plain lines for a terminal (KVSVC_LOG_FORMAT)")
-    p.add_argument("--access_log", type=_bool_flag, nargs="?", const=True,
-                   help="gunicorn per-request access lines on stdout (KVSVC_ACCESS_LOG, "
-                        "default false)")
-    p.add_argument("--metrics_require_token", type=_bool_flag, nargs="?", const=True,
-                   help="require X-Internal-Token on GET /metrics too "
-                        "(KVSVC_METRICS_REQUIRE_TOKEN, default false)")
-    p.add_argument("--etcd_addr",
-                   help="etcd host:port of the instance registry (§9); required when the "
-                        "config file enables discovery (KVSVC_ETCD_ADDR, default: no registry)")
-    p.add_argument("--etcd_namespace",
-                   help="registry key namespace, keys under /<ns>/ (KVSVC_ETCD_NAMESPACE)")
-    p.add_argument("--detect_disconnected_instance_interval", type=float,
-                   help="seconds a SUSPECT instance is kept before removal "
-                        "(KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL, default 15)")
-    p.add_argument("--self_address",
-                   help="host:port engines reach this service at, published as master "
-                        "(KVSVC_SELF_ADDRESS, default host:port)")
-    # Routing (§11), xllm-service's flag names; see kvsvc.http.routes.
-    p.add_argument("--load_balance_policy", help="RR or CAR (KVSVC_LOAD_BALANCE_POLICY, "
-                   "default CAR); SLO_AWARE is not supported")
-    p.add_argument("--car_prefill_lambda", type=float,
-                   help="CAR cache-miss weight in [0, 1] (KVSVC_CAR_PREFILL_LAMBDA, default 0.5)")
-    p.add_argument("--car_host_hit_weight", type=float,
-                   help="CAR Host-hit weight in [0, 1] (KVSVC_CAR_HOST_HIT_WEIGHT, default 0.5)")
-    p.add_argument("--tokenizer_path", help="tokenizer.json or a directory with it and "
-                   "tokenizer_config.json (KVSVC_TOKENIZER_PATH; empty: text hits are 0)")
-    p.add_argument("--model", help="comma-separated served model names (KVSVC_MODEL; empty: "
-                   "any name accepted)")
-    p.add_argument("--upstream_connect_timeout_s", type=float,
-                   help="upstream connect timeout, s (KVSVC_UPSTREAM_CONNECT_TIMEOUT_S, 2)")
-    p.add_argument("--upstream_read_timeout_s", type=float,
-                   help="upstream read timeout, s (KVSVC_UPSTREAM_READ_TIMEOUT_S, 600)")
-    p.add_argument("--max_request_bytes", type=int,
-                   help="largest OpenAI request body, bytes (KVSVC_MAX_REQUEST_BYTES, 16 MiB)")
-    p.add_argument("--max_concurrent_snapshots", type=int,
-                   help="snapshot recoveries running at once across all streams, 1-128; the "
-                        "others queue (KVSVC_MAX_CONCURRENT_SNAPSHOTS, default 1)")
-    p.add_argument("--worker_threads", type=int,
-                   help="threads of the gunicorn worker, 4-4096: requests served at once, "
-                        "proxied ones included (KVSVC_WORKER_THREADS, default 128)")
 
 
 def _add_check_config(sub: Any) -> None:
@@ -143,7 +69,7 @@ def _add_check_config(sub: Any) -> None:
         description="Validate exactly what `kvsvc serve` validates with the same flags and "
                     "KVSVC_* variables (settings, §8 file, token source, etcd/discovery "
                     "rules, routing); print a summary. Starts nothing. Exit 0 or 2.")
-    _add_service_flags(p)
+    add_arguments(p)  # the same flags as serve: it validates the same things
     p.set_defaults(func=cmd_check_config)
 
 
@@ -171,25 +97,18 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
 
     :raises ConfigError: naming the field (``--port``, ``streams[0].endpoint``, ...).
     """
-    settings = load_service_settings(
-        host=args.host, port=args.port, kv_events_config_file=args.kv_events_config_file,
-        internal_api_token=args.internal_api_token,
-        internal_api_token_file=args.internal_api_token_file,
-        max_query_tokens=args.max_query_tokens, log_level=args.log_level,
-        etcd_addr=args.etcd_addr, etcd_namespace=args.etcd_namespace,
-        detect_disconnected_instance_interval=args.detect_disconnected_instance_interval,
-        self_address=args.self_address,
-        **{name: getattr(args, name, None)
-           for name in _ROUTING_FLAGS + _OPS_FLAGS + _SERVER_FLAGS})
+    given = flag_values(args)
+    settings = load_service_settings(**given)
     try:
         validate_service(settings)
     except ConfigError as exc:
         # Checks after parsing (a tokenizer that does not load, ...) name the flag; name the
         # variable instead when that is where the value came from.
         name = exc.field.removeprefix("--")
-        if (exc.field.startswith("--") and getattr(args, name, None) is None
-                and os.environ.get(f"KVSVC_{name.upper()}")):
-            raise ConfigError(f"KVSVC_{name.upper()}", exc.message) from exc
+        if exc.field.startswith("--") and name in given and given[name] is None:
+            env = setting(name).env
+            if os.environ.get(env):
+                raise ConfigError(env, exc.message) from exc
         raise
     return settings
 
@@ -215,39 +134,14 @@ def validate_service(settings: ServiceSettings) -> Optional[KvEventsConfig]:
 
 def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[str, str]:
     """The gunicorn process's environment: ``base`` without any ``KVSVC_*`` variable, plus the
-    resolved settings as ``KVSVC_*`` (paths made absolute: gunicorn runs in the project root).
-    The token travels in the environment or as a file path, never in argv.
+    resolved settings as ``KVSVC_*`` (paths made absolute: gunicorn runs in the project root;
+    :func:`kvsvc.settings.export_environment`). The token travels in the environment or as a
+    file path, never in argv.
 
     :param settings: validated settings.
     :param base: the current environment.
     """
-    env = {k: v for k, v in base.items() if not k.startswith("KVSVC_")}
-    cfg = settings.kv_events_config_file
-    env.update({
-        "KVSVC_HOST": settings.host,
-        "KVSVC_PORT": str(settings.port),
-        "KVSVC_KV_EVENTS_CONFIG_FILE": os.path.abspath(cfg) if cfg else "",
-        "KVSVC_MAX_QUERY_TOKENS": str(settings.max_query_tokens),
-        "KVSVC_LOG_LEVEL": settings.log_level.lower(),
-        "KVSVC_LOG_FORMAT": settings.log_format,
-        "KVSVC_ACCESS_LOG": "true" if settings.access_log else "false",
-        "KVSVC_METRICS_REQUIRE_TOKEN": "true" if settings.metrics_require_token else "false",
-        "KVSVC_ETCD_ADDR": settings.etcd_addr,
-        "KVSVC_ETCD_NAMESPACE": settings.etcd_namespace,
-        "KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL":
-            repr(settings.detect_disconnected_instance_interval),
-        "KVSVC_SELF_ADDRESS": settings.self_address,
-    })
-    for name in _ROUTING_FLAGS + _SERVER_FLAGS:
-        value = getattr(settings, name)
-        if name == "tokenizer_path" and value:
-            value = os.path.abspath(value)
-        env["KVSVC_" + name.upper()] = value if isinstance(value, str) else repr(value)
-    if settings.internal_api_token is not None:
-        env["KVSVC_INTERNAL_API_TOKEN"] = settings.internal_api_token.get_secret_value()
-    elif settings.internal_api_token_file:
-        env["KVSVC_INTERNAL_API_TOKEN_FILE"] = os.path.abspath(settings.internal_api_token_file)
-    return env
+    return export_environment(settings, base)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -275,8 +169,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached
 
 
-def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig]) -> list[str]:
-    """Human-readable lines describing validated service settings (never the token itself)."""
+def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig],
+                      source: Optional[Callable[[SettingRow], str]] = None) -> list[str]:
+    """Human-readable lines describing validated service settings (never the token itself):
+    a summary, the §8 config, then every setting of the table with where it came from.
+
+    :param source: origin of a setting's value (``--port``, ``KVSVC_PORT``, ``default``);
+        ``None`` leaves it out.
+    """
     token = ("from KVSVC_INTERNAL_API_TOKEN" if settings.internal_api_token is not None else
              f"from file {settings.internal_api_token_file}" if settings.internal_api_token_file
              else "none (internal endpoints open)")
@@ -295,6 +195,7 @@ def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig
         lines.append("kv_events_config_file: empty: KV index disabled")
     else:
         lines.extend(summarize(settings.kv_events_config_file, config))
+    lines.extend(describe_settings(settings, source))
     return lines
 
 
@@ -331,8 +232,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         config = settings.kv_events_config()
     except ConfigError as exc:
         return _config_error(exc)
-    print("\n".join(summarize_service(settings, config)))
+    print("\n".join(summarize_service(settings, config, _source_of(args))))
     return EXIT_OK
+
+
+def _source_of(args: argparse.Namespace) -> Callable[[SettingRow], str]:
+    """Where each setting of ``args`` came from: its flag, else its variable, else default."""
+    given = flag_values(args)
+
+    def source(row: SettingRow) -> str:
+        if given[row.name] is not None:
+            return row.flag
+        return row.env if row.env in os.environ else "default"
+
+    return source
 
 
 def _run_lazy(name: str, argv: Sequence[str]) -> int:

@@ -2,9 +2,9 @@
 
 ``config/gunicorn.conf.py`` imports this module and exposes :func:`gunicorn_settings` as module
 names plus the hooks. One ``gthread`` worker (the ``sync`` worker kills requests running past
-``timeout``) with ``--worker_threads`` threads (``KVSVC_WORKER_THREADS``, default 128: a
-proxied request holds a thread until its answer is relayed, so this caps the requests in
-flight), ``preload_app`` off, so the app (``wsgi:app``) and its
+``timeout``) with ``--worker_threads`` threads (``KVSVC_WORKER_THREADS``; default and range in
+:mod:`kvsvc.settings`: a proxied request holds a thread until its answer is relayed, so this
+caps the requests in flight), ``preload_app`` off, so the app (``wsgi:app``) and its
 :class:`~kvsvc.http.app.Service` are built inside the worker process and the service's ZMQ context
 and threads are only created after the fork: :func:`post_worker_init` starts the service,
 :func:`worker_exit` closes it (§6: stream threads are owned and joined).
@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from kvsvc.http.app import EXTENSION, Service
-from kvsvc.config import load_service_settings
+from kvsvc.settings import LOG_LEVELS, load_service_settings
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 GRACEFUL_TIMEOUT_S = 10
 #: Seconds each stream thread gets to start (post_worker_init) and to stop (worker_exit).
 STREAM_TIMEOUT_S = 5.0
-
-_LEVELS = {"debug", "info", "warning", "error", "critical"}
 
 #: Fields of a JSON log line besides ``timestamp`` (renamed: levelname -> level, name -> logger).
 JSON_FIELDS = "%(levelname)s %(name)s %(process)d %(message)s"
@@ -99,7 +97,7 @@ def gunicorn_settings() -> dict[str, Any]:
     :raises ConfigError: an invalid ``KVSVC_*`` value, naming the field.
     """
     settings = load_service_settings()
-    level = settings.log_level.lower() if settings.log_level.lower() in _LEVELS else "info"
+    level = settings.log_level.lower() if settings.log_level.lower() in LOG_LEVELS else "info"
     return {
         "bind": [bind_address(settings.host, settings.port)],
         "workers": 1,

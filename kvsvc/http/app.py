@@ -57,7 +57,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from werkzeug.wsgi import get_content_length
 
-from kvsvc.config import KvEventsConfig, ServiceSettings, check_discovery_needs_etcd
+from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
+from kvsvc.settings import ServiceSettings
 from kvsvc.directory import Directory
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.errors import (

@@ -42,7 +42,7 @@ from flask import current_app, request
 from werkzeug.exceptions import HTTPException
 
 from kvsvc.http.app import EXTENSION, MAX_TOKEN_ID, Service, parse_token_ids, read_body
-from kvsvc.config import ServiceSettings
+from kvsvc.settings import ServiceSettings
 from kvsvc.errors import RequestError
 from kvsvc.http.metrics import METRICS_EXTENSION, Metrics
 from kvsvc.routing.policy import Decision, InFlight, Policy, make_policy

@@ -49,6 +49,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from kvsvc.cluster.model import instance_identity
 from kvsvc.errors import ConfigError
 from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.settings import CAR_WEIGHT_RANGE, POLICY_NAMES, UNSUPPORTED_POLICIES
 from kvsvc.streams.state import StreamId, StreamMatch
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,6 @@ TIE_EPSILON = 1e-9
 #: Side labels of :class:`CandidateScore`.
 PREFILL_SIDE = "P"
 DECODE_SIDE = "D"
-
-#: Policy names accepted by ``--load_balance_policy`` (xllm-service's names).
-POLICY_NAMES = ("RR", "CAR")
 
 #: Why a rank counts 0 hits (``RankHit.reason``).
 REASON_MISSING = "missing"
@@ -423,8 +421,9 @@ def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateS
 # -- CAR -------------------------------------------------------------------------------------------
 
 def _check_unit(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ConfigError(name, f"must be a number in [0, 1], got {value!r}")
+    low, high = CAR_WEIGHT_RANGE  # the settings table's range of both CAR parameters
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 
@@ -577,9 +576,8 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     :param index_enabled: False logs, once here at start-up, that CAR routes with hit ratio 0.
     :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
     """
-    if name == "SLO_AWARE":
-        raise ConfigError("--load_balance_policy",
-                          "SLO_AWARE is not supported by kvsvc yet; use CAR or RR")
+    if name in UNSUPPORTED_POLICIES:
+        raise ConfigError("--load_balance_policy", UNSUPPORTED_POLICIES[name])
     if name == "RR":
         log.info("routing policy RR")
         return RoundRobin()

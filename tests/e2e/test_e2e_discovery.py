@@ -23,7 +23,8 @@ import pytest
 import requests
 
 from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app
-from kvsvc.config import load_service_settings, parse_kv_events_config
+from kvsvc.config import parse_kv_events_config
+from kvsvc.settings import load_service_settings
 from kvsvc.testbed.demo import free_instance_port
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.cluster.model import InstanceState

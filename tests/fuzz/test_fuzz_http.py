@@ -36,7 +36,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, QUERY_PATH, TOKEN_HEADER, create_app
-from kvsvc.config import load_service_settings, parse_kv_events_config
+from kvsvc.config import parse_kv_events_config
+from kvsvc.settings import load_service_settings
 from tests.publisher import ProtocolPublisher, stored
 from tests.e2e.test_e2e_gunicorn import Server, group_alive, serve_env
 from tests.util import free_ports, wait_for

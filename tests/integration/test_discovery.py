@@ -339,7 +339,7 @@ def test_discovery_without_etcd_addr_refuses_start_up(tmp_path, monkeypatch):
 
     from kvsvc.http.app import create_app
     from kvsvc.cli import resolve_serve_settings, serve_environment
-    from kvsvc.config import load_service_settings
+    from kvsvc.settings import load_service_settings
     from kvsvc.errors import ConfigError
 
     for key in [k for k in __import__("os").environ if k.startswith("KVSVC_")]:

@@ -12,7 +12,7 @@ import flask
 import pytest
 
 from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app, parse_heartbeat
-from kvsvc.config import load_service_settings
+from kvsvc.settings import load_service_settings
 from kvsvc.errors import RequestError
 from kvsvc.cluster.etcd import EtcdClient
 

@@ -12,7 +12,8 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, QUERY_PATH, create_app
-from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
+from kvsvc.config import KvEventsConfig, parse_kv_events_config
+from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.metrics import METRICS_EXTENSION
 from kvsvc.streams.frame import encode_live

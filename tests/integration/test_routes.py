@@ -12,7 +12,8 @@ import flask
 import pytest
 
 from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app
-from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
+from kvsvc.config import KvEventsConfig, parse_kv_events_config
+from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.routes import ROUTING_EXTENSION
 from tests.publisher import ProtocolPublisher, stored

@@ -11,7 +11,8 @@ import flask
 import pytest
 
 from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app, max_content_length
-from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
+from kvsvc.config import KvEventsConfig, parse_kv_events_config
+from kvsvc.settings import load_service_settings
 from tests.util import free_ports
 
 TOKEN = "s3cret-token"

@@ -1,19 +1,14 @@
-"""§8 configuration rules (every error names its field) and the service settings sources."""
+"""§8 configuration rules (every error names its field). The service settings: test_settings.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvsvc.config import (
-    load_kv_events_config,
-    load_service_settings,
-    parse_kv_events_config,
-)
+from kvsvc.config import load_kv_events_config, parse_kv_events_config
 from kvsvc.errors import ConfigError
 
 
@@ -221,140 +216,3 @@ def test_duplicate_json_key_is_named(tmp_path):
         load_kv_events_config(path)
     assert (info.value.field, info.value.message) == (
         "max_streams", "key given twice in one JSON object")
-
-
-# -- service settings ----------------------------------------------------------------------------
-
-
-
-def test_settings_defaults(clean_env):
-    s = load_service_settings()
-    assert (s.host, s.port, s.kv_events_config_file, s.max_query_tokens, s.log_level) == (
-        "0.0.0.0", 8888, "", 1 << 20, "info")
-    assert s.token() is None
-    assert s.kv_events_config() is None
-
-
-def test_settings_from_env_and_flags_override_env(clean_env):
-    clean_env.setenv("KVSVC_PORT", "9001")
-    clean_env.setenv("KVSVC_HOST", "127.0.0.1")
-    clean_env.setenv("KVSVC_MAX_QUERY_TOKENS", "500")
-    s = load_service_settings()
-    assert (s.host, s.port, s.max_query_tokens) == ("127.0.0.1", 9001, 500)
-    s = load_service_settings(port=9002, host=None, max_query_tokens=None)
-    assert (s.host, s.port, s.max_query_tokens) == ("127.0.0.1", 9002, 500)
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    ({"port": 0}, "--port"), ({"port": 65536}, "--port"),
-    ({"max_query_tokens": 0}, "--max_query_tokens"),
-])
-def test_settings_ranges_named(clean_env, kwargs, field):
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(**kwargs)
-    assert info.value.field == field
-
-
-def test_settings_bad_env_value_named(clean_env):
-    """An error names the variable the value came from; a flag that overrides it, the flag."""
-    clean_env.setenv("KVSVC_PORT", "http")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings()
-    assert (info.value.field, info.value.message) == (
-        "KVSVC_PORT", "Input should be a valid integer, unable to parse string as an integer")
-    clean_env.setenv("KVSVC_PORT", "9000")
-    clean_env.setenv("KVSVC_CAR_PREFILL_LAMBDA", "2")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(port=0)
-    assert info.value.field == "--port"
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(port=9001)
-    assert (info.value.field, info.value.message) == (
-        "KVSVC_CAR_PREFILL_LAMBDA", "Input should be less than or equal to 1")
-
-
-def test_token_from_env_and_from_file(clean_env, tmp_path):
-    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "s3cret")
-    assert load_service_settings().token() == "s3cret"
-    clean_env.delenv("KVSVC_INTERNAL_API_TOKEN")
-    path = tmp_path / "token"
-    path.write_text("from-file\n", encoding="utf-8")
-    assert load_service_settings(internal_api_token_file=str(path)).token() == "from-file"
-
-
-def test_token_and_token_file_are_exclusive(clean_env, tmp_path):
-    path = tmp_path / "token"
-    path.write_text("x", encoding="utf-8")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(internal_api_token="a", internal_api_token_file=str(path))
-    assert info.value.field == "--internal_api_token_file"
-
-
-def test_token_file_missing_or_empty(clean_env, tmp_path):
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(internal_api_token_file=str(tmp_path / "nope")).token()
-    assert info.value.field == "internal_api_token_file"
-    empty = tmp_path / "empty"
-    empty.write_text("  \n", encoding="utf-8")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(internal_api_token_file=str(empty)).token()
-    assert (info.value.field, info.value.message) == ("internal_api_token_file", "file is empty")
-
-
-def test_token_file_first_line_is_the_token(clean_env, tmp_path):
-    path = tmp_path / "token"
-    path.write_text("s3cret\nsecond line ignored\n", encoding="utf-8")
-    assert load_service_settings(internal_api_token_file=str(path)).token() == "s3cret"
-
-
-@pytest.mark.parametrize("token, problem", [
-    (" abc", "starts or ends with whitespace"), ("abc ", "starts or ends with whitespace"),
-    ("\tabc", "starts or ends with whitespace"), ("abc\n", "starts or ends with whitespace"),
-    ("a\x01b", "holds a character outside printable ASCII"),
-    ("a\u00e9b", "holds a character outside printable ASCII"),
-])
-def test_a_token_no_header_can_carry_is_refused(clean_env, tmp_path, token, problem):
-    """HTTP strips a header value's surrounding whitespace and gunicorn refuses control
-    characters, so such a token locks every client out; the message never shows the token."""
-    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", token)
-    with pytest.raises(ConfigError) as info:
-        load_service_settings()
-    assert (info.value.field, info.value.message) == (
-        "KVSVC_INTERNAL_API_TOKEN", f"{problem}, which no X-Internal-Token header can carry")
-    clean_env.delenv("KVSVC_INTERNAL_API_TOKEN")
-    if token.strip() != token:
-        return  # a token file's line is stripped: that token is fine there
-    path = tmp_path / "token"
-    path.write_text(token + "\n", encoding="utf-8")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(internal_api_token_file=str(path)).token()
-    assert (info.value.field, info.value.message) == (
-        "internal_api_token_file",
-        f"the token {problem}, which no X-Internal-Token header can carry")
-
-
-def test_empty_token_from_env_is_refused(clean_env):
-    clean_env.setenv("KVSVC_INTERNAL_API_TOKEN", "")
-    with pytest.raises(ConfigError) as info:
-        load_service_settings()
-    assert info.value.field == "KVSVC_INTERNAL_API_TOKEN"
-
-
-@pytest.mark.parametrize("host, ok", [
-    ("0.0.0.0", True), ("::", True), ("127.0.0.1", True), ("svc-1.example", True),
-    ("*", False), ("", False), ("a b", False),
-])
-def test_bind_host_validated(clean_env, host, ok):
-    if ok:
-        assert load_service_settings(host=host).host == host
-        return
-    with pytest.raises(ConfigError) as info:
-        load_service_settings(host=host)
-    assert info.value.field == "--host"
-
-
-def test_kv_events_config_loaded_through_settings(clean_env, tmp_path):
-    path = tmp_path / "kv.json"
-    path.write_text(json.dumps({"streams": [stream()], "max_streams": 4}), encoding="utf-8")
-    cfg = load_service_settings(kv_events_config_file=str(path)).kv_events_config()
-    assert (len(cfg.streams), cfg.max_streams) == (1, 4)

@@ -39,7 +39,7 @@ def test_invalid_worker_threads_refuse_start_up_naming_the_setting(monkeypatch, 
 
 def test_proxy_pool_holds_one_connection_per_worker_thread(monkeypatch):
     from kvsvc.http.app import create_app
-    from kvsvc.config import load_service_settings
+    from kvsvc.settings import load_service_settings
     from kvsvc.http.routes import ROUTING_EXTENSION
 
     app = create_app(load_service_settings(worker_threads=32), None)
@@ -73,7 +73,7 @@ def test_max_concurrent_snapshots_reaches_the_directory_through_serve(monkeypatc
 
     from kvsvc.http.app import EXTENSION, create_app
     from kvsvc.cli import build_parser, resolve_serve_settings, serve_environment
-    from kvsvc.config import load_service_settings
+    from kvsvc.settings import load_service_settings
     from kvsvc.http.routes import ROUTING_EXTENSION
 
     cfg = tmp_path / "kv.json"

@@ -1,0 +1,636 @@
+"""The service settings table: every ``kvsvc serve`` setting declared once.
+
+Each setting is one field of :class:`ServiceSettings`. That one declaration holds its name, its
+type, its default and its range (pydantic ``Field`` constraints), plus a :class:`Setting`
+marker with its section, help text, unit and accepted values. The model is gunicorn's one
+``Setting`` class per option (``benoitc/gunicorn:gunicorn/config.py``). Everything else is
+derived from the declaration, through :data:`SETTINGS` (one :class:`SettingRow` per field):
+
+- the flag ``--<name>`` and the environment variable ``KVSVC_<NAME>``;
+- the argparse arguments of ``kvsvc serve`` and ``kvsvc check-config``
+  (:func:`add_arguments`), whose help shows the variable, default, unit and range;
+- the ``KVSVC_*`` export that hands the resolved settings to the gunicorn worker
+  (:func:`export_environment`); the worker rebuilds them with :func:`load_service_settings`;
+- the settings lines of ``check-config`` (:func:`describe_settings`);
+- the README settings table (:func:`markdown_table`, ``python -m kvsvc.settings --markdown``;
+  ``tests/unit/test_settings.py`` fails when the README and this table differ).
+
+Sources, highest first: command-line flags (keyword arguments of
+:func:`load_service_settings`), ``KVSVC_<NAME>`` environment variables, defaults. Every
+failure raises :class:`~kvsvc.errors.ConfigError` naming the setting as it was given:
+``--port`` for a flag, ``KVSVC_PORT`` for a variable.
+
+This module also declares the routing policy names and the range of the CAR parameters (§11),
+which :mod:`kvsvc.routing.policy` checks too. It is in the bottom layer: it imports only
+:mod:`kvsvc.config`, :mod:`kvsvc.address` and :mod:`kvsvc.errors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated, Any, Callable, Mapping, Optional, Sequence
+
+import annotated_types
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvsvc.address import check_bind_host, parse_host_port, parse_http_host_port
+from kvsvc.config import (
+    DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
+    KvEventsConfig,
+    check_discovery_needs_etcd,
+    load_kv_events_config,
+    translate_validation_error,
+)
+from kvsvc.errors import ConfigError
+
+#: Prefix of every setting's environment variable.
+ENV_PREFIX = "KVSVC_"
+
+#: Accepted ``--log_level`` values (``KVSVC_LOG_LEVEL`` also in any case).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: Accepted ``--log_format`` values.
+LOG_FORMATS = ("json", "text")
+
+#: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
+POLICY_NAMES = ("RR", "CAR")
+#: xllm-service policy names kvsvc refuses, each with the reason given.
+UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
+    "SLO_AWARE": "SLO_AWARE is not supported by kvsvc yet; use CAR or RR",
+})
+#: Closed range ``(low, high)`` of both CAR parameters, ``car_prefill_lambda`` and
+#: ``car_host_hit_weight`` (§11).
+CAR_WEIGHT_RANGE = (0.0, 1.0)
+
+#: Sections of ``--help`` and of the README table, in display order.
+SECTION_HTTP = "HTTP and authentication"
+SECTION_INDEX = "KV index (§6-§8)"
+SECTION_REGISTRY = "Instance registry (§9)"
+SECTION_ROUTING = "Routing (§11)"
+SECTION_LOGS = "Logs"
+SECTION_WORKER = "gunicorn worker"
+SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_LOGS,
+            SECTION_WORKER)
+
+#: Marker lines around the generated table in README.md.
+README_BEGIN = "<!-- settings-table:begin (generated: python -m kvsvc.settings --update-readme README.md) -->"
+README_END = "<!-- settings-table:end -->"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What one setting's declaration holds besides pydantic's type, default and range; put in
+    the field's ``Annotated[...]``.
+
+    :param section: one of :data:`SECTIONS`.
+    :param help: one sentence for ``--help`` and the README (Markdown; backticks are dropped
+        in ``--help``).
+    :param unit: unit of a number, shown after its default (``s``, ``bytes``).
+    :param choices: accepted values of a string, shown as its range.
+    :param flag_checks_choices: argparse rejects other values; off where the validator gives
+        its own message (``SLO_AWARE``).
+    :param path: a file path: exported to the worker as an absolute path (gunicorn runs in the
+        project root).
+    :param export_empty: exported to the worker even when empty.
+    """
+
+    section: str
+    help: str
+    unit: str = ""
+    choices: tuple[str, ...] = ()
+    flag_checks_choices: bool = True
+    path: bool = False
+    export_empty: bool = True
+
+
+class ServiceSettings(BaseSettings):
+    """The service settings (xllm-service's flag names where it has one), validated before any
+    thread starts. The token can come from ``KVSVC_INTERNAL_API_TOKEN`` or from a file
+    (``--internal_api_token_file``), so it never needs argv.
+
+    Field order is the order of validation, hence which error is reported first; sections
+    only group the display.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    host: Annotated[str, Setting(
+        SECTION_HTTP, "HTTP bind address: an IP (`0.0.0.0` and `::` listen on every interface) "
+        "or a host name")] = "0.0.0.0"
+    port: Annotated[int, Field(ge=1, le=65535), Setting(SECTION_HTTP, "HTTP port")] = 8888
+    kv_events_config_file: Annotated[str, Setting(
+        SECTION_INDEX, "§8 JSON file; empty disables the index (every query answers "
+        "`{\"matches\": []}`, logged at start-up)", path=True)] = ""
+    internal_api_token: Annotated[Optional[SecretStr], Setting(
+        SECTION_HTTP, "the `X-Internal-Token` value required on `/v1/internal/*` (§10); as a "
+        "flag it is **visible to every local user in `ps`**: prefer the variable or "
+        "`--internal_api_token_file`")] = None
+    internal_api_token_file: Annotated[str, Setting(
+        SECTION_HTTP, "file whose first line is the `X-Internal-Token` value; exclusive with "
+        "the token itself", path=True, export_empty=False)] = ""
+    max_query_tokens: Annotated[int, Field(ge=1, le=16 * 1024 * 1024), Setting(
+        SECTION_HTTP, "longest `token_ids` list of a KV-cache query (§10)",
+        unit="tokens")] = 1 << 20
+    log_level: Annotated[str, Setting(
+        SECTION_LOGS, "level of kvsvc's and gunicorn's error logs",
+        choices=LOG_LEVELS)] = "info"
+    log_format: Annotated[str, Setting(
+        SECTION_LOGS, "`json`: one JSON object per line (for journald and log shippers); "
+        "`text`: plain lines for a terminal (see \"Logs\")", choices=LOG_FORMATS)] = "json"
+    # Off by default: every query and heartbeat would be a line.
+    access_log: Annotated[bool, Setting(
+        SECTION_LOGS, "gunicorn's per-request access lines on stdout")] = False
+    metrics_require_token: Annotated[bool, Setting(
+        SECTION_HTTP, "require `X-Internal-Token` on `GET /metrics` too (off: Prometheus "
+        "scrapes freely)")] = False
+    etcd_addr: Annotated[str, Setting(
+        SECTION_REGISTRY, "etcd `host:port` of the instance registry (§9); empty = no registry "
+        "(static streams only, heartbeats answered 503). Required when the config file "
+        "enables `discovery`")] = ""
+    etcd_namespace: Annotated[str, Setting(
+        SECTION_REGISTRY, "registry keys live under `/<ns>/` when set")] = ""
+    detect_disconnected_instance_interval: Annotated[float, Field(gt=0, le=3600), Setting(
+        SECTION_REGISTRY, "time a `SUSPECT` instance is kept before removal",
+        unit="s")] = 15.0
+    self_address: Annotated[str, Setting(
+        SECTION_REGISTRY, "`host:port` engines reach this replica at, written to "
+        "`XLLM:SERVICE:MASTER` while it is master; empty: `--host`:`--port`, a wildcard host "
+        "replaced by the machine's host name")] = ""
+    # One at a time: an index build is CPU work under the GIL, so a request thread then waits
+    # at most one build slice while many streams recover; more speeds up recovery and
+    # lengthens that wait (bench 8).
+    max_concurrent_snapshots: Annotated[int, Field(ge=1, le=128), Setting(
+        SECTION_INDEX, "snapshot recoveries (request, reply, decode, index build) running at "
+        "once across all streams; the others queue, first come first served (see \"Recovery, "
+        "in short\")")] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
+    load_balance_policy: Annotated[str, Setting(
+        SECTION_ROUTING, "`CAR` (cache-aware, §11) or `RR` (round robin, xllm-service's "
+        "default); `SLO_AWARE` is refused with a message (see \"Routing\")",
+        choices=POLICY_NAMES, flag_checks_choices=False)] = "CAR"
+    car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
+                                  Setting(SECTION_ROUTING,
+                                          "CAR weight of the cache-miss term against the queue "
+                                          "term in score(P)")] = 0.5
+    car_host_hit_weight: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
+                                   Setting(SECTION_ROUTING,
+                                           "CAR weight of a Host-only hit token against a "
+                                           "Device hit token")] = 0.5
+    tokenizer_path: Annotated[str, Setting(
+        SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
+        "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "
+        "hit ratio 0 (warned once)", path=True)] = ""
+    model: Annotated[str, Setting(
+        SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
+        "empty accepts any")] = ""
+    upstream_connect_timeout_s: Annotated[float, Field(gt=0, le=600), Setting(
+        SECTION_ROUTING, "TCP connect bound of one upstream attempt", unit="s")] = 2.0
+    upstream_read_timeout_s: Annotated[float, Field(gt=0, le=86400), Setting(
+        SECTION_ROUTING, "wait for the upstream's response head and between body reads",
+        unit="s")] = 600.0
+    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30), Setting(
+        SECTION_ROUTING, "largest OpenAI request body (413 above)",
+        unit="bytes")] = 16 * 1024 * 1024
+    worker_threads: Annotated[int, Field(ge=4, le=4096), Setting(
+        SECTION_WORKER, "threads of the gunicorn worker: requests served at once. A proxied "
+        "request holds a thread until its answer is relayed (a streamed one until its last "
+        "token), so this caps the OpenAI requests in flight to all instances together; "
+        "heartbeats and `/ready` share the same threads (hence at least 4). Also the proxy's "
+        "kept-alive connections per instance")] = 128
+
+    @field_validator("load_balance_policy")
+    @classmethod
+    def _policy_name(cls, value: str) -> str:
+        if value in UNSUPPORTED_POLICIES:
+            raise ValueError(UNSUPPORTED_POLICIES[value])
+        if value not in POLICY_NAMES:
+            raise ValueError(f"must be {' or '.join(POLICY_NAMES)}, got {value!r}")
+        return value
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        if value not in LOG_FORMATS:
+            raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        return value.lower()
+
+    @field_validator("etcd_addr")
+    @classmethod
+    def _etcd_addr_form(cls, value: str) -> str:
+        if value:
+            parse_http_host_port(value)
+        return value
+
+    @field_validator("self_address")
+    @classmethod
+    def _self_address_form(cls, value: str) -> str:
+        if value:
+            parse_host_port(value)
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _bind_host(cls, value: str) -> str:
+        # A bind address: an IP (0.0.0.0 / :: allowed here, unlike connect addresses) or a name.
+        return check_bind_host(value)
+
+    @model_validator(mode="after")
+    def _token_sources(self) -> "ServiceSettings":
+        if self.internal_api_token is not None and self.internal_api_token_file:
+            raise ValueError("internal_api_token_file: give either the token or the token file, not both")
+        if self.internal_api_token is not None and not self.internal_api_token.get_secret_value():
+            # An empty KVSVC_INTERNAL_API_TOKEN would silently switch authentication off.
+            raise ValueError("internal_api_token: empty; unset it to run without a token")
+        if self.internal_api_token is not None:
+            problem = _token_problem(self.internal_api_token.get_secret_value())
+            if problem:
+                raise ValueError(f"internal_api_token: {problem}")
+        return self
+
+    def token(self) -> Optional[str]:
+        """The internal API token, reading ``internal_api_token_file`` if set.
+
+        :raises ConfigError: the token file cannot be read or is empty.
+        """
+        if self.internal_api_token is not None:
+            value = self.internal_api_token.get_secret_value()
+            return value or None
+        if self.internal_api_token_file:
+            try:
+                text = Path(self.internal_api_token_file).read_text(encoding="utf-8")
+                # The token is the first line, as documented; anything after it is ignored.
+                value = text.splitlines()[0].strip() if text else ""
+            except UnicodeDecodeError as exc:
+                raise ConfigError("internal_api_token_file",
+                                  f"{self.internal_api_token_file} is not UTF-8 text") from exc
+            except OSError as exc:
+                raise ConfigError("internal_api_token_file",
+                                  f"cannot read {self.internal_api_token_file}: {exc.strerror}") from exc
+            if not value:
+                raise ConfigError("internal_api_token_file", "file is empty")
+            problem = _token_problem(value)
+            if problem:
+                raise ConfigError("internal_api_token_file", f"the token {problem}")
+            return value
+        return None
+
+    def kv_events_config(self) -> Optional[KvEventsConfig]:
+        """The validated §8 config, or ``None`` when the index is disabled (empty path).
+
+        :raises ConfigError: see :func:`~kvsvc.config.load_kv_events_config`; also
+            ``--etcd_addr`` when the file enables discovery (§9 needs the registry) and no etcd
+            address is set.
+        """
+        if not self.kv_events_config_file:
+            return None
+        config = load_kv_events_config(self.kv_events_config_file)
+        check_discovery_needs_etcd(config, self.etcd_addr)
+        return config
+
+    def etcd_host_port(self) -> Optional[tuple[str, int]]:
+        """``(host, port)`` of ``etcd_addr`` (an optional ``http://`` prefix dropped), or
+        ``None`` when no registry is configured."""
+        if not self.etcd_addr:
+            return None
+        addr = parse_http_host_port(self.etcd_addr)
+        return addr.host, addr.port
+
+    def advertised_address(self) -> str:
+        """``host:port`` written as master address (§9): ``self_address``, else ``host:port``
+        with a wildcard host replaced by this machine's host name."""
+        if self.self_address:
+            return self.self_address
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+
+def _token_problem(token: str) -> Optional[str]:
+    """Why no client could send ``token`` in an ``X-Internal-Token`` header (HTTP strips a
+    value's surrounding whitespace; gunicorn refuses control characters; a non-ASCII value
+    arrives in whatever encoding the client chose), or ``None``. Never includes the token."""
+    if token != token.strip():
+        return "starts or ends with whitespace, which no X-Internal-Token header can carry"
+    if not all(" " <= c <= "~" for c in token):
+        return ("holds a character outside printable ASCII, which no X-Internal-Token header "
+                "can carry")
+    return None
+
+
+# -- the table view --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SettingRow:
+    """One row of the settings table: a :class:`ServiceSettings` field with everything derived
+    from its declaration.
+
+    :ivar name: field name, e.g. ``port``.
+    :ivar flag: command-line flag, ``--<name>``.
+    :ivar env: environment variable, ``KVSVC_<NAME>``.
+    :ivar kind: value type: ``str``, ``int``, ``float``, ``bool`` or ``SecretStr`` (absent
+        when unset).
+    :ivar default: default value (``None``: unset).
+    :ivar ge, gt, le, lt: bounds of a number (``None``: none).
+    :ivar meta: the :class:`Setting` marker (section, help, unit, choices, export rules).
+    """
+
+    name: str
+    flag: str
+    env: str
+    kind: type
+    default: Any
+    ge: Optional[float]
+    gt: Optional[float]
+    le: Optional[float]
+    lt: Optional[float]
+    meta: Setting
+
+    def range_text(self) -> str:
+        """Accepted values in words: ``1-65535``, ``> 0, ≤ 3600``, ``json, text``; ``""``
+        when any value of the type is accepted."""
+        if self.meta.choices:
+            return ", ".join(self.meta.choices)
+        if self.ge is not None and self.le is not None:
+            return f"{_number(self.ge)}-{_number(self.le)}"
+        low = (f"≥ {_number(self.ge)}" if self.ge is not None else
+               f"> {_number(self.gt)}" if self.gt is not None else "")
+        high = (f"≤ {_number(self.le)}" if self.le is not None else
+                f"< {_number(self.lt)}" if self.lt is not None else "")
+        return ", ".join(part for part in (low, high) if part)
+
+    def default_value(self) -> str:
+        """The default as an operator writes it, without unit: ``8888``, ``15``, ``false``;
+        ``""`` when empty or unset."""
+        value = self.default
+        if value is None:
+            return ""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return _number(value)
+
+    def default_text(self) -> str:
+        """The default in words: ``8888``, ``2 s``, ``false``, ``empty``, ``unset``."""
+        if self.default is None:
+            return "unset"
+        if self.default == "":
+            return "empty"
+        unit = f" {self.meta.unit}" if self.meta.unit else ""
+        return self.default_value() + unit
+
+    def env_value(self, value: Any) -> Optional[str]:
+        """``value`` as this setting's ``KVSVC_*`` variable holds it, ``None`` when it is not
+        exported (an unset token; an empty setting with ``export_empty`` off). Parsing the
+        result gives ``value`` back: booleans ``true``/``false``, numbers by ``repr``, paths
+        made absolute.
+        """
+        if value is None:
+            return None
+        if isinstance(value, SecretStr):
+            return value.get_secret_value()
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            if not value:
+                return "" if self.meta.export_empty else None
+            return os.path.abspath(value) if self.meta.path else value
+        return repr(value)
+
+    def display(self, value: Any) -> str:
+        """``value`` for ``check-config`` output; a token shows only whether it is set."""
+        if isinstance(value, SecretStr):
+            return "set (hidden)"
+        if value is None:
+            return "unset"
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return value if value else "(empty)"
+        return repr(value)
+
+
+def _number(value: Any) -> str:
+    """``8888`` -> ``8888``, ``15.0`` -> ``15``, ``0.5`` -> ``0.5``."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _kind(field: FieldInfo) -> type:
+    annotation = field.annotation
+    for kind in (bool, int, float, str, SecretStr):
+        if annotation is kind or annotation == Optional[kind]:
+            return kind
+    raise TypeError(f"settings table: unsupported type {annotation!r}")
+
+
+def _row(name: str, field: FieldInfo) -> SettingRow:
+    meta = [m for m in field.metadata if isinstance(m, Setting)]
+    if len(meta) != 1:
+        raise TypeError(f"settings table: {name} needs exactly one Setting marker")
+    bounds: dict[str, Optional[float]] = {"ge": None, "gt": None, "le": None, "lt": None}
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Ge):
+            bounds["ge"] = float(m.ge)  # type: ignore[arg-type]
+        elif isinstance(m, annotated_types.Gt):
+            bounds["gt"] = float(m.gt)  # type: ignore[arg-type]
+        elif isinstance(m, annotated_types.Le):
+            bounds["le"] = float(m.le)  # type: ignore[arg-type]
+        elif isinstance(m, annotated_types.Lt):
+            bounds["lt"] = float(m.lt)  # type: ignore[arg-type]
+    kind = _kind(field)
+    if kind is int:  # shown as integers: 16777216, not 1.6777216e7
+        bounds = {k: (None if v is None else int(v)) for k, v in bounds.items()}
+    return SettingRow(name=name, flag=f"--{name}", env=f"{ENV_PREFIX}{name.upper()}", kind=kind,
+                      default=field.default, meta=meta[0], **bounds)
+
+
+#: The settings table: one row per :class:`ServiceSettings` field, in validation order.
+SETTINGS: tuple[SettingRow, ...] = tuple(
+    _row(name, field) for name, field in ServiceSettings.model_fields.items())
+_BY_NAME: Mapping[str, SettingRow] = MappingProxyType({row.name: row for row in SETTINGS})
+
+
+def setting(name: str) -> SettingRow:
+    """The row of setting ``name``.
+
+    :raises KeyError: no such setting.
+    """
+    return _BY_NAME[name]
+
+
+def by_section() -> list[tuple[str, list[SettingRow]]]:
+    """``(section, rows)`` in :data:`SECTIONS` order, rows in declaration order within each."""
+    return [(section, [row for row in SETTINGS if row.meta.section == section])
+            for section in SECTIONS]
+
+
+# -- sources ---------------------------------------------------------------------------------------
+
+def load_service_settings(**overrides: Any) -> ServiceSettings:
+    """Build :class:`ServiceSettings` from flags (``overrides``, ``None`` values ignored) and env.
+
+    :raises ConfigError: naming the field as it was given: ``--port`` for a flag,
+        ``KVSVC_PORT`` for an environment variable (the operator edits the one that is wrong).
+    """
+    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ServiceSettings(**kwargs)
+    except ValidationError as exc:
+        err = translate_validation_error(exc)
+        name = err.field.partition(".")[0]
+        if name in _BY_NAME and name not in kwargs:
+            raise ConfigError(_BY_NAME[name].env, err.message) from exc
+        raise ConfigError(f"--{err.field}", err.message) from exc
+
+
+def parse_bool(value: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) of a boolean flag.
+
+    :raises argparse.ArgumentTypeError: anything else.
+    """
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def flag_help(row: SettingRow) -> str:
+    """``--help`` text of one flag: the help, then variable, default and range."""
+    text = row.meta.help.replace("`", "").replace("**", "")
+    facts = [row.env, f"default {row.default_text()}"]
+    if row.range_text() and not (row.meta.choices and row.meta.flag_checks_choices):
+        facts.append(row.range_text())  # argparse lists enforced choices itself
+    return f"{text} ({'; '.join(facts)})".replace("%", "%%")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting to ``parser``, grouped by section. Every flag defaults to
+    ``None`` (not given), so that the ``KVSVC_*`` variable or the default applies."""
+    for section, rows in by_section():
+        group = parser.add_argument_group(section)
+        for row in rows:
+            kwargs: dict[str, Any] = {"default": None, "help": flag_help(row)}
+            if row.kind is bool:
+                kwargs.update(type=parse_bool, nargs="?", const=True)
+            elif row.kind in (int, float):
+                kwargs["type"] = row.kind
+            if row.meta.choices and row.meta.flag_checks_choices:
+                kwargs["choices"] = row.meta.choices
+            group.add_argument(row.flag, **kwargs)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Setting name -> flag value (``None``: not given) of parsed :func:`add_arguments` flags."""
+    return {row.name: getattr(args, row.name, None) for row in SETTINGS}
+
+
+def export_environment(settings: ServiceSettings, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` without any ``KVSVC_*`` variable, plus ``settings`` as ``KVSVC_*`` variables
+    (:meth:`SettingRow.env_value`): what :func:`load_service_settings` in the gunicorn worker
+    turns back into the same settings. The token travels here, never in argv.
+
+    :param settings: validated settings.
+    :param base: the current environment.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX)}
+    for row in SETTINGS:
+        value = row.env_value(getattr(settings, row.name))
+        if value is not None:
+            env[row.env] = value
+    return env
+
+
+def describe_settings(settings: ServiceSettings,
+                      source: Optional[Callable[[SettingRow], str]] = None) -> list[str]:
+    """``check-config`` lines listing every setting's effective value (a token only as
+    ``set (hidden)``) by section, with where it came from.
+
+    :param source: the origin of a row's value, e.g. ``--port``, ``KVSVC_PORT`` or
+        ``default``; ``None`` leaves it out.
+    """
+    lines = ["settings (flag, else KVSVC_* variable, else default):"]
+    for section, rows in by_section():
+        lines.append(f"  [{section}]")
+        for row in rows:
+            origin = f"  ({source(row)})" if source is not None else ""
+            lines.append(f"    {row.name} = {row.display(getattr(settings, row.name))}{origin}")
+    return lines
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    """The README settings table (GitHub Markdown), one row per setting, a bold row per
+    section; ends with a newline."""
+    lines = ["| flag | env | default | range | meaning |", "|---|---|---|---|---|"]
+    for section, rows in by_section():
+        lines.append(f"| **{section}** | | | | |")
+        for row in rows:
+            flag = f"`{row.flag} [true\\|false]`" if row.kind is bool else f"`{row.flag}`"
+            default = (row.default_text() if row.default in (None, "") else
+                       f"`{row.default_value()}`" + (f" {row.meta.unit}" if row.meta.unit else ""))
+            if row.meta.choices:
+                allowed = ", ".join(f"`{c}`" for c in row.meta.choices)
+            else:
+                allowed = row.range_text()
+            lines.append(f"| {flag} | `{row.env}` | {default} | {_cell(allowed)} | "
+                         f"{_cell(row.meta.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_readme_table(readme: str) -> str:
+    """``readme`` with the text between :data:`README_BEGIN` and :data:`README_END` replaced by
+    :func:`markdown_table`.
+
+    :raises ValueError: a marker is missing or they are out of order.
+    """
+    begin = readme.find(README_BEGIN)
+    end = readme.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README markers {README_BEGIN!r} ... {README_END!r} not found")
+    head = readme[:begin + len(README_BEGIN)]
+    return f"{head}\n{markdown_table()}{readme[end:]}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m kvsvc.settings``: print the README table or rewrite it in place.
+
+    :returns: the exit code (0).
+    """
+    parser = argparse.ArgumentParser(prog="python -m kvsvc.settings",
+                                     description="The settings table of kvsvc serve.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--markdown", action="store_true", help="print the README table")
+    mode.add_argument("--update-readme", metavar="PATH",
+                      help="replace the table between the markers of PATH (README.md)")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown_table())
+        return 0
+    path = Path(args.update_readme)
+    path.write_text(replace_readme_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
