@@ -464,6 +464,8 @@ class Registry:
                 self._publish()
 
     def _apply_list(self, listed: ListResult, now: float) -> bool:
+        """Replace the view by a full list and reconcile (under _lock). True if anything
+        visible changed."""
         view: dict[str, KeyValue] = {}
         changed = False
         loads: set[str] = set()
@@ -480,6 +482,7 @@ class Registry:
         return self._reconcile(now) or changed
 
     def _apply_events(self, batch: list[WatchEvent]) -> None:
+        """Apply watched changes newer than the view's revisions, reconcile and publish."""
         now = time.monotonic()
         with self._lock:
             changed = False
@@ -525,6 +528,9 @@ class Registry:
                 self._publish()
 
     def _expire(self, now: float) -> None:
+        """The §9 timers at ``now`` (monotonic s): LEASE_LOST -> SUSPECT after
+        ``lease_lost_grace_s`` without a heartbeat, SUSPECT -> removed after
+        ``suspect_removal_s``; and the freshness watchdog."""
         s = self._settings
         with self._lock:
             changed = False
