@@ -18,6 +18,7 @@ translated into these once, at the module boundary where they occur (``raise ...
     ├── EtcdError              an etcd request failed (translated once, in ``kvsvc.cluster.etcd``) (§9)
     │   └── EtcdUnavailable        etcd unreachable, timed out or answered 5xx: retry later
     ├── WaitTimeout            ``Registry.wait_for`` gave up (test helper)
+    ├── MalformedRegistration  an etcd registration or load value (or key) that cannot be used (§9)
     └── RequestError           bad HTTP input; ``status`` is the 4xx code to answer with (§10)
         └── HeartbeatRejected  a heartbeat the registry refuses (§9)
             ├── InvalidHeartbeat   400: load values of the wrong type or out of range
@@ -116,6 +117,15 @@ class EtcdUnavailable(EtcdError):
 
 class WaitTimeout(KvsvcError):
     """A bounded wait (``Registry.wait_for``) ended without its condition becoming true."""
+
+
+class MalformedRegistration(KvsvcError):
+    """A value the registry reads from etcd that cannot be used (§9): an ``XLLM:<TYPE>:<name>``
+    registration (not a JSON object, a field of the wrong type, ``name``/``type`` disagreeing
+    with the key, a name that is not ``host:port``) or an ``XLLM:LOADMETRICS:<name>`` load out
+    of range. ``str(exc)`` names the field. The registry logs it once per key revision and
+    skips the key; :func:`kvsvc.cluster.model.check_load` raises it for a heartbeat's load too,
+    which the registry turns into :class:`InvalidHeartbeat`."""
 
 
 class HeartbeatRejected(RequestError):

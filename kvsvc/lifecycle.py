@@ -104,6 +104,13 @@ class BackgroundThread:
         return thread is not None and thread.is_alive()
 
     @property
+    def started(self) -> bool:
+        """True from :meth:`start` until a :meth:`close` (or a failed start) has joined the
+        thread, whether or not it is still alive; :meth:`start` raises while it is True. An
+        owner reads it to tell a component that was started from one that never was."""
+        return self._thread is not None
+
+    @property
     def stopping(self) -> bool:
         """True once :meth:`close` has been called (the loop should return)."""
         return self._stop_event.is_set()
@@ -123,7 +130,9 @@ class BackgroundThread:
 
     def _wake(self) -> None:
         """Interrupt a blocking wait of the thread (called by :meth:`close` after the stop
-        signal). :meth:`_sleep` needs nothing here; a thread blocked in a poll does."""
+        signal). :meth:`_sleep` needs nothing here; a thread blocked in a poll, on a queue or
+        on an ``Event`` of its own (a timer that other threads also wake) does: set that event
+        or put a sentinel on that queue here."""
 
     def _sleep(self, seconds: float) -> bool:
         """Wait up to ``seconds``; True when :meth:`close` was called meanwhile."""

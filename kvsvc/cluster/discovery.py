@@ -6,7 +6,8 @@ Two layers:
   block to a :class:`Plan`: which (instance, DP rank) streams should exist, with which endpoints
   and which instance identity, and which instances are excluded and why. It never logs, never
   does I/O, and is unit-tested without etcd.
-- :class:`Discovery` owns one thread that every ``refresh_interval_ms`` reads
+- :class:`Discovery` owns one thread (``kvsvc-discovery``, a
+  :class:`~kvsvc.lifecycle.BackgroundThread`) that every ``refresh_interval_ms`` reads
   ``registry.snapshot()`` (the in-process snapshot; it never talks to etcd itself and never
   runs on a request thread), plans, and applies the difference to the
   :class:`~kvsvc.directory.Directory`: a stream whose configuration and identity are unchanged is
@@ -28,11 +29,13 @@ Rules of the plan (§9):
 - ``max_streams``: instances in name order; an instance whose ranks do not all fit is skipped
   whole (later, smaller ones may still fit), exactly like static streams (§8).
 - Identity: the registration's ``incarnation_id``, else its ``register_ts_ms``
-  (:func:`instance_identity`); the router compares it with a stream's to apply §11.
+  (:func:`~kvsvc.cluster.model.instance_identity`); the router compares it with a stream's
+  to apply §11.
 
-Errors: :class:`~kvsvc.errors.LifecycleError` when the thread does not start or stop in time.
-A stream that cannot be added (its thread did not start) is logged and retried on the next
-refresh.
+Errors: :class:`~kvsvc.errors.LifecycleError` from ``start()`` (already started, not running
+in time) and ``close()`` (the thread, e.g. waiting on a stream's start or stop, did not stop in
+time). A stream that cannot be added (its thread did not start) is logged and retried on the
+next refresh; one whose thread does not stop is removed from the view regardless (logged).
 """
 
 from __future__ import annotations
@@ -41,15 +44,20 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Mapping, Protocol
 
-from pydantic import ValidationError
-
-from kvsvc.address import MAX_PORT, parse_host_port, tcp_endpoint
+from kvsvc.address import MAX_PORT, check_tcp_endpoint, parse_host_port, tcp_endpoint
+from kvsvc.cluster.model import (
+    Instance,
+    InstanceState,
+    InstanceType,
+    RegistrySnapshot,
+    instance_identity,
+)
 from kvsvc.config import DiscoveryConfig, KvEventsConfig, StreamConfig
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, LifecycleError
-from kvsvc.cluster.model import InstanceState, InstanceType, RegistrySnapshot, instance_identity
+from kvsvc.lifecycle import BackgroundThread
 from kvsvc.streams.state import StreamId
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,14 @@ log = logging.getLogger(__name__)
 XLLM_BACKEND = "xllm"
 
 _JOIN_TIMEOUT_S = 10.0
+
+
+class SnapshotSource(Protocol):
+    """What discovery reads: the registry's in-process snapshot (§9), never etcd."""
+
+    def snapshot(self) -> RegistrySnapshot:
+        """The current immutable registry snapshot (cheap; called every refresh)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,7 @@ class Plan:
         return sorted({sid.instance_name for sid in self.streams})
 
 
-def _acts_as_prefill(instance: Any) -> bool:
+def _acts_as_prefill(instance: Instance) -> bool:
     """§9/§11: DEFAULT and PREFILL always; MIX only while its current role is prefill."""
     if instance.type in (InstanceType.DEFAULT, InstanceType.PREFILL):
         return True
@@ -108,7 +124,7 @@ def _acts_as_prefill(instance: Any) -> bool:
     return False
 
 
-def _subscribed(instance: Any) -> bool:
+def _subscribed(instance: Instance) -> bool:
     return (instance.backend_type == XLLM_BACKEND and instance.state != InstanceState.SUSPECT
             and _acts_as_prefill(instance))
 
@@ -146,15 +162,21 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
             excluded[name] = (f"port overflow: rank {dp_size - 1} would use port {top} "
                               f"> {MAX_PORT}")
             continue
+        endpoints = [(tcp_endpoint(host, port + discovery.event_port_offset + r),
+                      tcp_endpoint(host, port + discovery.replay_port_offset + r))
+                     for r in range(dp_size)]
         try:
-            configs = [StreamConfig(
-                instance_name=name, dp_rank=r, block_size=discovery.block_size,
-                endpoint=tcp_endpoint(host, port + discovery.event_port_offset + r),
-                replay_endpoint=tcp_endpoint(host, port + discovery.replay_port_offset + r),
-                topic=discovery.topic, hash_seed=discovery.hash_seed) for r in range(dp_size)]
-        except ValidationError as exc:
-            excluded[name] = f"no connectable endpoint for host {host!r}: {exc.errors()[0]['msg']}"
+            # The §8 endpoint rule, checked here so that building the configs cannot fail.
+            check_tcp_endpoint(endpoints[0][0])
+        except ValueError as exc:
+            # The wording the log and /ready's discovery.excluded have always shown (it was
+            # pydantic's when the config model checked the endpoint).
+            excluded[name] = f"no connectable endpoint for host {host!r}: Value error, {exc}"
             continue
+        configs = [StreamConfig(
+            instance_name=name, dp_rank=r, block_size=discovery.block_size, endpoint=ep,
+            replay_endpoint=replay_ep, topic=discovery.topic, hash_seed=discovery.hash_seed)
+            for r, (ep, replay_ep) in enumerate(endpoints)]
         candidates[name] = configs
         identities[name] = (instance_identity(inst), dp_size)
 
@@ -230,12 +252,12 @@ class ApplyResult:
         return bool(self.added or self.replaced or self.removed)
 
 
-class Discovery:
-    """The discovery thread (§9): registry snapshot -> plan -> directory, every
-    ``refresh_interval_ms``.
+class Discovery(BackgroundThread):
+    """The discovery thread ``kvsvc-discovery`` (§9): registry snapshot -> plan -> directory,
+    every ``refresh_interval_ms``.
 
-    :param registry: anything with ``snapshot() -> RegistrySnapshot`` (the
-        :class:`~kvsvc.cluster.registry.Registry`); only its in-process snapshot is read.
+    :param registry: a :class:`SnapshotSource` (the :class:`~kvsvc.cluster.registry.Registry`);
+        only its in-process snapshot is read.
     :param directory: the directory whose streams discovery manages. Static streams must not
         be configured together with discovery (§8), so every stream in it is discovery's.
     :param discovery_cfg: the §8 ``discovery`` block.
@@ -243,16 +265,15 @@ class Discovery:
     :param stream_timeout_s: bound of one stream's start or stop, seconds.
     """
 
-    def __init__(self, registry: Any, directory: Directory, discovery_cfg: DiscoveryConfig,
-                 limits: KvEventsConfig, stream_timeout_s: float = 5.0) -> None:
+    def __init__(self, registry: SnapshotSource, directory: Directory,
+                 discovery_cfg: DiscoveryConfig, limits: KvEventsConfig,
+                 stream_timeout_s: float = 5.0) -> None:
+        super().__init__("kvsvc-discovery")
         self._registry = registry
         self._directory = directory
         self._cfg = discovery_cfg
         self._limits = limits
         self._stream_timeout_s = stream_timeout_s
-        self._stop = threading.Event()
-        self._running = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         # Discovery thread only (and refresh() callers while the thread is not running).
         self._applied: dict[StreamId, PlannedStream] = {}
         self._excluded: Mapping[str, str] = MappingProxyType({})
@@ -289,46 +310,33 @@ class Discovery:
         :param timeout_s: bound of the wait for the thread to run, seconds.
         :raises LifecycleError: already started, or the thread did not run in time.
         """
-        if self._thread is not None:
-            raise LifecycleError("discovery already started")
-        self._stop.clear()
-        self._running.clear()
-        self._thread = threading.Thread(target=self._run, name="kvsvc-discovery", daemon=True)
-        self._thread.start()
-        if not self._running.wait(timeout_s):
-            self.close(timeout_s)
-            raise LifecycleError(f"discovery thread did not start within {timeout_s:.1f} s")
+        super().start(timeout_s)
         log.info("discovery started (refresh every %d ms, event_port_offset %d, "
                  "replay_port_offset %d)", self._cfg.refresh_interval_ms,
                  self._cfg.event_port_offset, self._cfg.replay_port_offset)
 
     def close(self, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
         """Stop the thread and join it. The streams stay in the directory (the directory's own
-        close stops them). Idempotent.
+        close stops them). Idempotent; a no-op before :meth:`start`.
 
+        :param timeout_s: join bound, seconds.
         :raises LifecycleError: the thread did not stop within ``timeout_s`` (a refresh may be
-            waiting on a stream's start or stop).
+            waiting on a stream's start or stop, or on the snapshot source).
         """
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            log.error("discovery thread did not stop within %.1f s", timeout_s)
-            raise LifecycleError(f"discovery thread did not stop within {timeout_s:.1f} s")
-        log.info("discovery stopped")
+        was_started = self.started
+        super().close(timeout_s)
+        if was_started:
+            log.info("discovery stopped")
 
-    def _run(self) -> None:
-        self._running.set()
+    def _loop(self) -> None:
         interval_s = self._cfg.refresh_interval_ms / 1000.0
-        while not self._stop.is_set():
+        while not self.stopping:
             try:
                 self.refresh()
             except Exception:  # keep discovering: the next refresh starts from scratch
                 log.exception("discovery refresh failed; retrying in %d ms",
                               self._cfg.refresh_interval_ms)
-            self._stop.wait(interval_s)
+            self._sleep(interval_s)
 
     # -- one refresh ---------------------------------------------------------------------------
 

@@ -5,25 +5,35 @@ The master holds ``XLLM:SERVICE:MASTER`` (value: its ``host:port``) under a leas
 lease alive (master) or tries a put-if-absent of the key under its own lease (candidate). When
 the master dies, etcd deletes the key when its lease expires (at most one TTL after the last
 keep-alive) and a candidate creates it at its next attempt: failover takes at most one TTL plus
-one refresh period. ``close()`` revokes the lease, so a graceful hand-over takes one refresh.
+one refresh period. A master that has had no successful keep-alive for a whole TTL stops
+claiming mastership (another replica may hold the key by then). ``close()`` revokes the lease
+on the election thread, so a graceful hand-over takes one refresh.
 
 While master, the same thread writes ``XLLM:LOADMETRICS:<name>`` →
 ``{"waiting_requests_num": int, "gpu_cache_usage_perc": float}`` every ``loadmetrics_interval_s``
 for each instance whose load changed since the last write, and deletes the key of every instance
 no longer in the registry (xllm-service's ``upload_load_metrics``).
+
+Thread: ``kvsvc-election``, a :class:`~kvsvc.lifecycle.BackgroundThread` (the one start/close
+contract). It owns its :class:`~kvsvc.cluster.etcd.EtcdClient` (built in its setup, closed in
+its teardown after the lease is revoked). etcd errors are logged and retried at the next turn.
+
+Errors: :class:`~kvsvc.errors.LifecycleError` from ``start()`` (already started, not running in
+time) and ``close()`` (the thread, e.g. blocked on an etcd request or the revoke, did not stop
+in time).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Callable, Optional
 
-from kvsvc.errors import EtcdError, LifecycleError
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.cluster.model import RegistrySettings, RegistrySnapshot
+from kvsvc.errors import EtcdError
+from kvsvc.lifecycle import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -31,31 +41,31 @@ MASTER_KEY = "XLLM:SERVICE:MASTER"
 LOADMETRICS_PREFIX = "XLLM:LOADMETRICS:"
 
 
-class MasterElection:
-    """The election thread (owned by :class:`kvsvc.cluster.registry.Registry`).
+class MasterElection(BackgroundThread):
+    """The election thread ``kvsvc-election`` (owned by
+    :class:`kvsvc.cluster.registry.Registry`); see the module docstring for the rules.
 
     :param settings: ``etcd_addr``, ``namespace``, ``master_lease_ttl_s`` (whole seconds),
         ``loadmetrics_interval_s``, ``self_address``.
     :param get_snapshot: returns the registry's current snapshot (for the loads to write).
     :param on_change: called with the new ``is_master`` value (on the election thread) each
-        time mastership is won or lost.
+        time mastership is won or lost, the loss on close included.
     """
 
-    def __init__(self, settings: "RegistrySettings",
-                 get_snapshot: Callable[[], "RegistrySnapshot"],
+    def __init__(self, settings: RegistrySettings,
+                 get_snapshot: Callable[[], RegistrySnapshot],
                  on_change: Callable[[bool], None]) -> None:
+        super().__init__("kvsvc-election")
         self._settings = settings
         self._get_snapshot = get_snapshot
         self._on_change = on_change
         self._prefix = settings.key_prefix
         self._master_key = self._prefix + MASTER_KEY
         self._refresh_s = max(0.1, settings.master_lease_ttl_s / 3.0)
-        self._stop = threading.Event()
-        self._running = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._is_master = False
         self._master_address: Optional[str] = None
-        # Lease state, touched by the election thread only.
+        # Election thread only: its etcd client and the lease state.
+        self._client: Optional[EtcdClient] = None
         self._lease_id: Optional[int] = None
         self._last_keepalive = 0.0
         # name -> received_at of the load last written; names whose key exists in etcd.
@@ -80,42 +90,45 @@ class MasterElection:
     def start(self, timeout_s: float = 10.0) -> None:
         """Start the election thread; returns once it runs (its first turn may still be going).
 
-        :raises LifecycleError: when the thread does not run within ``timeout_s``.
+        :param timeout_s: bound of the wait for the thread to run, seconds.
+        :raises LifecycleError: already started, or the thread did not run within
+            ``timeout_s``.
         """
-        if self._thread is not None:
-            raise LifecycleError("election already started")
-        self._stop.clear()
-        self._running.clear()
-        self._thread = threading.Thread(target=self._run, name="kvsvc-election", daemon=True)
-        self._thread.start()
-        if not self._running.wait(timeout_s):
-            self.close()
-            raise LifecycleError(f"election thread not running after {timeout_s}s")
+        super().start(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; it revokes its lease (releasing mastership at once). Idempotent."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            log.error("election thread did not stop within %.1fs", timeout_s)
+        """Stop the thread: it revokes its lease (releasing mastership at once), reports the
+        loss through ``on_change`` and closes its etcd client. Idempotent; a no-op before
+        :meth:`start`.
+
+        :param timeout_s: join bound, seconds.
+        :raises LifecycleError: the thread did not stop within ``timeout_s`` (an etcd request
+            or the revoke still blocked; it finishes its teardown when that request ends).
+        """
+        super().close(timeout_s)
 
     # -- election thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _setup(self) -> None:
         # Short per-request timeout: one turn must fit in a refresh period, or a live master
         # could miss its keep-alive window.
-        client = EtcdClient(self._settings.etcd_addr, timeout_s=min(1.0, self._refresh_s))
-        self._running.set()
+        self._client = EtcdClient(self._settings.etcd_addr, timeout_s=min(1.0, self._refresh_s))
+
+    def _loop(self) -> None:
+        client = self._client
+        assert client is not None
+        while not self.stopping:
+            started = time.monotonic()
+            self._turn(client)
+            self._sleep(self._refresh_s - (time.monotonic() - started))
+
+    def _teardown(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
         try:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                self._turn(client)
-                self._stop.wait(max(0.0, self._refresh_s - (time.monotonic() - started)))
-        finally:
             self._resign(client)
+        finally:
             client.close()
 
     def _turn(self, client: EtcdClient) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import requests
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
+from etcd3gw.types import Event
 from etcd3gw.watch import Watcher
 
 from kvsvc.address import parse_http_host_port
@@ -281,7 +282,7 @@ class WatchHandle:
         self._client = Etcd3Client(host=host, port=port, timeout=timeout_s, api_path="/v3/")
         self._cancelled = threading.Event()
 
-        def deliver(raw: dict[str, Any]) -> None:
+        def deliver(raw: Event) -> None:
             if self._cancelled.is_set():
                 return
             kv = raw.get("kv", {})

@@ -4,6 +4,11 @@ settings, and the parsers of the registration and load values etcd holds.
 
 Pure values and parsers, no I/O: the registry (:mod:`kvsvc.cluster.registry`), discovery, the
 election, the routing policies and the HTTP layer all read these.
+
+Errors: :class:`~kvsvc.errors.ConfigError` (naming the field) from :class:`RegistrySettings`;
+:class:`~kvsvc.errors.MalformedRegistration` (naming the field) from the parsers and from
+:func:`check_load`, the one range check of a load report (etcd's ``XLLM:LOADMETRICS`` values
+and heartbeats alike).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, TypeVar
 
 from kvsvc.address import parse_host_port, parse_http_host_port
-from kvsvc.errors import ConfigError
+from kvsvc.errors import ConfigError, MalformedRegistration
+
+_T = TypeVar("_T")
 
 
 class InstanceType(enum.IntEnum):
@@ -56,7 +63,7 @@ class Instance:
     :ivar name: ``host:port`` from the key.
     :ivar type: registered type.
     :ivar role: current role: equal to ``type`` except for MIX, which is PREFILL or DECODE by the
-        MIX role rule of this module's docstring.
+        MIX role rule (:mod:`kvsvc.cluster.registry`).
     :ivar incarnation_id: the process incarnation, None when the registration carries none.
     :ivar register_ts_ms: registration time in ms since the epoch, None when absent.
     :ivar dp_size: DP ranks, >= 1 (0 or absent in the value means 1).
@@ -109,7 +116,8 @@ class RegistrySettings:
     :ivar loadmetrics_interval_s: master's ``XLLM:LOADMETRICS`` write period (§9: 3 s).
     :ivar master_lease_ttl_s: TTL of the master key's lease, whole seconds >= 1.
     :ivar self_address: this service's ``host:port``, the master key's value.
-    :raises ConfigError: from construction when a value is out of range.
+    :raises ConfigError: from construction when a value is out of range; ``field`` is the
+        attribute's name (``etcd_addr``, ``namespace``, ``relist_interval_s``, ...).
     """
 
     etcd_addr: str
@@ -146,7 +154,8 @@ class RegistrySettings:
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """A parsed, valid registration value (§9)."""
+    """A parsed, valid registration value (§9); the fields of :class:`Instance` that come from
+    etcd (see :func:`parse_registration` for the defaults)."""
 
     type: InstanceType
     incarnation_id: Optional[str]
@@ -156,51 +165,54 @@ class Registration:
     rpc_address: Optional[str]
 
 
-class Malformed(ValueError):
-    """A registration or load value or key that cannot be used (the registry logs and skips it)."""
-
-
 def _check_name(name: str) -> None:
     try:
         parse_host_port(name)
     except ValueError:
-        raise Malformed(f"instance name {name!r} is not host:port") from None
+        raise MalformedRegistration(f"instance name {name!r} is not host:port") from None
 
 
 def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Registration:
     """Parse one ``XLLM:<TYPE>:<name>`` value (§9). Unknown fields are ignored.
 
-    :raises Malformed: not a JSON object, a field of the wrong type, ``name``/``type``
-        disagreeing with the key, a name that is not ``host:port``.
+    :param key_type: the TYPE of the key.
+    :param name: the ``<name>`` of the key (must be ``host:port``).
+    :param value: the raw value bytes (UTF-8 JSON object).
+    :returns: the registration; absent ``dp_size`` (or 0) is 1, absent ``backend_type`` is
+        ``"xllm"``, empty ``incarnation_id``/``rpc_address`` are None.
+    :raises MalformedRegistration: not a JSON object, a field of the wrong type, ``name``/``type``
+        disagreeing with the key, a name that is not ``host:port``, ``register_ts_ms`` < 0,
+        ``dp_size`` outside 0-65536.
     """
     _check_name(name)
     try:
         obj = json.loads(value)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
+        raise MalformedRegistration(f"not JSON: {type(exc).__name__}") from exc
     if not isinstance(obj, dict):
-        raise Malformed("not a JSON object")
+        raise MalformedRegistration("not a JSON object")
 
-    def opt(field: str, kind: type) -> object:
+    def opt(field: str, kind: type[_T]) -> Optional[_T]:
         v = obj.get(field)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, kind):
-            raise Malformed(f"{field}: expected {kind.__name__}, got {type(v).__name__}")
+            raise MalformedRegistration(f"{field}: expected {kind.__name__}, "
+                                        f"got {type(v).__name__}")
         return v
 
     if opt("name", str) not in (None, name):
-        raise Malformed(f"name {obj['name']!r} differs from the key's {name!r}")
+        raise MalformedRegistration(f"name {obj['name']!r} differs from the key's {name!r}")
     type_v = opt("type", int)
     if type_v is not None and type_v != int(key_type):
-        raise Malformed(f"type {type_v} differs from the key's {key_type.name}")
+        raise MalformedRegistration(f"type {type_v} differs from the key's {key_type.name}")
     incarnation = opt("incarnation_id", str) or None
     ts = opt("register_ts_ms", int)
     if ts is not None and ts < 0:
-        raise Malformed(f"register_ts_ms {ts} < 0")
+        raise MalformedRegistration(f"register_ts_ms {ts} < 0")
     dp = opt("dp_size", int)
     if dp is not None and not 0 <= dp <= 65536:
-        raise Malformed(f"dp_size {dp} out of range 0-65536")
+        raise MalformedRegistration(f"dp_size {dp} out of range 0-65536")
     backend = opt("backend_type", str) or "xllm"
     rpc = opt("rpc_address", str) or None
     return Registration(type=key_type, incarnation_id=incarnation, register_ts_ms=ts,
@@ -208,16 +220,19 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
 
 
 def parse_load(value: bytes) -> tuple[int, float]:
-    """``{"waiting_requests_num": int >= 0, "gpu_cache_usage_perc": number in [0, 1]}``.
+    """Parse one ``XLLM:LOADMETRICS:<name>`` value (§9):
+    ``{"waiting_requests_num": int, "gpu_cache_usage_perc": number}`` checked by
+    :func:`check_load`.
 
-    :raises Malformed: anything else.
+    :returns: ``(waiting_requests_num, gpu_cache_usage_perc as float)``.
+    :raises MalformedRegistration: not a JSON object, or a value :func:`check_load` refuses.
     """
     try:
         obj = json.loads(value)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise Malformed(f"not JSON: {type(exc).__name__}") from exc
+        raise MalformedRegistration(f"not JSON: {type(exc).__name__}") from exc
     if not isinstance(obj, dict):
-        raise Malformed("not a JSON object")
+        raise MalformedRegistration("not a JSON object")
     return check_load(obj.get("waiting_requests_num"), obj.get("gpu_cache_usage_perc"))
 
 
@@ -226,15 +241,27 @@ def parse_load(value: bytes) -> tuple[int, float]:
 MAX_WAITING_REQUESTS = 2**31 - 1
 
 
-def check_load(waiting: object, usage: object) -> tuple[int, float]:
+def check_load(waiting: object, usage: object, field_prefix: str = "") -> tuple[int, float]:
+    """The one check of a load report (§9), for ``XLLM:LOADMETRICS`` values and heartbeats.
+
+    :param waiting: ``waiting_requests_num``: an int (not a bool) in
+        ``[0, MAX_WAITING_REQUESTS]``.
+    :param usage: ``gpu_cache_usage_perc``: an int or float (not a bool) in ``[0, 1]``; NaN
+        fails the range.
+    :param field_prefix: put before the field name in the message, e.g. ``"load_metrics."``
+        for a heartbeat body.
+    :returns: ``(waiting, float(usage))``.
+    :raises MalformedRegistration: ``"<prefix>waiting_requests_num: must be an integer in
+        [0, 2147483647]"`` or ``"<prefix>gpu_cache_usage_perc: must be a number in [0, 1]"``.
+    """
     if (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0
             or waiting > MAX_WAITING_REQUESTS):
-        shown = f"{waiting!r}"[:40]
-        raise Malformed(f"waiting_requests_num must be an int in [0, {MAX_WAITING_REQUESTS}], "
-                        f"got {shown}")
+        raise MalformedRegistration(f"{field_prefix}waiting_requests_num: must be an integer "
+                                    f"in [0, {MAX_WAITING_REQUESTS}]")
     if isinstance(usage, bool) or not isinstance(usage, (int, float)) \
             or not 0 <= usage <= 1:  # no float(): an int too large for one would raise
-        raise Malformed(f"gpu_cache_usage_perc must be a number in [0, 1], got {usage!r}")
+        raise MalformedRegistration(f"{field_prefix}gpu_cache_usage_perc: must be a number "
+                                    "in [0, 1]")
     return waiting, float(usage)
 
 

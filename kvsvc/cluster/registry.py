@@ -4,20 +4,27 @@ Keys (after the optional ``/<namespace>/`` prefix): ``XLLM:<TYPE>:<host:port>`` 
 held by the engine's lease; ``XLLM:LOADMETRICS:<host:port>`` written by the master service;
 ``XLLM:SERVICE:MASTER`` (see :mod:`kvsvc.cluster.election`).
 
-Threads (both owned by :class:`Registry`, started by ``start()``, stopped by ``close()``):
+Threads, each a :class:`~kvsvc.lifecycle.BackgroundThread` (the one start/close contract),
+all three owned by :class:`Registry`, started by ``start()`` and stopped by ``close()``:
 
-- **etcd thread**: lists the ``XLLM:`` prefix, then watches it from the listed revision + 1 with
+- **etcd thread** ``kvsvc-registry-etcd`` (owns its :class:`~kvsvc.cluster.etcd.EtcdClient`
+  and watch): lists the ``XLLM:`` prefix, then watches it from the listed revision + 1 with
   etcd3gw's watch as an accelerator; re-lists every ``relist_interval_s`` (the watch neither
   reconnects nor resumes) and restarts the watch. On etcd errors it keeps the last view, marks
-  the snapshot not ``fresh`` and retries with capped exponential backoff.
-- **timer thread**: drives the §9 states. A deleted key (lease expired or deregistered) makes it
+  the snapshot not ``fresh`` and retries with capped exponential backoff (0.1 s doubling up to
+  ``relist_interval_s``). An unexpected error (a bug) is logged, marks the snapshot not fresh
+  and is retried the same way, so the thread never ends on its own.
+- **timer thread** ``kvsvc-registry-timer`` (owns its :class:`~kvsvc.cluster.probe.HealthProbe`):
+  drives the §9 states. A deleted key (lease expired or deregistered) makes it
   probe ``http://<name>/health`` (short timeout, never on a request thread): success ->
   ``LEASE_LOST`` (still schedulable; ``SUSPECT`` after ``lease_lost_grace_s`` without a
   heartbeat), failure -> ``SUSPECT``; ``SUSPECT`` for ``suspect_removal_s`` -> removed. Only a PUT
   of the key brings an instance back to ``ACTIVE``. Until the probe answers, the instance stays
-  ``ACTIVE`` (at most ``health_probe_timeout_s``).
-- the election thread of :class:`kvsvc.cluster.election.MasterElection` (master key, and the
-  ``LOADMETRICS`` writes while master).
+  ``ACTIVE`` (at most ``health_probe_timeout_s``). It ticks every
+  ``min(0.1, max(0.01, min(lease_lost_grace_s, suspect_removal_s) / 10))`` s and is woken at
+  once when a key is deleted.
+- the election thread ``kvsvc-election`` of :class:`kvsvc.cluster.election.MasterElection`
+  (master key, and the ``LOADMETRICS`` writes while master).
 
 Request threads only call :meth:`Registry.snapshot` (a lock-free read of an immutable reference)
 and :meth:`Registry.heartbeat` (a short critical section, no I/O).
@@ -32,6 +39,10 @@ schedulable instance acts as decode and a MIX acts as prefill while another sche
 also acts as prefill, the MIX prefill with the greatest name flips to ``DECODE``; if no
 schedulable instance acts as prefill and more than one acts as decode of which one is a MIX,
 the MIX decode with the smallest name flips to ``PREFILL``. Every flip is logged.
+
+Errors: :class:`~kvsvc.errors.LifecycleError` from ``start()`` and ``close()`` (see there);
+heartbeats raise the :class:`~kvsvc.errors.HeartbeatRejected` family; malformed values in etcd
+(:class:`~kvsvc.errors.MalformedRegistration`) are logged once per key revision and skipped.
 """
 
 from __future__ import annotations
@@ -44,15 +55,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Optional
 
-import requests
-
 from kvsvc.cluster.election import MasterElection
+from kvsvc.cluster.etcd import PUT, EtcdClient, KeyValue, ListResult, WatchEvent, WatchHandle, drain
 from kvsvc.cluster.model import (
     Instance,
     InstanceState,
     InstanceType,
     LoadMetrics,
-    Malformed,
     Registration,
     RegistrySettings,
     RegistrySnapshot,
@@ -60,15 +69,17 @@ from kvsvc.cluster.model import (
     parse_load,
     parse_registration,
 )
+from kvsvc.cluster.probe import HealthProbe
 from kvsvc.errors import (
     EtcdError,
     InvalidHeartbeat,
     LifecycleError,
+    MalformedRegistration,
     StaleIncarnation,
     UnknownInstance,
     WaitTimeout,
 )
-from kvsvc.cluster.etcd import PUT, EtcdClient, KeyValue, ListResult, WatchEvent, WatchHandle, drain
+from kvsvc.lifecycle import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +99,13 @@ class _Record:
     probe_needed: bool = False        # key deleted while ACTIVE: the timer thread probes
 
 
+#: First retry delay after a failed etcd list, seconds (doubled up to ``relist_interval_s``).
+_BACKOFF_MIN_S = 0.1
+#: Longest wait of the etcd thread between two looks at its watch queue, and longest tick of
+#: the timer thread, seconds.
+_POLL_S = 0.1
+
+
 _TYPES_BY_NAME = {t.name: t for t in InstanceType}
 
 
@@ -102,18 +120,16 @@ class Registry:
         self._prefix = settings.key_prefix + "XLLM:"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._stop = threading.Event()
-        self._wake_timer = threading.Event()
-        self._etcd_up = threading.Event()
-        self._timer_up = threading.Event()
-        self._first_list = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._etcd_thread = _EtcdThread(self, settings, self._prefix)
+        self._timer_thread = _TimerThread(self, settings)
         self._election = MasterElection(settings, self.snapshot, self._on_master_change)
+        self._started = False
         # Under _lock:
         self._view: dict[str, KeyValue] = {}          # instance keys as etcd holds them
         self._records: dict[str, _Record] = {}
         self._etcd_loads: dict[str, tuple[int, Optional[LoadMetrics]]] = {}  # name -> (rev, load)
-        self._parsed: dict[str, tuple[int, object]] = {}  # key -> (rev, Registration | Malformed)
+        # key -> (revision, Registration or the MalformedRegistration it raised)
+        self._parsed: dict[str, tuple[int, object]] = {}
         self._conflicts_logged: dict[str, tuple] = {}    # name -> keys+revisions logged
         self._fresh = False
         self._last_list_ok = 0.0
@@ -123,46 +139,56 @@ class Registry:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 10.0) -> None:
-        """Start the etcd, timer and election threads; returns once they run and the first list
-        was attempted (etcd being down is not fatal: the snapshot is then not ``fresh``).
+        """Start the etcd, timer and election threads, in that order; returns once all three
+        run and the first etcd list was attempted (etcd being down is not fatal: the snapshot
+        is then not ``fresh``). On a failure the threads already started are closed again.
 
-        :raises LifecycleError: when a thread does not come up within ``timeout_s``.
+        :param timeout_s: bound of the whole start, seconds.
+        :raises LifecycleError: already started, or a thread (or the first list attempt) not
+            there within ``timeout_s``; the message names the thread.
         """
-        if self._threads:
-            raise LifecycleError("registry already started")
-        self._stop.clear()
+        if self._started:
+            raise LifecycleError("registry: already started")
+        self._started = True
         deadline = time.monotonic() + timeout_s
-        for target, name, ready in ((self._run_etcd, "kvsvc-registry-etcd", self._etcd_up),
-                                    (self._run_timer, "kvsvc-registry-timer", self._timer_up)):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            self._threads.append(thread)
-            thread.start()
-            if not ready.wait(max(0.0, deadline - time.monotonic())):
-                self.close()
-                raise LifecycleError(f"{name} not running after {timeout_s}s")
-        if not self._first_list.wait(max(0.0, deadline - time.monotonic())):
-            self.close()
-            raise LifecycleError(f"registry: first etcd list not attempted within {timeout_s}s")
+
+        def remaining() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         try:
-            self._election.start(max(0.1, deadline - time.monotonic()))
+            self._etcd_thread.start(remaining())
+            self._timer_thread.start(remaining())
+            if not self._etcd_thread.first_list_attempted.wait(remaining()):
+                raise LifecycleError(f"{self._etcd_thread.thread_name}: first etcd list not "
+                                     f"attempted within {timeout_s:g} s")
+            self._election.start(max(0.1, remaining()))
         except LifecycleError:
-            self.close()
+            try:
+                self.close(timeout_s)
+            except LifecycleError:
+                pass  # logged by the thread's close; the start failure is the one to report
             raise
         log.info("registry started on etcd %s prefix %r", self._settings.etcd_addr, self._prefix)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop every thread (joined within ``timeout_s``, logged if not), resign mastership
-        (revoking the master lease) and close etcd sessions. Idempotent."""
-        self._election.close(timeout_s)
-        self._stop.set()
-        self._wake_timer.set()
-        threads, self._threads = self._threads, []
-        for thread in threads:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.error("registry: %s did not stop within %.1fs", thread.name, timeout_s)
-        for event in (self._etcd_up, self._timer_up, self._first_list, self._wake_timer):
-            event.clear()
+        """Stop the election thread (it resigns mastership, revoking the master lease), then
+        the etcd thread and the timer thread, each joined within ``timeout_s``; each closes
+        what it owns (etcd clients, the watch, the probe's session). All three are closed even
+        when one does not stop. Idempotent; a no-op before :meth:`start`.
+
+        :param timeout_s: join bound of each thread, seconds.
+        :raises LifecycleError: the first thread that did not stop within ``timeout_s``
+            (after the others were closed); a later close tries it again.
+        """
+        failure: Optional[LifecycleError] = None
+        for part in (self._election, self._etcd_thread, self._timer_thread):
+            try:
+                part.close(timeout_s)
+            except LifecycleError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        self._started = False
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -205,15 +231,20 @@ class Registry:
 
         :param name: instance ``host:port``.
         :param incarnation_id: the sender's incarnation; None/empty is accepted (cannot be judged).
-        :param waiting_requests_num: int >= 0.
-        :param gpu_cache_usage_perc: float in [0, 1].
-        :raises InvalidHeartbeat: (400) load values of the wrong type or range.
+        :param waiting_requests_num: an int (not a bool) from 0 to
+            :data:`~kvsvc.cluster.model.MAX_WAITING_REQUESTS` (2**31 - 1).
+        :param gpu_cache_usage_perc: an int or float (not a bool) in ``[0, 1]``.
+        :raises InvalidHeartbeat: (400) a load value of the wrong type or out of range, checked
+            by :func:`~kvsvc.cluster.model.check_load`; the message names the field
+            (``load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]``,
+            ``load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]``).
         :raises UnknownInstance: (409) no such instance in the registry.
         :raises StaleIncarnation: (409) the registered instance has a different incarnation.
         """
         try:
-            waiting, usage = check_load(waiting_requests_num, gpu_cache_usage_perc)
-        except Malformed as exc:
+            waiting, usage = check_load(waiting_requests_num, gpu_cache_usage_perc,
+                                        field_prefix="load_metrics.")
+        except MalformedRegistration as exc:
             raise InvalidHeartbeat(str(exc)) from None
         now = time.monotonic()
         with self._lock:
@@ -277,7 +308,7 @@ class Registry:
         kind, name = self._split_key(kv.key)
         try:
             result: object = parse_registration(_TYPES_BY_NAME[kind], name, kv.value)
-        except Malformed as exc:
+        except MalformedRegistration as exc:
             log.error("registry: malformed registration %s (revision %d) ignored: %s",
                       kv.key, kv.mod_revision, exc)
             result = exc
@@ -352,7 +383,7 @@ class Registry:
             if name not in by_name and rec.state is InstanceState.ACTIVE and not rec.probe_needed:
                 log.info("registry: %s key deleted; probing http://%s/health", name, name)
                 rec.probe_needed = True
-                self._wake_timer.set()
+                self._timer_thread.wake_now()
         changed |= self._assign_roles(joined)
         return changed
 
@@ -374,7 +405,7 @@ class Registry:
         try:
             waiting, usage = parse_load(kv.value)
             load: Optional[LoadMetrics] = LoadMetrics(waiting, usage, now)
-        except Malformed as exc:
+        except MalformedRegistration as exc:
             log.error("registry: malformed load %s (revision %d) ignored: %s", kv.key,
                       kv.mod_revision, exc)
             load = None
@@ -415,73 +446,26 @@ class Registry:
         flip.role = role
         return True
 
-    # -- etcd thread ----------------------------------------------------------------------
+    # -- what the etcd thread reports (it holds no lock when calling) --------------------
 
-    def _run_etcd(self) -> None:
-        s = self._settings
-        client = EtcdClient(s.etcd_addr, timeout_s=max(0.5, min(2.0, s.relist_interval_s)))
-        events: "queue.Queue[tuple[int, WatchEvent]]" = queue.Queue()
-        watch: Optional[WatchHandle] = None
-        watch_gen = 0
-        backoff = _BACKOFF_MIN_S
-        self._etcd_up.set()
-        try:
-            while not self._stop.is_set():
-                try:
-                    if watch is not None:
-                        watch.cancel()
-                        watch = None
-                    try:
-                        listed = client.list_prefix(self._prefix)
-                    except EtcdError as exc:
-                        with self._lock:
-                            if self._set_fresh(False, f"etcd: {exc}"):
-                                self._publish()
-                        self._first_list.set()
-                        self._stop.wait(backoff)
-                        backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
-                        continue
-                    backoff = _BACKOFF_MIN_S
-                    now = time.monotonic()
-                    with self._lock:
-                        changed = self._apply_list(listed, now)
-                        self._last_list_ok = now
-                        changed |= self._set_fresh(True, "")
-                        if changed:
-                            self._publish()
-                    self._first_list.set()
-                    watch_gen += 1
-                    gen = watch_gen
-                    try:
-                        watch = client.watch_prefix(self._prefix, listed.revision + 1,
-                                                    lambda ev, g=gen: events.put((g, ev)))
-                    except EtcdError as exc:
-                        log.warning("registry: watch not started (re-listing instead): %s", exc)
-                    deadline = now + s.relist_interval_s
-                    while not self._stop.is_set():
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            break
-                        pending = drain(events, min(remaining, _POLL_S))
-                        batch = [ev for g, ev in pending if g == gen]
-                        if batch:
-                            self._apply_events(batch)
-                except Exception:  # noqa: BLE001 - a bad value must not end the registry
-                    # Only a bug gets here (etcd and value errors are handled above). The
-                    # thread would otherwise be gone for the life of the process: /ready 503
-                    # and no etcd change seen again. Drop the watch and re-list after a pause.
-                    log.exception("registry: internal error; re-listing after %.1f s", backoff)
-                    with self._lock:
-                        if self._set_fresh(False, "internal error"):
-                            self._publish()
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
-        finally:
-            if watch is not None:
-                watch.cancel()
-            client.close()
+    def _list_failed(self, why: str) -> None:
+        """A list failed (etcd error, or a bug while applying it): keep the view, not fresh."""
+        with self._lock:
+            if self._set_fresh(False, why):
+                self._publish()
+
+    def _listed(self, listed: ListResult, now: float) -> None:
+        """A successful list at ``now`` (monotonic s): reconcile, mark fresh, publish."""
+        with self._lock:
+            changed = self._apply_list(listed, now)
+            self._last_list_ok = now
+            changed |= self._set_fresh(True, "")
+            if changed:
+                self._publish()
 
     def _apply_list(self, listed: ListResult, now: float) -> bool:
+        """Replace the view by a full list and reconcile (under _lock). True if anything
+        visible changed."""
         view: dict[str, KeyValue] = {}
         changed = False
         loads: set[str] = set()
@@ -498,6 +482,7 @@ class Registry:
         return self._reconcile(now) or changed
 
     def _apply_events(self, batch: list[WatchEvent]) -> None:
+        """Apply watched changes newer than the view's revisions, reconcile and publish."""
         now = time.monotonic()
         with self._lock:
             changed = False
@@ -521,29 +506,14 @@ class Registry:
             if changed:
                 self._publish()
 
-    # -- timer thread ---------------------------------------------------------------------
+    # -- what the timer thread runs ----------------------------------------------------------
 
-    def _run_timer(self) -> None:
-        s = self._settings
-        tick = min(_POLL_S, max(0.01, min(s.lease_lost_grace_s, s.suspect_removal_s) / 10))
-        session = requests.Session()
-        self._timer_up.set()
-        try:
-            while not self._stop.is_set():
-                self._wake_timer.wait(tick)
-                self._wake_timer.clear()
-                if self._stop.is_set():
-                    break
-                self._probe_deleted(session)
-                self._expire(time.monotonic())
-        finally:
-            session.close()
-
-    def _probe_deleted(self, session: requests.Session) -> None:
+    def _probe_deleted(self, probe: HealthProbe) -> None:
+        """Probe every instance whose key was deleted while ACTIVE (no lock held while probing)."""
         with self._lock:
             names = [n for n, r in self._records.items() if r.probe_needed]
         for name in names:
-            healthy = self._probe(session, name)
+            healthy = probe.healthy(name)
             now = time.monotonic()
             with self._lock:
                 rec = self._records.get(name)
@@ -557,16 +527,10 @@ class Registry:
                 self._assign_roles([])
                 self._publish()
 
-    def _probe(self, session: requests.Session, name: str) -> bool:
-        try:
-            reply = session.get(f"http://{name}/health",
-                                timeout=self._settings.health_probe_timeout_s)
-            return reply.status_code == 200
-        except requests.RequestException as exc:
-            log.debug("registry: probe of %s failed: %s", name, exc)
-            return False
-
     def _expire(self, now: float) -> None:
+        """The §9 timers at ``now`` (monotonic s): LEASE_LOST -> SUSPECT after
+        ``lease_lost_grace_s`` without a heartbeat, SUSPECT -> removed after
+        ``suspect_removal_s``; and the freshness watchdog."""
         s = self._settings
         with self._lock:
             changed = False
@@ -591,5 +555,130 @@ class Registry:
                 self._publish()
 
 
-_BACKOFF_MIN_S = 0.1
-_POLL_S = 0.1
+
+class _EtcdThread(BackgroundThread):
+    """``kvsvc-registry-etcd``: list, watch, re-list (module docstring). Owns its etcd client,
+    its watch and the watch's event queue; hands what it reads to its :class:`Registry`.
+
+    :ivar first_list_attempted: set once the first list since :meth:`start` was tried
+        (successful or not); :meth:`Registry.start` waits for it.
+    """
+
+    def __init__(self, registry: Registry, settings: RegistrySettings, prefix: str) -> None:
+        super().__init__("kvsvc-registry-etcd")
+        self._registry = registry
+        self._settings = settings
+        self._prefix = prefix
+        self.first_list_attempted = threading.Event()
+        # This thread only (the watch's etcd3gw thread only puts into the queue):
+        self._client: Optional[EtcdClient] = None
+        self._watch: Optional[WatchHandle] = None
+        # (watch generation, event); generation -1 is the wake-up sentinel of close().
+        self._events: "queue.Queue[tuple[int, Optional[WatchEvent]]]" = queue.Queue()
+
+    def _setup(self) -> None:
+        s = self._settings
+        self.first_list_attempted.clear()
+        self._client = EtcdClient(s.etcd_addr, timeout_s=max(0.5, min(2.0, s.relist_interval_s)))
+
+    def _wake(self) -> None:
+        self._events.put((-1, None))
+
+    def _loop(self) -> None:
+        registry, client, s, prefix = self._registry, self._client, self._settings, self._prefix
+        assert client is not None
+        events = self._events
+        watch_gen = 0
+        backoff = _BACKOFF_MIN_S
+        while not self.stopping:
+            try:
+                self._cancel_watch()
+                try:
+                    listed = client.list_prefix(prefix)
+                except EtcdError as exc:
+                    registry._list_failed(f"etcd: {exc}")
+                    self.first_list_attempted.set()
+                    self._sleep(backoff)
+                    backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
+                    continue
+                backoff = _BACKOFF_MIN_S
+                now = time.monotonic()
+                registry._listed(listed, now)
+                self.first_list_attempted.set()
+                watch_gen += 1
+                gen = watch_gen
+
+                def on_event(ev: WatchEvent, g: int = gen) -> None:
+                    events.put((g, ev))   # on etcd3gw's thread: hand over only
+
+                try:
+                    self._watch = client.watch_prefix(prefix, listed.revision + 1, on_event)
+                except EtcdError as exc:
+                    log.warning("registry: watch not started (re-listing instead): %s", exc)
+                deadline = now + s.relist_interval_s
+                while not self.stopping:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    pending = drain(events, min(remaining, _POLL_S))
+                    batch = [ev for g, ev in pending if g == gen and ev is not None]
+                    if batch:
+                        registry._apply_events(batch)
+            except Exception:  # noqa: BLE001 - a bad value must not end the registry
+                # Only a bug gets here (etcd and value errors are handled above). The thread
+                # would otherwise be gone for the life of the process: /ready 503 and no etcd
+                # change seen again. Drop the watch and re-list after a pause.
+                log.exception("registry: internal error; re-listing after %.1f s", backoff)
+                registry._list_failed("internal error")
+                self._sleep(backoff)
+                backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
+
+    def _cancel_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+
+    def _teardown(self) -> None:
+        self._cancel_watch()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+class _TimerThread(BackgroundThread):
+    """``kvsvc-registry-timer``: the §9 state timers and the /health probes (module
+    docstring). Owns its :class:`~kvsvc.cluster.probe.HealthProbe`."""
+
+    def __init__(self, registry: Registry, settings: RegistrySettings) -> None:
+        super().__init__("kvsvc-registry-timer")
+        self._registry = registry
+        self._settings = settings
+        self._poke = threading.Event()
+        self._probe: Optional[HealthProbe] = None
+
+    def wake_now(self) -> None:
+        """Run the next tick at once (a key was deleted: probe it now). Any thread."""
+        self._poke.set()
+
+    def _setup(self) -> None:
+        self._probe = HealthProbe(self._settings.health_probe_timeout_s)
+
+    def _wake(self) -> None:
+        self._poke.set()
+
+    def _loop(self) -> None:
+        registry, probe, s = self._registry, self._probe, self._settings
+        assert probe is not None
+        tick = min(_POLL_S, max(0.01, min(s.lease_lost_grace_s, s.suspect_removal_s) / 10))
+        while not self.stopping:
+            self._poke.wait(tick)
+            self._poke.clear()
+            if self.stopping:
+                break
+            registry._probe_deleted(probe)
+            registry._expire(time.monotonic())
+
+    def _teardown(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()

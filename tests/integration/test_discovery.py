@@ -3,7 +3,8 @@ plans to a real directory whose streams talk to real simulated engines (keep / r
 
 The thread tests feed discovery a registry snapshot held in a small object (``SnapshotSource``):
 discovery reads nothing but ``snapshot()``; the real registry over etcd is exercised in
-``test_e2e_discovery.py``."""
+``test_e2e_discovery.py``. The thread's start/close contract is tested with a source whose
+``snapshot()`` blocks until the test lets it go."""
 
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ import pytest
 
 from kvsvc.config import DiscoveryConfig, KvEventsConfig, parse_kv_events_config
 from kvsvc.directory import Directory
-from kvsvc.cluster.discovery import Discovery, Plan, instance_identity, plan_streams
-from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
+from kvsvc.errors import LifecycleError
+from kvsvc.cluster.discovery import Discovery, Plan, plan_streams
+from kvsvc.cluster.model import (
+    Instance,
+    InstanceState,
+    InstanceType,
+    RegistrySnapshot,
+    instance_identity,
+)
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.streams.state import StreamId
 from tests.util import wait_for
@@ -329,6 +337,39 @@ def test_thread_follows_the_snapshot_and_stops(directory):
     count = disc.refreshes
     source.set(inst(name))
     assert disc.refreshes == count and directory.stream_ids() == []
+
+
+class BlockingSource:
+    """A snapshot source whose ``snapshot()`` blocks until :attr:`release` is set."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def snapshot(self) -> RegistrySnapshot:
+        self.entered.set()
+        self.release.wait(30)
+        return snap()
+
+
+def test_thread_start_close_contract_and_close_raises_while_a_refresh_blocks(directory):
+    source = BlockingSource()
+    disc = Discovery(source, directory, DISC, LIMITS)
+    disc.close()                     # never started: nothing to do
+    assert not disc.running
+    disc.start()
+    try:
+        with pytest.raises(LifecycleError, match="kvsvc-discovery: already started"):
+            disc.start()
+        assert source.entered.wait(5), "first refresh"
+        with pytest.raises(LifecycleError, match="kvsvc-discovery: did not stop"):
+            disc.close(timeout_s=0.2)
+        assert disc.running
+    finally:
+        source.release.set()
+        disc.close()
+    assert not disc.running and disc.refreshes == 1
+    disc.close()                     # closed already: nothing to do
 
 
 # -- configuration -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Master election and LOADMETRICS (§9) between Registry replicas on a real etcd: election,
 the master's LOADMETRICS writes and deletes, a non-master reading loads, graceful hand-over and
-failover after the master process is killed (measured)."""
+failover after the master process is killed (measured), and the election thread's start/close
+contract (close() raises while the thread hangs on a paused etcd)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from types import MappingProxyType
 
+import pytest
 
+from kvsvc.cluster.election import MasterElection
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.model import RegistrySettings, RegistrySnapshot
 from kvsvc.cluster.registry import Registry
+from kvsvc.errors import LifecycleError
 from tests.util import free_port, wait_for
 
 TTL_S = 1
@@ -27,8 +32,6 @@ def settings(addr: str, me: str, **kw) -> RegistrySettings:
                 master_lease_ttl_s=TTL_S, self_address=me)
     base.update(kw)
     return RegistrySettings(**base)
-
-
 
 
 def master_value(etcd: EtcdClient):
@@ -134,3 +137,31 @@ def test_failover_after_master_killed(etcd_server, etcd):
         child.stdout.close()
         if b is not None:
             b.close()
+
+
+EMPTY = RegistrySnapshot(MappingProxyType({}), True, False, 0)
+
+
+def test_election_start_close_contract_and_close_raises_while_etcd_hangs(etcd_server, etcd):
+    changes: list[bool] = []
+    # TTL 3 s: every election request times out after 1 s.
+    election = MasterElection(settings(etcd_server.addr, "10.1.0.1:9000", master_lease_ttl_s=3),
+                              lambda: EMPTY, changes.append)
+    election.close()                 # never started: nothing to do
+    assert not election.running
+    election.start()
+    try:
+        with pytest.raises(LifecycleError, match="kvsvc-election: already started"):
+            election.start()
+        wait_for(lambda: election.is_master, 5, what="mastership")
+        assert master_value(etcd) == "10.1.0.1:9000"
+        with etcd_server.paused():
+            # Its teardown revokes the lease; with etcd stopped that request hangs.
+            with pytest.raises(LifecycleError, match="kvsvc-election: did not stop"):
+                election.close(timeout_s=0.3)
+            assert election.running
+    finally:
+        election.close(timeout_s=5.0)
+    assert not election.running
+    assert changes == [True, False] and election.is_master is False
+    election.close()                 # closed already: nothing to do

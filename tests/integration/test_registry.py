@@ -1,20 +1,30 @@
 """Registry (§9) against a real etcd: join, refresh, replacement, DP size change, malformed and
 unknown fields, lease loss with the /health probe (LEASE_LOST -> SUSPECT -> removed, with
-timings), heartbeats, and an etcd restart while running."""
+timings), heartbeats, an etcd restart while running, and the start/close contract of its three
+threads (a thread blocked on a paused etcd or a silent /health makes close() raise, after the
+other threads were closed)."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 from typing import Iterator
 
 import pytest
 
-from kvsvc.errors import ConfigError, InvalidHeartbeat, StaleIncarnation, UnknownInstance
+from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySettings
 from kvsvc.cluster.registry import Registry
+from kvsvc.errors import (
+    ConfigError,
+    InvalidHeartbeat,
+    LifecycleError,
+    StaleIncarnation,
+    UnknownInstance,
+)
 from tests.util import free_port, wait_for
 
 GRACE_S = 0.5
@@ -30,6 +40,10 @@ def settings(addr: str, **kw) -> RegistrySettings:
     return RegistrySettings(**base)
 
 
+def kvsvc_threads() -> list[str]:
+    """Names of the live kvsvc threads (``kvsvc-...``), sorted."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("kvsvc-") and t.is_alive())
 
 
 @pytest.fixture
@@ -182,9 +196,10 @@ def test_malformed_registrations_ignored_others_unaffected(registry, etcd, caplo
 
 def test_load_value_no_float_holds_is_malformed_and_a_bug_does_not_end_the_registry(
         registry, etcd, monkeypatch, caplog):
-    """A LOADMETRICS value with a 400-digit usage used to raise OverflowError in the registry
-    thread and end it for good (never fresh again). Now it is malformed; and any other
-    unexpected error is logged, the registry goes stale, re-lists and carries on."""
+    """A LOADMETRICS value with a 400-digit usage (no float holds it) is malformed, not a crash
+    of the etcd thread; and any other unexpected error on that thread (here a list that raises
+    something that is not an etcd error) is logged, the registry goes stale, re-lists and
+    carries on."""
     name = "10.0.0.1:8000"
     etcd.put(key(name), value(name))
     registry.wait_for(lambda s: name in s.instances, 5)
@@ -193,16 +208,17 @@ def test_load_value_no_float_holds_is_malformed_and_a_bug_does_not_end_the_regis
     wait_for(lambda: any("malformed load" in r.getMessage() for r in caplog.records),
              timeout_s=5, what="the load value logged as malformed")
     assert registry.snapshot().fresh
-    real = Registry._apply_list
+    real = EtcdClient.list_prefix
     calls = []
 
-    def broken_once(self, listed, now):
-        calls.append(now)
-        if len(calls) == 1:
-            raise RuntimeError("injected bug")
-        return real(self, listed, now)
+    def broken_once(self, prefix):
+        if threading.current_thread().name == "kvsvc-registry-etcd":
+            calls.append(prefix)
+            if len(calls) == 1:
+                raise RuntimeError("injected bug")
+        return real(self, prefix)
 
-    monkeypatch.setattr(Registry, "_apply_list", broken_once)
+    monkeypatch.setattr(EtcdClient, "list_prefix", broken_once)
     registry.wait_for(lambda s: not s.fresh, 10)     # the next re-list hits the bug
     other = "10.0.0.2:8000"
     etcd.put(key(other), value(other))
@@ -378,3 +394,86 @@ def test_mix_roles(registry, etcd):
                              s.instances["10.0.0.1:8000"].state is InstanceState.SUSPECT, 5)
     assert {n: i.role for n, i in snap.instances.items() if i.state is not InstanceState.SUSPECT} \
         == {"10.0.0.2:8000": InstanceType.PREFILL, "10.0.0.3:8000": InstanceType.DECODE}
+
+
+def test_heartbeat_errors_name_the_field(registry, etcd):
+    name = "10.0.0.1:8000"
+    etcd.put(key(name), value(name, incarnation_id="a"))
+    registry.wait_for(lambda s: name in s.instances, 5)
+    waiting = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
+    usage = "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"
+    for bad, message in (((-1, 0.1), waiting), ((2**31, 0.1), waiting), ((None, 0.1), waiting),
+                         ((False, 0.1), waiting), ((1.0, 0.1), waiting), (("1", 0.1), waiting),
+                         ((1, -0.1), usage), ((1, float("nan")), usage), ((1, None), usage),
+                         ((1, True), usage), ((1, "0.5"), usage), ((1, 2), usage)):
+        with pytest.raises(InvalidHeartbeat) as err:
+            registry.heartbeat(name, "a", *bad)
+        assert (err.value.status, err.value.message) == (400, message), bad
+    assert registry.snapshot().instances[name].load is None
+
+
+# -- the start/close contract of the three threads ---------------------------------------------
+
+def test_start_twice_raises_close_before_start_and_twice_are_no_ops(etcd_server):
+    reg = Registry(settings(etcd_server.addr))
+    reg.close()                     # never started: nothing to do
+    assert kvsvc_threads() == []
+    reg.start()
+    try:
+        assert kvsvc_threads() == ["kvsvc-election", "kvsvc-registry-etcd",
+                                   "kvsvc-registry-timer"]
+        with pytest.raises(LifecycleError, match="already started"):
+            reg.start()
+    finally:
+        reg.close()
+    assert kvsvc_threads() == []
+    reg.close()                     # closed already: nothing to do
+    reg.start()                     # and it starts again
+    try:
+        reg.wait_for(lambda s: s.fresh, 5)
+    finally:
+        reg.close()
+    assert kvsvc_threads() == []
+
+
+def test_close_raises_when_the_election_hangs_on_a_paused_etcd_and_closes_the_rest(etcd_server):
+    # Requests of the election time out after 1 s (lease TTL 3 s); the re-list is far away, so
+    # the etcd thread is only waiting on its watch queue when close() comes.
+    reg = Registry(settings(etcd_server.addr, master_lease_ttl_s=3, relist_interval_s=30.0))
+    reg.start()
+    try:
+        reg.wait_for(lambda s: s.is_master, 10)
+        with etcd_server.paused():
+            # The election thread revokes its lease in its teardown: that request hangs.
+            with pytest.raises(LifecycleError, match="kvsvc-election: did not stop"):
+                reg.close(timeout_s=0.5)
+            assert kvsvc_threads() == ["kvsvc-election"]
+            with pytest.raises(LifecycleError, match="already started"):
+                reg.start()
+    finally:
+        reg.close(timeout_s=5.0)    # etcd answers again: the revoke ends, so does the thread
+    assert kvsvc_threads() == []
+    assert reg.snapshot().is_master is False
+
+
+def test_close_raises_when_a_health_probe_hangs_and_closes_the_rest(etcd_server, etcd):
+    with socket.socket() as silent:  # accepts connections (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        silent.settimeout(5.0)
+        name = f"127.0.0.1:{silent.getsockname()[1]}"
+        reg = Registry(settings(etcd_server.addr, health_probe_timeout_s=5.0))
+        reg.start()
+        try:
+            etcd.put(key(name), value(name))
+            reg.wait_for(lambda s: name in s.instances, 5)
+            etcd.delete(key(name))
+            conn, _ = silent.accept()   # the timer thread's probe is waiting for an answer
+            with conn:
+                with pytest.raises(LifecycleError, match="kvsvc-registry-timer: did not stop"):
+                    reg.close(timeout_s=0.3)
+                assert kvsvc_threads() == ["kvsvc-registry-timer"]
+            # The connection closed: the probe fails at once, the thread ends.
+        finally:
+            reg.close(timeout_s=5.0)
+    assert kvsvc_threads() == []
