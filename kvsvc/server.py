@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvsvc.http.app import EXTENSION, Service
 from kvsvc.config import load_service_settings
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.service import Service
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,13 @@ from typing import Iterator, Optional
 import flask
 import pytest
 
-from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app, parse_heartbeat
+from kvsvc.http.app import create_app
+from kvsvc.http.body import parse_heartbeat
+from kvsvc.http.errors import status_of
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH
 from kvsvc.config import load_service_settings
-from kvsvc.errors import RequestError
+from kvsvc.errors import BadRequest
 from kvsvc.cluster.etcd import EtcdClient
 
 TOKEN = "hb-token"
@@ -157,8 +161,8 @@ def test_parse_heartbeat_ignores_unknown_keys_and_nan_is_refused():
     assert (hb.name, hb.incarnation_id, hb.waiting_requests_num, hb.gpu_cache_usage_perc) == (
         NAME, INCARNATION, 3, 0.0)
     assert parse_heartbeat(json.dumps(body(incarnation="")).encode()).incarnation_id is None
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(BadRequest) as info:
         parse_heartbeat(b'{"name": "a:1", "load_metrics": {"waiting_requests_num": 0, '
                         b'"gpu_cache_usage_perc": NaN}}')
-    assert (info.value.status, info.value.message) == (
+    assert (status_of(info.value), info.value.message) == (
         400, "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")

@@ -10,7 +10,10 @@ from typing import Iterator, Optional
 import flask
 import pytest
 
-from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app, max_content_length
+from kvsvc.http.app import create_app
+from kvsvc.http.body import max_content_length
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.http.internal import QUERY_PATH
 from kvsvc.config import KvEventsConfig, load_service_settings, parse_kv_events_config
 from tests.util import free_ports
 
@@ -219,7 +222,7 @@ def test_ready_503_before_start_lists_streams():
 
 
 def test_index_disabled_answers_no_matches_and_is_ready(caplog):
-    with caplog.at_level("WARNING", logger="kvsvc.http.app"):
+    with caplog.at_level("WARNING", logger="kvsvc.service"):
         with running_app(None) as app:
             client = app.test_client()
             r = post(client, {"token_ids": [1, 2, 3]})
