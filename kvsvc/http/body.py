@@ -8,7 +8,9 @@ field (or :class:`~kvsvc.errors.PayloadTooLarge`, :class:`~kvsvc.errors.UnknownM
   a ``bool``, in ``[0, MAX_TOKEN_ID]``) and its error texts; :func:`parse_token_ids` /
   :func:`parse_query_tokens` read ``{"token_ids": [...]}`` bodies through a packing fast path
   that falls back to the rule for the message; :func:`is_token_list` is the rule for a prompt.
-- Heartbeats (§9): :func:`parse_heartbeat`.
+- Heartbeats (§9): :func:`parse_heartbeat` checks the body's shape only (JSON types); the load
+  ranges are the registry's (:meth:`kvsvc.cluster.registry.Registry.heartbeat` raises
+  :class:`~kvsvc.errors.InvalidHeartbeat`).
 - OpenAI bodies (§11): :func:`json_object`, :func:`parse_completion_prompt`,
   :func:`parse_chat_prompt`, :func:`check_model_and_stream`.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 from array import array
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TypeGuard, Union
 
 import orjson
 from flask import request
@@ -26,7 +28,6 @@ from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_content_length
 
-from kvsvc.cluster.model import MAX_WAITING_REQUESTS
 from kvsvc.errors import BadRequest, PayloadTooLarge, UnknownModel
 from kvsvc.index.keys import ARRAY_IS_WIRE_FORM, MAX_TOKEN_ID, pack_tokens
 from kvsvc.routing.prompt import ChatPrompt, CompletionPrompt
@@ -264,26 +265,37 @@ def parse_query_tokens(body: bytes, max_tokens: int) -> Sequence[int]:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """A validated heartbeat body (§9).
+    """A heartbeat body of the right shape (§9); its load is not range-checked yet.
 
-    :param name: instance ``host:port``.
-    :param incarnation_id: the sender's incarnation (``None`` when absent).
-    :param waiting_requests_num: queued requests, int >= 0.
-    :param gpu_cache_usage_perc: Device usage, float in ``[0, 1]``.
+    :ivar name: instance ``host:port`` (non-empty).
+    :ivar incarnation_id: the sender's incarnation, ``None`` when absent or empty.
+    :ivar waiting_requests_num: queued requests as sent, a JSON number (the registry accepts
+        only an int in ``[0, 2**31 - 1]``).
+    :ivar gpu_cache_usage_perc: Device usage as sent, a JSON number (the registry accepts
+        only [0, 1]).
     """
 
     name: str
     incarnation_id: Optional[str]
-    waiting_requests_num: int
-    gpu_cache_usage_perc: float
+    waiting_requests_num: Union[int, float]
+    gpu_cache_usage_perc: Union[int, float]
+
+
+def _is_number(value: object) -> TypeGuard[Union[int, float]]:
+    # A JSON number: int or float, never a bool (the stdlib parser also gives NaN/Infinity
+    # floats, which the registry's range check refuses).
+    return type(value) in (int, float)
 
 
 def parse_heartbeat(body: bytes) -> Heartbeat:
-    """Validate a heartbeat body (xllm-service's JSON, §9). Unknown keys are ignored
-    (``latency_metrics`` is accepted and not used yet).
+    """Check a heartbeat body's shape (xllm-service's JSON, §9): a JSON object, ``name`` a
+    non-empty string, ``incarnation_id`` a string or absent/null, ``load_metrics`` an object
+    whose ``waiting_requests_num`` and ``gpu_cache_usage_perc`` are numbers, ``latency_metrics``
+    an object or absent (accepted, not used yet). Unknown keys are ignored. Value ranges are
+    the registry's to judge.
 
     :param body: raw request body.
-    :raises BadRequest: naming what is wrong.
+    :raises BadRequest: naming the field of the wrong JSON type.
     """
     doc = json_object(body)
     name = doc.get("name")
@@ -296,16 +308,15 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
     if not isinstance(load, dict):
         raise BadRequest("load_metrics: must be an object")
     waiting = load.get("waiting_requests_num")
-    if type(waiting) is not int or not 0 <= waiting <= MAX_WAITING_REQUESTS:
-        raise BadRequest("load_metrics.waiting_requests_num: must be an integer in "
-                         f"[0, {MAX_WAITING_REQUESTS}]")
+    if not _is_number(waiting):
+        raise BadRequest("load_metrics.waiting_requests_num: must be a number")
     usage = load.get("gpu_cache_usage_perc")
-    if type(usage) not in (int, float) or not 0.0 <= usage <= 1.0:  # NaN fails the range too
-        raise BadRequest("load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")
+    if not _is_number(usage):
+        raise BadRequest("load_metrics.gpu_cache_usage_perc: must be a number")
     latency = doc.get("latency_metrics")
     if latency is not None and not isinstance(latency, dict):
         raise BadRequest("latency_metrics: must be an object")
-    return Heartbeat(name, incarnation or None, waiting, float(usage))
+    return Heartbeat(name, incarnation or None, waiting, usage)
 
 
 # -- OpenAI bodies ---------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ token is configured (:mod:`kvsvc.http.auth`). Errors answer ``{"error": "..."}``
   :func:`~kvsvc.http.body.max_content_length` get 413.
 - ``POST /v1/internal/heartbeat`` (§9, xllm-service's shape) ``{"name", "incarnation_id",
   "load_metrics": {"waiting_requests_num", "gpu_cache_usage_perc"}, "latency_metrics": {...}}``
-  -> 200 ``{"ok": true}``. Refused (nothing recorded): 400 malformed, 401 bad token, 409 unknown
-  instance or stale incarnation, 503 no registry (``--etcd_addr`` empty).
+  -> 200 ``{"ok": true}``. Refused (nothing recorded): 400 a body of the wrong shape
+  (``malformed``) or a load out of range (``invalid_load``, the registry's message), 401 bad
+  token, 409 unknown instance or stale incarnation, 503 no registry (``--etcd_addr`` empty).
   Each answer counts once in ``kvsvc_heartbeats_total`` by :data:`~kvsvc.http.metrics.HEARTBEAT_OUTCOMES`.
 - ``POST /v1/internal/route`` ``{"token_ids": [...]}`` or a completion/chat body -> the decision
   (chosen P/D and every candidate's per-rank hit tokens, hit ratio, queue cost, score, tie, in
@@ -22,7 +23,7 @@ token is configured (:mod:`kvsvc.http.auth`). Errors answer ``{"error": "..."}``
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import flask
 import orjson
@@ -93,7 +94,8 @@ def _heartbeat() -> flask.Response:
         counter.labels("no_registry").inc()
         raise NoRegistry("no instance registry configured (--etcd_addr is empty)")
     try:
-        svc.registry.heartbeat(hb.name, hb.incarnation_id, hb.waiting_requests_num,
+        # The registry's check_load judges the values (InvalidHeartbeat otherwise).
+        svc.registry.heartbeat(hb.name, hb.incarnation_id, cast(int, hb.waiting_requests_num),
                                hb.gpu_cache_usage_perc)
     except InvalidHeartbeat:
         counter.labels("invalid_load").inc()
