@@ -123,7 +123,7 @@ def validate_service(settings: ServiceSettings) -> Optional[KvEventsConfig]:
     :raises ConfigError: naming the field.
     """
     from kvsvc.http.app import create_app  # the app's own construction path: nothing starts there
-    from kvsvc.http.routes import ROUTING_EXTENSION
+    from kvsvc.http.extensions import ROUTING_EXTENSION
 
     kv_config = settings.kv_events_config()
     app = create_app(settings, kv_config)

@@ -19,11 +19,23 @@ translated into these once, at the module boundary where they occur (``raise ...
     │   └── EtcdUnavailable        etcd unreachable, timed out or answered 5xx: retry later
     ├── WaitTimeout            ``Registry.wait_for`` gave up (test helper)
     ├── MalformedRegistration  an etcd registration or load value (or key) that cannot be used (§9)
-    └── RequestError           bad HTTP input; ``status`` is the 4xx code to answer with (§10)
+    ├── TemplateError          a chat template raised or failed to render (§11: routed with hit 0)
+    ├── UpstreamError          no upstream produced a response head (§11)
+    │   ├── UpstreamUnreachable    refused, reset or broken before the head (or in a read body)
+    │   └── UpstreamTimeout        connect, response head or body read timed out
+    └── RequestError           a request the service refuses (§9-§11); ``message`` says why
+        ├── BadRequest         malformed body or field; ``message`` starts with the field name
+        ├── Unauthorized       missing or wrong ``X-Internal-Token`` (§10)
+        ├── PayloadTooLarge    body over the endpoint's size limit
+        ├── UnknownModel       ``model`` not among the served ``--model`` names (§11)
+        ├── NoRegistry         a heartbeat while no registry is configured (``--etcd_addr`` empty)
+        ├── NoCandidate        no instance can serve the request (§11 candidates empty)
         └── HeartbeatRejected  a heartbeat the registry refuses (§9)
-            ├── InvalidHeartbeat   400: load values of the wrong type or out of range
-            ├── UnknownInstance    409: no registered instance of that name
-            └── StaleIncarnation   409: ``incarnation_id`` differs from the registered one
+            ├── InvalidHeartbeat   load values of the wrong type or out of range
+            ├── UnknownInstance    no registered instance of that name
+            └── StaleIncarnation   ``incarnation_id`` differs from the registered one
+
+No class here carries an HTTP status: :mod:`kvsvc.http.errors` maps each kind to its answer.
 """
 
 from __future__ import annotations
@@ -92,17 +104,6 @@ class LifecycleError(KvsvcError):
     """A background thread did not start (or stop) within its timeout."""
 
 
-class RequestError(KvsvcError):
-    """Bad HTTP input (§10).
-
-    :param status: HTTP status to answer with (400, 401, 404, 413, ...).
-    :param message: human-readable reason, returned as ``{"error": message}``.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
-        super().__init__(message)
 
 
 class EtcdError(KvsvcError):
@@ -128,32 +129,109 @@ class MalformedRegistration(KvsvcError):
     which the registry turns into :class:`InvalidHeartbeat`."""
 
 
+class TemplateError(KvsvcError):
+    """A chat template raised (``raise_exception``) or failed to render (§11). Raised by
+    :mod:`kvsvc.routing.prompt` and turned into unknown tokens there (the request routes with
+    hit ratio 0); it never reaches a client."""
+
+
+class UpstreamError(KvsvcError):
+    """No upstream produced a response head, or a non-streamed body broke before anything was
+    sent to the client (§11). Raised by :mod:`kvsvc.routing.proxy`, chained to the ``requests``
+    or ``urllib3`` error.
+
+    :param message: what happened, naming the upstreams tried.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class UpstreamUnreachable(UpstreamError):
+    """The connection was refused, reset or broken."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The connect, the wait for the response head, or a body read timed out."""
+
+
+class RequestError(KvsvcError):
+    """A request the service refuses (§9-§11). Each subclass is one kind of refusal; the HTTP
+    layer answers ``{"error": message}`` (or OpenAI's shape) with the kind's status.
+
+    :param message: human-readable reason, returned to the client as is.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class BadRequest(RequestError):
+    """Malformed input: not JSON, a missing field, a field of the wrong JSON type, token ids that
+    are not integers in range, too many tokens (§10, §11). The message starts with the field
+    (``token_ids: ...``, ``messages[0].role: ...``) when one is to blame."""
+
+
+class Unauthorized(RequestError):
+    """The request lacks the configured ``X-Internal-Token`` or carries another one (§10)."""
+
+
+class PayloadTooLarge(RequestError):
+    """The body is larger than the endpoint accepts (read no further)."""
+
+
+class UnknownModel(RequestError):
+    """The request names a model outside the served ``--model`` names (§11)."""
+
+
+class NoRegistry(RequestError):
+    """A heartbeat arrived but no instance registry is configured (``--etcd_addr`` empty)."""
+
+
+class NoCandidate(RequestError):
+    """No instance can serve the request (§11: no candidate).
+
+    :param reason: the policy's reason (:attr:`kvsvc.routing.policy.Decision.reason`).
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"no instance available: {reason}")
+
+
 class HeartbeatRejected(RequestError):
-    """A heartbeat the registry refuses (§9). ``status`` is the HTTP answer (400 or 409)."""
+    """A heartbeat the registry refuses (§9); nothing of it is recorded."""
 
 
 class InvalidHeartbeat(HeartbeatRejected):
-    """400: ``waiting_requests_num`` not an int >= 0 or ``gpu_cache_usage_perc`` not a float in
-    [0, 1] (§9)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(400, message)
+    """``waiting_requests_num`` not an int in ``[0, 2**31 - 1]`` or ``gpu_cache_usage_perc`` not a
+    number in [0, 1] (§9). The message is the registry's (:func:`kvsvc.cluster.model.check_load`)."""
 
 
 class UnknownInstance(HeartbeatRejected):
-    """409: the heartbeat names no instance the registry holds (§9)."""
+    """The heartbeat names no instance the registry holds (§9).
+
+    :param name: the instance ``host:port`` named.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        super().__init__(409, f"unknown instance {name!r}")
+        super().__init__(f"unknown instance {name!r}")
 
 
 class StaleIncarnation(HeartbeatRejected):
-    """409: the heartbeat's ``incarnation_id`` differs from the registered one (§9): it comes
-    from a replaced process."""
+    """The heartbeat's ``incarnation_id`` differs from the registered one (§9): it comes from a
+    replaced process.
+
+    :param name: the instance ``host:port``.
+    :param got: the heartbeat's incarnation.
+    :param registered: the registration's incarnation.
+    """
 
     def __init__(self, name: str, got: str, registered: str) -> None:
         self.name = name
         self.got = got
         self.registered = registered
-        super().__init__(409, f"stale incarnation {got!r} for {name!r} (registered {registered!r})")
+        super().__init__(f"stale incarnation {got!r} for {name!r} (registered {registered!r})")

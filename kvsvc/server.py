@@ -5,7 +5,7 @@ names plus the hooks. One ``gthread`` worker (the ``sync`` worker kills requests
 ``timeout``) with ``--worker_threads`` threads (``KVSVC_WORKER_THREADS``; default and range in
 :mod:`kvsvc.settings`: a proxied request holds a thread until its answer is relayed, so this
 caps the requests in flight), ``preload_app`` off, so the app (``wsgi:app``) and its
-:class:`~kvsvc.http.app.Service` are built inside the worker process and the service's ZMQ context
+:class:`~kvsvc.service.Service` are built inside the worker process and the service's ZMQ context
 and threads are only created after the fork: :func:`post_worker_init` starts the service,
 :func:`worker_exit` closes it (§6: stream threads are owned and joined).
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvsvc.http.app import EXTENSION, Service
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.service import Service
 from kvsvc.settings import LOG_LEVELS, load_service_settings
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app (``GET /metrics``), on a registry of its own.
+"""Prometheus metrics of one app: the ``GET /metrics`` endpoint (:func:`blueprint`), the
+request-path instruments and the scrape-time collector, on a registry of the app's own.
 
 :class:`Metrics` owns a :class:`prometheus_client.CollectorRegistry` built by
 :func:`kvsvc.http.app.create_app` and kept in ``app.extensions["kvsvc.metrics"]``; the process-wide
@@ -11,10 +12,11 @@ Two kinds of values:
   each stream's :meth:`~kvsvc.streams.subscriber.StreamSubscriber.status` and
   :meth:`~kvsvc.streams.subscriber.StreamSubscriber.counters` (plain ints copied under the
   stream lock, O(1) per stream, never an index traversal), the registry's immutable snapshot,
-  discovery's and the proxy's counters. The stream threads never touch a prometheus object.
+  discovery's counters, the proxy's retries and the in-flight ledger's counts, all reached
+  through the :class:`~kvsvc.service.Service`. The stream threads never touch a prometheus object.
 - **Observed on the request path** with prometheus_client instruments (:class:`Metrics`
   attributes): query and route latency, routing decisions, the chosen P's predicted hit ratio,
-  heartbeats by outcome, proxied requests by status. One ``observe``/``inc`` each (~1 us).
+  heartbeats by outcome, proxied requests by status. One ``observe``/``inc`` each.
 
 Every name has the ``kvsvc_`` prefix, counters end in ``_total``, durations are seconds and
 sizes bytes. Label sets are fixed (:data:`~kvsvc.streams.subscriber.DECODE_ERROR_REASONS` and
@@ -30,9 +32,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import flask
+from flask import current_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -43,15 +53,15 @@ from prometheus_client.registry import Collector
 
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
 from kvsvc.cluster.model import InstanceState
+from kvsvc.http.extensions import METRICS_EXTENSION
+from kvsvc.routing.policy import Decision
+from kvsvc.routing.router import Router
+from kvsvc.service import Service
 from kvsvc.streams.state import StreamState
-
-if TYPE_CHECKING:  # imported for annotations only: kvsvc.http.app imports this module
-    from kvsvc.http.app import Service
-    from kvsvc.routing.policy import Decision
 
 log = logging.getLogger(__name__)
 
-METRICS_EXTENSION = "kvsvc.metrics"
+METRICS_PATH = "/metrics"
 #: Outcomes of ``POST /v1/internal/heartbeat`` (kvsvc_heartbeats_total).
 HEARTBEAT_OUTCOMES = ("ok", "malformed", "invalid_load", "unknown_instance",
                       "stale_incarnation", "no_registry", "unauthorized")
@@ -67,18 +77,14 @@ _STREAM_LABELS = ("instance", "dp_rank")
 class Metrics:
     """The app's metrics registry and its request-path instruments.
 
-    :param service: the app's :class:`~kvsvc.http.app.Service` (read at scrape time only).
-    :param upstream_retries: callable returning the proxy's retry count, or ``None`` before
-        routing is set up (:func:`kvsvc.http.routes.init_app` sets :attr:`upstream_retries`).
-    :ivar upstream_in_flight: callable returning instance -> requests this worker has in flight
-        to it (:meth:`kvsvc.routing.policy.InFlight.counts`), or ``None`` before routing is set up
-        (:func:`kvsvc.http.routes.init_app` sets it).
+    :param service: the app's :class:`~kvsvc.service.Service` (read at scrape time only, by the
+        :class:`ServiceCollector` registered here).
 
     :ivar registry: the app's own ``CollectorRegistry``.
     :ivar query_seconds: histogram of ``POST /v1/internal/kv-cache/query`` handling, seconds
         (parse + directory query + answer).
-    :ivar route_seconds: histogram of one routing decision (``Router.decide``), seconds, by
-        policy.
+    :ivar route_seconds: histogram of one routing decision (:meth:`Router.decide
+        <kvsvc.routing.router.Router.decide>`, timed by :meth:`decide`), seconds, by policy.
     :ivar decisions: counter of routing decisions by policy and chosen P (``none`` when no
         instance could serve).
     :ivar hit_ratio: histogram of the chosen P's predicted hit ratio (CAR only; RR has none).
@@ -86,11 +92,8 @@ class Metrics:
     :ivar proxied: counter of OpenAI requests answered, by endpoint and HTTP status.
     """
 
-    def __init__(self, service: "Service",
-                 upstream_retries: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, service: Service) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.upstream_retries = upstream_retries
-        self.upstream_in_flight: Optional[Callable[[], dict[str, int]]] = None
         reg = self.registry
         self.query_seconds = Histogram(
             "kvsvc_query_duration_seconds", "KV-cache query request handling time (§10).",
@@ -113,9 +116,20 @@ class Metrics:
             "kvsvc_proxy_requests_total",
             "OpenAI requests answered by the router, by endpoint and HTTP status.",
             ["endpoint", "status"], registry=reg)
-        reg.register(ServiceCollector(service, self))
+        reg.register(ServiceCollector(service))
 
-    def routed(self, decision: "Decision", seconds: float) -> None:
+    def decide(self, router: Router, token_ids: Optional[Sequence[int]]) -> Decision:
+        """``router.decide(token_ids)``, recorded (:meth:`routed`) with the time it took.
+
+        :param router: the app's router.
+        :param token_ids: the prompt's tokens, ``None`` when unknown.
+        """
+        started = time.perf_counter()
+        decision = router.decide(token_ids)
+        self.routed(decision, time.perf_counter() - started)
+        return decision
+
+    def routed(self, decision: Decision, seconds: float) -> None:
         """Record one routing decision and how long it took.
 
         :param decision: the policy's decision.
@@ -138,7 +152,26 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _counters(service: "Service") -> dict:
+def metrics() -> Metrics:
+    """The :class:`Metrics` of the current app."""
+    instruments: Metrics = current_app.extensions[METRICS_EXTENSION]
+    return instruments
+
+
+def _metrics_endpoint() -> flask.Response:
+    return current_app.response_class(metrics().render(), mimetype=None,
+                                      content_type=CONTENT_TYPE_LATEST)
+
+
+def blueprint() -> flask.Blueprint:
+    """``GET /metrics``: the text exposition of :meth:`Metrics.render`. Not behind the internal
+    token unless ``--metrics_require_token`` is set (:mod:`kvsvc.http.auth`)."""
+    bp = flask.Blueprint("kvsvc_metrics", __name__)
+    bp.add_url_rule(METRICS_PATH, "metrics", _metrics_endpoint, methods=["GET"])
+    return bp
+
+
+def _counters(service: Service) -> dict:
     """stream id -> :class:`~kvsvc.streams.subscriber.StreamCounters` (empty without a
     directory)."""
     directory = service.directory
@@ -149,12 +182,10 @@ class ServiceCollector(Collector):
     """Collector reading the service's components at scrape time (see the module docstring).
 
     :param service: the app's service.
-    :param metrics: the owning :class:`Metrics` (for the proxy's retry count).
     """
 
-    def __init__(self, service: "Service", metrics: Metrics) -> None:
+    def __init__(self, service: Service) -> None:
         self._service = service
-        self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         """Yield every scrape-time family (called by the registry on each scrape)."""
@@ -165,31 +196,27 @@ class ServiceCollector(Collector):
         yield from self._streams(svc)
         yield from self._registry(svc)
         yield from self._discovery(svc)
-        retries = self._metrics.upstream_retries
-        if retries is not None:
-            yield CounterMetricFamily(
-                "kvsvc_proxy_upstream_retries_total",
-                "Upstream attempts on the next-best prefill after one failed before the "
-                "first byte.", retries())
-        in_flight = self._metrics.upstream_in_flight
-        if in_flight is not None:
-            counts = in_flight()
-            if svc.registry is not None:
-                # Registered instances with nothing in flight show 0 rather than no series.
-                counts = {**dict.fromkeys(svc.registry.snapshot().instances, 0), **counts}
-            family = GaugeMetricFamily(
-                "kvsvc_proxy_in_flight_requests",
-                "Requests this worker has sent to the instance and not finished relaying "
-                "(CAR adds those sent after the last load report to its waiting).",
-                labels=("instance",))
-            for name, count in sorted(counts.items()):
-                family.add_metric((name,), float(count))
-            yield family
+        yield CounterMetricFamily(
+            "kvsvc_proxy_upstream_retries_total",
+            "Upstream attempts on the next-best prefill after one failed before the "
+            "first byte.", svc.router.proxy.retries())
+        counts = svc.router.in_flight.counts()
+        if svc.registry is not None:
+            # Registered instances with nothing in flight show 0 rather than no series.
+            counts = {**dict.fromkeys(svc.registry.snapshot().instances, 0), **counts}
+        family = GaugeMetricFamily(
+            "kvsvc_proxy_in_flight_requests",
+            "Requests this worker has sent to the instance and not finished relaying "
+            "(CAR adds those sent after the last load report to its waiting).",
+            labels=("instance",))
+        for name, count in sorted(counts.items()):
+            family.add_metric((name,), float(count))
+        yield family
 
     # -- streams -----------------------------------------------------------------------------
 
     @staticmethod
-    def _streams(svc: "Service") -> Iterable[Metric]:
+    def _streams(svc: Service) -> Iterable[Metric]:
         counters: dict = _counters(svc)
         state = GaugeMetricFamily(
             "kvsvc_stream_state", "1 for the stream's current §6 state, 0 for the others.",
@@ -307,7 +334,7 @@ class ServiceCollector(Collector):
     # -- registry and discovery --------------------------------------------------------------
 
     @staticmethod
-    def _registry(svc: "Service") -> Iterable[Metric]:
+    def _registry(svc: Service) -> Iterable[Metric]:
         registry = svc.registry
         if registry is None:
             return ()
@@ -343,7 +370,7 @@ class ServiceCollector(Collector):
         return fresh, master, state, load_age, waiting, usage
 
     @staticmethod
-    def _discovery(svc: "Service") -> Iterable[Metric]:
+    def _discovery(svc: Service) -> Iterable[Metric]:
         discovery = svc.discovery
         if discovery is None:
             return ()

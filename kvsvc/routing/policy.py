@@ -1,7 +1,7 @@
 """Routing policies (§11): pick the prefill (P) and decode (D) instance of one request.
 
 Data flow: socket -> frame -> event -> index -> directory -> **policy** -> HTTP. A policy is a
-pure function of in-process values (a :class:`~kvsvc.cluster.registry.RegistrySnapshot`, the
+pure function of in-process values (a :class:`~kvsvc.cluster.model.RegistrySnapshot`, the
 directory's :class:`~kvsvc.streams.state.StreamMatch` list and the streams' identities) plus
 one rotation counter per side; it never does ZMQ, etcd or network I/O (§11).
 
@@ -19,16 +19,10 @@ P side: ``role`` DEFAULT or PREFILL (a MIX instance's role is PREFILL or DECODE,
 instances may serve (alone); when it is not, the P is chosen among the whole P side and paired
 with a D (the reading of "only DEFAULT may serve alone when there is no D" kept here).
 
-The router's own load (README "Where the spec is silent"): §11's ``waiting`` only moves when an
-instance reports load (heartbeats, about once a second), so a burst routed between two reports
-would all see the same queues. :class:`InFlight` (one per app, fed by the proxy) counts the
-requests this worker has dispatched and not yet finished; CAR's ``waiting`` of an instance is
-its reported ``waiting_requests_num`` plus the requests in flight that were dispatched *after*
-that report was received, the first of them excepted when the report showed an empty queue
-(that one is admitted, not queued) (:func:`waiting_estimate`). Requests dispatched before the
-report are already in it (queued ones in ``waiting``, admitted ones not waiting at all), so
-adding them would count them twice. With nothing in flight the estimate is the reported value:
-§11 exactly.
+The router's own load: every policy takes this worker's requests in flight
+(:class:`~kvsvc.routing.in_flight.InFlightSnapshot`); CAR's ``waiting`` of a candidate is
+:func:`~kvsvc.routing.in_flight.waiting_estimate` (the reported value when nothing is in flight,
+§11 exactly), RR only shows the counts.
 
 Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-of-range
 ``lambda``/``host_weight``; choosing never raises (no candidate gives a :class:`Decision` with
@@ -37,19 +31,21 @@ Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Protocol, Sequence
 
-from kvsvc.cluster.model import instance_identity
+from kvsvc.cluster.model import (
+    Instance,
+    InstanceState,
+    InstanceType,
+    RegistrySnapshot,
+    instance_identity,
+)
 from kvsvc.errors import ConfigError
-from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
 from kvsvc.settings import CAR_WEIGHT_RANGE, POLICY_NAMES, UNSUPPORTED_POLICIES
+from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot, waiting_estimate
 from kvsvc.streams.state import StreamId, StreamMatch
 
 log = logging.getLogger(__name__)
@@ -173,133 +169,6 @@ class Decision:
 Identities = Mapping[StreamId, Optional[str]]
 
 
-# -- the router's own load -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class InFlightSnapshot:
-    """The requests one worker had in flight at one moment, per instance.
-
-    :ivar dispatched_at: instance ``host:port`` -> the ``time.monotonic()`` seconds at which
-        each request still in flight was sent to it, ascending (the clock of
-        :attr:`~kvsvc.cluster.registry.LoadMetrics.received_at`).
-    """
-
-    dispatched_at: Mapping[str, tuple[float, ...]] = field(
-        default_factory=lambda: MappingProxyType({}))
-
-    def total(self, name: str) -> int:
-        """Requests in flight to ``name``."""
-        return len(self.dispatched_at.get(name, ()))
-
-    def after(self, name: str, since: float) -> int:
-        """Requests in flight to ``name`` dispatched strictly after ``since`` (monotonic s)."""
-        times = self.dispatched_at.get(name, ())
-        return len(times) - bisect.bisect_right(times, since)
-
-
-#: Nothing in flight (policies called without a ledger).
-NO_IN_FLIGHT = InFlightSnapshot()
-
-
-class Dispatch:
-    """One request in flight, counted against each of its instances until :meth:`release`.
-
-    Built by :meth:`InFlight.begin` only.
-    """
-
-    __slots__ = ("_ledger", "_key", "names")
-
-    def __init__(self, ledger: "InFlight", key: int, names: tuple[str, ...]) -> None:
-        self._ledger = ledger
-        self._key = key
-        self.names = names
-
-    def release(self) -> bool:
-        """Stop counting this request. Idempotent and thread-safe: only the first call counts.
-
-        :returns: True on the call that released it, False on later calls.
-        """
-        return self._ledger._end(self._key, self.names)
-
-
-class InFlight:
-    """Requests this worker has dispatched upstream and not yet finished, per instance
-    (README "Where the spec is silent": CAR's waiting estimate). One per app, built by the
-    app factory (:func:`kvsvc.http.routes.init_app`); the proxy calls :meth:`begin` when it sends a
-    request and releases the :class:`Dispatch` exactly once when the response has been
-    relayed, failed, or the client went away; the policy reads a :meth:`snapshot` on the
-    request path (a copy under the lock, no I/O). Thread-safe.
-
-    :param clock: monotonic seconds, the registry's clock (``time.monotonic``).
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._keys = itertools.count(1)
-        # name -> dispatch key -> dispatch time. Times are taken under the lock, so each dict
-        # is in ascending time order (insertion order survives deletions).
-        self._open: dict[str, dict[int, float]] = {}
-
-    def begin(self, names: Sequence[str]) -> Dispatch:
-        """Count one request as in flight on each of ``names`` (e.g. its P and its D), from
-        now.
-
-        :param names: instance ``host:port`` names; duplicates count once.
-        :returns: the handle whose :meth:`Dispatch.release` ends the count.
-        """
-        unique = tuple(dict.fromkeys(names))
-        with self._lock:
-            key = next(self._keys)
-            now = self._clock()
-            for name in unique:
-                self._open.setdefault(name, {})[key] = now
-        return Dispatch(self, key, unique)
-
-    def _end(self, key: int, names: tuple[str, ...]) -> bool:
-        ended = False
-        with self._lock:
-            for name in names:
-                open_ = self._open.get(name)
-                if open_ is not None and open_.pop(key, None) is not None:
-                    ended = True
-                    if not open_:
-                        del self._open[name]
-        return ended
-
-    def counts(self) -> dict[str, int]:
-        """Instance ``host:port`` -> requests in flight (instances with none are absent)."""
-        with self._lock:
-            return {name: len(open_) for name, open_ in self._open.items()}
-
-    def snapshot(self) -> InFlightSnapshot:
-        """The dispatch times of every request in flight (copied under the lock)."""
-        with self._lock:
-            copy = {name: tuple(open_.values()) for name, open_ in self._open.items()}
-        return InFlightSnapshot(MappingProxyType(copy))
-
-
-def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
-    """CAR's ``waiting`` of a candidate (README "Where the spec is silent"): its reported
-    ``waiting_requests_num`` plus the requests this worker dispatched to it after that report
-    was received and that are still in flight, less one when the report showed an empty queue.
-
-    ``waiting`` counts queued requests, not admitted ones. Dispatches made before the report
-    are part of it (queued or admitted), so they are not added again. After a report of a
-    non-empty queue every new request queues behind it; after a report of an empty queue the
-    instance admits the first new request at once, and only the ones after it queue.
-
-    :returns: requests, >= 0; 0 without a load report.
-    """
-    if inst.load is None:
-        return 0
-    reported = inst.load.waiting_requests_num
-    unreported = in_flight.after(inst.name, inst.load.received_at)
-    if reported == 0:
-        return max(0, unreported - 1)
-    return reported + unreported
-
-
 class Policy(Protocol):
     """A routing policy (§11). Implementations are thread-safe: request threads call
     :meth:`choose` concurrently."""
@@ -320,7 +189,8 @@ class Policy(Protocol):
         :param identities: stream -> identity, read *before* ``matches`` (so a stream replaced
             in between is judged by its predecessor's identity and counts 0); ``None`` or a
             ``None`` value skips the incarnation check (static streams).
-        :param in_flight: this worker's requests in flight (:meth:`InFlight.snapshot`); CAR
+        :param in_flight: this worker's requests in flight
+            (:meth:`~kvsvc.routing.in_flight.InFlight.snapshot`); CAR
             adds those dispatched after each load report to ``waiting``.
         """
         ...

@@ -17,7 +17,9 @@ is encoded with them, like ``tokenizer(prompt)``.
 Text the service cannot tokenize exactly (no tokenizer, no chat template, a template error)
 gives ``None``: the request routes with hit ratio 0 (never a guessed hit), warned once per kind.
 
-Errors: :class:`~kvsvc.errors.ConfigError` (``--tokenizer_path``) when loading fails.
+Errors: :class:`~kvsvc.errors.ConfigError` (``--tokenizer_path``) when loading fails;
+:class:`~kvsvc.errors.TemplateError` from :meth:`PromptTokenizer.render_chat` and
+:meth:`PromptTokenizer.encode_chat` (:class:`TokenSource` turns it into ``None`` tokens).
 """
 
 from __future__ import annotations
@@ -35,18 +37,13 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvsvc.errors import ConfigError
+from kvsvc.errors import ConfigError, TemplateError
 
 log = logging.getLogger(__name__)
 
 FIELD = "--tokenizer_path"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")
-
-
-class TemplateError(Exception):
-    """The chat template raised (``raise_exception``) or failed to render (internal: turned
-    into ``None`` tokens, never leaves this module)."""
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -14,16 +14,16 @@ sends one request with ``stream=True`` and connect/read timeouts:
 - the body is relayed as it arrives (:class:`UpstreamBody`), undecoded (``Content-Encoding``
   kept); when the client goes away the WSGI server closes the body, which closes the upstream
   connection at once.
-- every attempt is counted in the app's :class:`~kvsvc.routing.policy.InFlight` (when given) from
+- every attempt is counted in the service's :class:`~kvsvc.routing.in_flight.InFlight` (when given) from
   the moment it is sent until it ends: released at once when it fails before the first byte
   (the retry is a new dispatch to the next candidate), else when the body is closed (read to
   the end, broken, or closed by the WSGI server because the response ended or the client went
   away). :class:`UpstreamBody.close` is idempotent, so the count drops exactly once.
 
-Errors (module boundary: ``requests`` errors are translated here, ``raise ... from exc``)::
-
-    KvsvcError
-    └── UpstreamError          no upstream answered (status: 502 refused/broken, 504 timeout)
+Errors (module boundary: ``requests`` and ``urllib3`` errors are translated here, ``raise ...
+from exc``): :class:`~kvsvc.errors.UpstreamTimeout` when the last attempt (or a body read)
+timed out, :class:`~kvsvc.errors.UpstreamUnreachable` when it was refused, reset or broken; both
+are :class:`~kvsvc.errors.UpstreamError` (the HTTP layer answers 504 and 502).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import requests
 import requests.adapters
 import urllib3.exceptions
 
-from kvsvc.errors import KvsvcError
-from kvsvc.routing.policy import Dispatch, InFlight
+from kvsvc.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from kvsvc.routing.in_flight import Dispatch, InFlight
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +54,6 @@ _DROP_DOWN = frozenset({"content-length"})
 #: Bytes asked of the upstream socket per read; ``read1`` returns what has arrived, so small
 #: SSE events are relayed at once.
 READ_CHUNK_BYTES = 64 * 1024
-
-
-class UpstreamError(KvsvcError):
-    """No upstream produced a response head.
-
-    :param status: HTTP status to answer with: 504 when the last attempt timed out, else 502.
-    :param message: what happened, naming the upstreams tried.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
-        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -150,7 +137,8 @@ class UpstreamBody:
     def read_all(self) -> bytes:
         """The whole remaining body (non-streamed answers).
 
-        :raises UpstreamError: 502/504 when it breaks or times out (nothing was sent yet).
+        :raises UpstreamTimeout: a read timed out (nothing was sent to the client yet).
+        :raises UpstreamUnreachable: the body broke (nothing was sent to the client yet).
         """
         parts: list[bytes] = []
         raw = self._response.raw
@@ -161,9 +149,9 @@ class UpstreamBody:
                     return b"".join(parts)
                 parts.append(chunk)
         except urllib3.exceptions.ReadTimeoutError as exc:
-            raise UpstreamError(504, f"upstream {self.target} timed out in the body") from exc
+            raise UpstreamTimeout(f"upstream {self.target} timed out in the body") from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise UpstreamError(502, f"upstream {self.target} broke the body: {exc}") from exc
+            raise UpstreamUnreachable(f"upstream {self.target} broke the body: {exc}") from exc
         finally:
             self.close()
 
@@ -257,7 +245,8 @@ class Proxy:
         :param companions: instances counted in flight along with each attempt's target (the
             D named in a P/D body).
         :returns: the reply; its body holds the attempt's in-flight count until closed.
-        :raises UpstreamError: every attempt failed (504 if the last one timed out, else 502).
+        :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
+        :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
         """
         tried: list[str] = []
         last: Optional[UpstreamError] = None
@@ -272,16 +261,16 @@ class Proxy:
                     stream=True, allow_redirects=False,
                     timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
             except requests.exceptions.ConnectTimeout as exc:
-                last = UpstreamError(504, f"upstream {target}: connect timed out")
+                last = UpstreamTimeout(f"upstream {target}: connect timed out")
                 why = "connect timeout"
                 cause: Exception = exc
             except requests.exceptions.ReadTimeout as exc:
-                last = UpstreamError(504, f"upstream {target}: no response within "
-                                          f"{self.settings.read_timeout_s} s")
+                last = UpstreamTimeout(f"upstream {target}: no response within "
+                                       f"{self.settings.read_timeout_s} s")
                 why = "read timeout before the first byte"
                 cause = exc
             except requests.exceptions.ConnectionError as exc:
-                last = UpstreamError(502, f"upstream {target}: connection failed")
+                last = UpstreamUnreachable(f"upstream {target}: connection failed")
                 why = "connection refused or reset"
                 cause = exc
             except BaseException:
@@ -310,8 +299,7 @@ class Proxy:
                         else "")
             last.__cause__ = cause
         assert last is not None, "forward() needs at least one target"
-        raise UpstreamError(last.status, f"{last.message} (tried {', '.join(tried)})") from \
-            last.__cause__
+        raise type(last)(f"{last.message} (tried {', '.join(tried)})") from last.__cause__
 
     def close(self) -> None:
         """Close the pooled connections. Idempotent."""

@@ -22,7 +22,9 @@ import flask
 import pytest
 import requests
 
-from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app
+from kvsvc.http.app import create_app
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.http.internal import QUERY_PATH
 from kvsvc.config import parse_kv_events_config
 from kvsvc.settings import load_service_settings
 from kvsvc.testbed.demo import free_instance_port

@@ -35,7 +35,10 @@ from typing import Iterator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, QUERY_PATH, TOKEN_HEADER, create_app
+from kvsvc.http.app import create_app
+from kvsvc.http.auth import TOKEN_HEADER
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH, QUERY_PATH
 from kvsvc.config import parse_kv_events_config
 from kvsvc.settings import load_service_settings
 from tests.publisher import ProtocolPublisher, stored

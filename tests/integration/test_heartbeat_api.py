@@ -1,6 +1,7 @@
 """``POST /v1/internal/heartbeat`` (§9) through the Flask test client: 200 records the load at
-once, 400 malformed changes nothing, 401 bad token, 409 unknown instance or stale incarnation,
-503 without a registry. The registry is the real one over a real etcd."""
+once, 400 for a body of the wrong shape (``malformed``) or a load the registry refuses
+(``invalid_load``, the registry's message) changes nothing, 401 bad token, 409 unknown instance
+or stale incarnation, 503 without a registry. The registry is the real one over a real etcd."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ from typing import Iterator, Optional
 import flask
 import pytest
 
-from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app, parse_heartbeat
+from kvsvc.http.app import create_app
+from kvsvc.http.body import parse_heartbeat
+from kvsvc.http.errors import status_of
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH
 from kvsvc.settings import load_service_settings
-from kvsvc.errors import RequestError
+from kvsvc.errors import BadRequest, InvalidHeartbeat
 from kvsvc.cluster.etcd import EtcdClient
+from tests.integration.test_metrics import scrape
 
 TOKEN = "hb-token"
 HEADERS = {"X-Internal-Token": TOKEN}
@@ -104,7 +110,9 @@ def test_heartbeat_409_unknown_instance_and_stale_incarnation(registered):
     assert load_of(registered) is None
 
 
-WAITING_ERROR = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
+WAITING_ERROR = "load_metrics.waiting_requests_num: must be a number"
+USAGE_ERROR = "load_metrics.gpu_cache_usage_perc: must be a number"
+#: Bodies of the wrong shape: refused by the HTTP parser, counted ``malformed``.
 MALFORMED = [
     (b"{not json", "body is not valid JSON"),
     ([1, 2], "body must be a JSON object"),
@@ -112,17 +120,21 @@ MALFORMED = [
     (body(name=""), "name: must be a non-empty string"),
     (body(incarnation=5), "incarnation_id: must be a string"),
     ({"name": NAME, "incarnation_id": INCARNATION}, "load_metrics: must be an object"),
-    (body(waiting=-1), WAITING_ERROR),
-    (body(waiting=1.5), WAITING_ERROR),
     (body(waiting=True), WAITING_ERROR),
     (body(waiting="3"), WAITING_ERROR),
-    # Would reach the Prometheus gauge and the CAR queue term as a float: OverflowError.
-    (body(waiting=10**400), WAITING_ERROR),
-    (body(waiting=2**31), WAITING_ERROR),
-    (body(usage=1.5), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
-    (body(usage=-0.1), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
-    (body(usage=None), "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"),
+    (body(waiting=None), WAITING_ERROR),
+    ({"name": NAME, "load_metrics": {"gpu_cache_usage_perc": 0.5}}, WAITING_ERROR),
+    (body(usage=None), USAGE_ERROR),
+    (body(usage="0.5"), USAGE_ERROR),
+    (body(usage=False), USAGE_ERROR),
     (body(latency_metrics=[1]), "latency_metrics: must be an object"),
+]
+#: Loads of the right JSON type the registry refuses (``check_load``): counted ``invalid_load``.
+INVALID_LOAD = [
+    (-1, 0.5), (1.5, 0.5),
+    # Would reach the Prometheus gauge and the CAR queue term as a float: OverflowError.
+    (10**400, 0.5), (2**31, 0.5),
+    (2, 1.5), (2, -0.1), (2, float("nan")), (2, float("inf")), (2, 10**400),
 ]
 
 
@@ -134,6 +146,31 @@ def test_heartbeat_400_malformed_changes_nothing(registered):
         r = post(client, doc)
         assert (r.status_code, r.get_json()) == (400, {"error": error}), doc
         assert load_of(registered) == (2, 0.5)
+    m = scrape(client)
+    assert m.value("kvsvc_heartbeats_total", outcome="malformed") == len(MALFORMED)
+    assert m.value("kvsvc_heartbeats_total", outcome="invalid_load") is None
+
+
+def test_heartbeat_out_of_range_load_is_the_registrys_400_invalid_load(registered):
+    """The load's ranges are checked once, by the registry: over HTTP its message comes back as
+    a 400 and the heartbeat counts as ``invalid_load``."""
+    client = registered.test_client()
+    registry = registered.extensions[EXTENSION].registry
+    assert post(client, body(waiting=2, usage=0.5)).status_code == 200
+    for waiting, usage in INVALID_LOAD:
+        with pytest.raises(InvalidHeartbeat) as err:
+            registry.heartbeat(NAME, INCARNATION, waiting, usage)
+        r = post(client, json.dumps(body(waiting=waiting, usage=usage)))
+        assert (r.status_code, r.get_json()) == (400, {"error": err.value.message}), (
+            waiting, usage)
+        assert load_of(registered) == (2, 0.5)
+    r = post(client, body(waiting=-1))
+    assert r.get_json() == {
+        "error": "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"}
+    m = scrape(client)
+    assert m.value("kvsvc_heartbeats_total", outcome="invalid_load") == len(INVALID_LOAD) + 1
+    assert m.value("kvsvc_heartbeats_total", outcome="malformed") is None
+    assert m.value("kvsvc_heartbeats_total", outcome="ok") == 1
 
 
 def test_heartbeat_401_without_the_token_changes_nothing(registered):
@@ -152,13 +189,16 @@ def test_heartbeat_without_registry_is_503():
         assert post(app.test_client(), b"[").status_code == 400
 
 
-def test_parse_heartbeat_ignores_unknown_keys_and_nan_is_refused():
+def test_parse_heartbeat_checks_the_shape_only():
     hb = parse_heartbeat(json.dumps(body(extra_field=1, usage=0)).encode())
     assert (hb.name, hb.incarnation_id, hb.waiting_requests_num, hb.gpu_cache_usage_perc) == (
-        NAME, INCARNATION, 3, 0.0)
+        NAME, INCARNATION, 3, 0)
     assert parse_heartbeat(json.dumps(body(incarnation="")).encode()).incarnation_id is None
-    with pytest.raises(RequestError) as info:
+    # Numbers out of range (NaN included) are the registry's to refuse, not the parser's.
+    hb = parse_heartbeat(b'{"name": "a:1", "load_metrics": {"waiting_requests_num": -1.5, '
+                         b'"gpu_cache_usage_perc": NaN}}')
+    assert hb.waiting_requests_num == -1.5 and hb.gpu_cache_usage_perc != hb.gpu_cache_usage_perc
+    with pytest.raises(BadRequest) as info:
         parse_heartbeat(b'{"name": "a:1", "load_metrics": {"waiting_requests_num": 0, '
-                        b'"gpu_cache_usage_perc": NaN}}')
-    assert (info.value.status, info.value.message) == (
-        400, "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")
+                        b'"gpu_cache_usage_perc": "NaN"}}')
+    assert (status_of(info.value), info.value.message) == (400, USAGE_ERROR)

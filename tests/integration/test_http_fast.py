@@ -11,8 +11,11 @@ from array import array
 
 import pytest
 
-from kvsvc.http.app import QUERY_PATH, TOKEN_HEADER, parse_query_tokens, parse_token_ids
-from kvsvc.errors import RequestError
+from kvsvc.errors import BadRequest
+from kvsvc.http.auth import TOKEN_HEADER
+from kvsvc.http.body import parse_query_tokens, parse_token_ids
+from kvsvc.http.errors import status_of
+from kvsvc.http.internal import QUERY_PATH
 from kvsvc.index.keys import pack_tokens
 from tests.publisher import ProtocolPublisher, stored
 from tests.unit.test_app import HEADERS, INSTANCE, one_stream_config, post, running_app
@@ -67,9 +70,9 @@ def test_parse_query_tokens_of_an_empty_list_is_empty():
 ])
 def test_booleans_are_never_token_ids(body):
     for parse in (parse_query_tokens, parse_token_ids):
-        with pytest.raises(RequestError) as err:
+        with pytest.raises(BadRequest) as err:
             parse(body, 64)
-        assert (err.value.status, err.value.message) == (
+        assert (status_of(err.value), err.value.message) == (
             400, "token_ids: every element must be an integer")
 
 
@@ -78,9 +81,9 @@ def test_bad_element_in_a_body_too_deep_for_the_stdlib_parser_is_400(element):
     # orjson takes 1,000 levels, the stdlib parser runs out of stack: the checks keep orjson's
     # list (an integer beyond 64 bits, a float there, reads as "not an integer").
     body = b'{"token_ids": [' + element + b'], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(BadRequest) as err:
         parse_query_tokens(body, 64)
-    assert (err.value.status, err.value.message) == (
+    assert (status_of(err.value), err.value.message) == (
         400, "token_ids: every element must be an integer")
 
 

@@ -11,11 +11,12 @@ import flask
 import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, QUERY_PATH, create_app
+from kvsvc.http.app import create_app
 from kvsvc.config import KvEventsConfig, parse_kv_events_config
 from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.http.metrics import METRICS_EXTENSION
+from kvsvc.http.extensions import EXTENSION, METRICS_EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH, QUERY_PATH
 from kvsvc.streams.frame import encode_live
 from tests.publisher import removed, stored
 from tests.util import free_port, free_ports, wait_for

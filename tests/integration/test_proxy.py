@@ -12,13 +12,9 @@ from typing import Iterator
 
 import pytest
 
-from kvsvc.routing.proxy import (
-    Proxy,
-    ProxySettings,
-    UpstreamError,
-    downstream_headers,
-    upstream_headers,
-)
+from kvsvc.errors import UpstreamTimeout, UpstreamUnreachable
+from kvsvc.http.errors import status_of
+from kvsvc.routing.proxy import Proxy, ProxySettings, downstream_headers, upstream_headers
 from tests.util import free_port, wait_for
 
 #: Bound of every wait inside a test server's handler.
@@ -210,9 +206,9 @@ def test_refused_upstream_is_marked_and_retried_once_on_the_next(proxy, caplog):
 
 def test_two_refusals_give_502_and_only_one_retry(proxy):
     dead1, dead2, dead3 = refused_name(), refused_name(), refused_name()
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(UpstreamUnreachable) as err:
         proxy.forward([dead1, dead2, dead3], "/v1/completions", fixed(b"{}"), {})
-    assert err.value.status == 502
+    assert status_of(err.value) == 502
     assert err.value.message == (f"upstream {dead2}: connection failed "
                                  f"(tried {dead1}, {dead2})")
     assert proxy.failures() == {dead1: 1, dead2: 1}
@@ -225,9 +221,9 @@ def test_silent_upstream_times_out_before_first_byte_and_is_retried(proxy):
         assert (reply.target, reply.attempts) == (fast.name, [slow.name, fast.name])
         assert reply.body.read_all() == b'{"echo": {"a": 1}}'
         assert len(slow.requests) == 1
-        with pytest.raises(UpstreamError) as err:
+        with pytest.raises(UpstreamTimeout) as err:
             proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
-        assert err.value.status == 504
+        assert status_of(err.value) == 504
     assert proxy.failures() == {slow.name: 2}
 
 

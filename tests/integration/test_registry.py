@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from kvsvc.cluster.etcd import EtcdClient
+from kvsvc.http.errors import status_of
 from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySettings
 from kvsvc.cluster.registry import Registry
 from kvsvc.errors import (
@@ -154,7 +155,7 @@ def test_refresh_same_incarnation_dp_change_and_replacement(registry, etcd):
     assert snap.instances[name].register_ts_ms == 2
     with pytest.raises(StaleIncarnation) as err:
         registry.heartbeat(name, "a", 1, 0.1)
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
 
 
 def test_replacement_without_incarnation_by_register_ts(registry, etcd):
@@ -330,15 +331,15 @@ def test_heartbeats(registry, etcd):
     assert registry.snapshot().instances[name].load.waiting_requests_num == 0
     with pytest.raises(UnknownInstance) as err:
         registry.heartbeat("10.0.0.9:8000", "a", 1, 0.1)
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
     with pytest.raises(StaleIncarnation) as err:
         registry.heartbeat(name, "old", 1, 0.1)
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
     for bad in ((-1, 0.1), (1, 1.5), (True, 0.1), (1, "0.1"), (1.0, 0.1), (2**31, 0.1),
                 (10**400, 0.1), (1, 10**400)):   # an int no float can hold: refused, no crash
         with pytest.raises(InvalidHeartbeat) as err:
             registry.heartbeat(name, "a", *bad)
-        assert err.value.status == 400
+        assert status_of(err.value) == 400
     assert registry.snapshot().instances[name].load.waiting_requests_num == 0
 
 
@@ -408,7 +409,7 @@ def test_heartbeat_errors_name_the_field(registry, etcd):
                          ((1, True), usage), ((1, "0.5"), usage), ((1, 2), usage)):
         with pytest.raises(InvalidHeartbeat) as err:
             registry.heartbeat(name, "a", *bad)
-        assert (err.value.status, err.value.message) == (400, message), bad
+        assert (status_of(err.value), err.value.message) == (400, message), bad
     assert registry.snapshot().instances[name].load is None
 
 

@@ -11,11 +11,12 @@ from typing import Iterator, Optional
 import flask
 import pytest
 
-from kvsvc.http.app import EXTENSION, HEARTBEAT_PATH, create_app
+from kvsvc.http.app import create_app
 from kvsvc.config import KvEventsConfig, parse_kv_events_config
 from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.http.routes import ROUTING_EXTENSION
+from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH
 from tests.publisher import ProtocolPublisher, stored
 from tests.integration.test_proxy import refused_name, upstreams
 from tests.unit.test_tokenize import build_tokenizer

@@ -1,4 +1,4 @@
-"""In-flight accounting of proxied requests (kvsvc.routing.policy.InFlight) through the real app: the
+"""In-flight accounting of proxied requests (kvsvc.routing.in_flight.InFlight) through the real app: the
 Flask test client, a real Registry on a real etcd, and real upstream HTTP servers on 127.0.0.1
 (tests/integration/test_proxy.Upstream). Every count is exact: one request in flight per instance while its
 upstream is sending, none once the response was relayed, failed, or the client went away."""
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from kvsvc.http.app import HEARTBEAT_PATH
-from kvsvc.http.routes import ROUTE_PATH, ROUTING_EXTENSION
+from kvsvc.http.extensions import ROUTING_EXTENSION
+from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
 from tests.integration.test_proxy import refused_name, upstreams
 # clean_env (autouse) and etcd are tests/conftest.py fixtures.
 from tests.integration.test_routes import AUTH, completion, register, running

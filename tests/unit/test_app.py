@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
+import subprocess
+import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import flask
 import pytest
 
-from kvsvc.http.app import EXTENSION, QUERY_PATH, create_app, max_content_length
+from kvsvc import errors
+from kvsvc.errors import LifecycleError
+from kvsvc.http.app import create_app
+from kvsvc.http.body import (
+    NOT_INTEGERS,
+    OUT_OF_RANGE,
+    is_token_list,
+    max_content_length,
+    token_ids_problem,
+)
+from kvsvc.http.errors import STATUS, status_of
+from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
+from kvsvc.http.internal import QUERY_PATH
 from kvsvc.config import KvEventsConfig, parse_kv_events_config
 from kvsvc.settings import load_service_settings
 from tests.util import free_ports
@@ -220,7 +235,7 @@ def test_ready_503_before_start_lists_streams():
 
 
 def test_index_disabled_answers_no_matches_and_is_ready(caplog):
-    with caplog.at_level("WARNING", logger="kvsvc.http.app"):
+    with caplog.at_level("WARNING", logger="kvsvc.service"):
         with running_app(None) as app:
             client = app.test_client()
             r = post(client, {"token_ids": [1, 2, 3]})
@@ -251,3 +266,69 @@ def test_chunked_body_over_the_limit_is_413_not_cut_short(app):
     assert (r.status_code, set(r.get_json())) == (413, {"error"})
     r = chunked(head + b" " * (limit - len(head)))   # exactly at the limit: read and answered
     assert r.status_code == 200 and r.get_json()["matches"][0]["device_hit_tokens"] == 0
+
+
+# -- one rule each: token ids, error statuses; the composition root ------------------------------
+
+@pytest.mark.parametrize("ids, problem", [
+    ([], None),
+    ([0, 1, 2**31 - 1], None),
+    ([1, True], NOT_INTEGERS),
+    ([1, 2.0], NOT_INTEGERS),
+    ([1, "2"], NOT_INTEGERS),
+    ([None], NOT_INTEGERS),
+    ([-1], OUT_OF_RANGE),
+    ([2**31], OUT_OF_RANGE),
+])
+def test_the_token_id_rule(ids, problem):
+    assert token_ids_problem(ids) == problem
+    # A prompt of token ids follows the same rule, and must not be empty.
+    assert is_token_list(ids) is (problem is None and bool(ids))
+
+
+def test_every_refusal_kind_has_its_http_status_in_the_one_table():
+    kinds = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
+             if issubclass(cls, (errors.RequestError, errors.UpstreamError))]
+    assert set(kinds) <= set(STATUS)
+    assert {cls.__name__: status_of(cls.__new__(cls)) for cls in kinds} == {
+        "BadRequest": 400, "InvalidHeartbeat": 400, "HeartbeatRejected": 400,
+        "RequestError": 400, "Unauthorized": 401, "UnknownModel": 404, "UnknownInstance": 409,
+        "StaleIncarnation": 409, "PayloadTooLarge": 413, "UpstreamError": 502,
+        "UpstreamUnreachable": 502, "NoRegistry": 503, "NoCandidate": 503,
+        "UpstreamTimeout": 504}
+    assert status_of(RuntimeError("x")) == 500
+    # No error class carries a status of its own.
+    assert not [cls for cls in kinds if "status" in vars(cls)]
+
+
+def test_service_and_routing_import_neither_flask_nor_the_http_layer():
+    code = ("import sys, kvsvc.service, kvsvc.routing.router; "
+            "print(sorted(m for m in sys.modules if m == 'flask' or m.startswith('kvsvc.http')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+def test_service_close_closes_every_component_and_raises_the_first_failure(monkeypatch):
+    event_port, replay_port = free_ports(2)
+    app = create_app(load_service_settings(), one_stream_config(event_port, replay_port))
+    svc = app.extensions[EXTENSION]
+    assert app.extensions[ROUTING_EXTENSION] is svc.router
+    svc.start(timeout_s=5.0)
+    closed = []
+    real_close = svc.directory.close
+
+    def failing_close(timeout_s: float = 5.0) -> None:
+        real_close(timeout_s=timeout_s)  # the threads do stop; only the report fails
+        closed.append("directory")
+        raise LifecycleError("directory: forced failure")
+
+    # Mocks only to force the rare path (a component failing to close) and to see the next one.
+    monkeypatch.setattr(svc.directory, "close", failing_close)
+    monkeypatch.setattr(svc.router, "close", lambda: closed.append("router"))
+    with pytest.raises(LifecycleError, match="forced failure"):
+        svc.close(timeout_s=5.0)
+    assert closed == ["directory", "router"]
+    assert not svc.running
+    svc.close(timeout_s=5.0)  # idempotent: nothing is closed twice
+    assert closed == ["directory", "router"]

@@ -1,4 +1,4 @@
-"""CAR with the router's own load (kvsvc.routing.policy.InFlight, README "Where the spec is silent"):
+"""CAR with the router's own load (kvsvc.routing.in_flight.InFlight, README "Where the spec is silent"):
 waiting = reported waiting + requests in flight dispatched after the load report (the first of
 them admitted, not queued, after a report of an empty queue). Exact counts and exact picks; the
 clock is a test counter so "after the report" is exact."""
@@ -11,14 +11,8 @@ import threading
 
 import pytest
 
-from kvsvc.routing.policy import (
-    NO_IN_FLIGHT,
-    CacheAware,
-    InFlight,
-    InFlightSnapshot,
-    RoundRobin,
-    waiting_estimate,
-)
+from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlight, InFlightSnapshot, waiting_estimate
+from kvsvc.routing.policy import CacheAware, RoundRobin
 from kvsvc.cluster.model import InstanceType, LoadMetrics
 from tests.unit.test_policy import TOKENS, inst, match, names, scores, snap
 

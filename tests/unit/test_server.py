@@ -40,7 +40,7 @@ def test_invalid_worker_threads_refuse_start_up_naming_the_setting(monkeypatch, 
 def test_proxy_pool_holds_one_connection_per_worker_thread(monkeypatch):
     from kvsvc.http.app import create_app
     from kvsvc.settings import load_service_settings
-    from kvsvc.http.routes import ROUTING_EXTENSION
+    from kvsvc.http.extensions import ROUTING_EXTENSION
 
     app = create_app(load_service_settings(worker_threads=32), None)
     router = app.extensions[ROUTING_EXTENSION]
@@ -71,10 +71,11 @@ def test_serve_flag_reaches_the_worker_environment_and_bad_values_refuse(monkeyp
 def test_max_concurrent_snapshots_reaches_the_directory_through_serve(monkeypatch, tmp_path):
     import json
 
-    from kvsvc.http.app import EXTENSION, create_app
+    from kvsvc.http.app import create_app
+    from kvsvc.http.extensions import EXTENSION
     from kvsvc.cli import build_parser, resolve_serve_settings, serve_environment
     from kvsvc.settings import load_service_settings
-    from kvsvc.http.routes import ROUTING_EXTENSION
+    from kvsvc.http.extensions import ROUTING_EXTENSION
 
     cfg = tmp_path / "kv.json"
     cfg.write_text(json.dumps({"streams": [{

@@ -1,0 +1,140 @@
+"""The internal API (``/v1/internal/*``, §9-§11); every path needs ``X-Internal-Token`` when a
+token is configured (:mod:`kvsvc.http.auth`). Errors answer ``{"error": "..."}``
+(:mod:`kvsvc.http.errors`).
+
+- ``POST /v1/internal/kv-cache/query`` ``{"token_ids": [int, ...]}`` -> ``{"matches": [...]}``
+  (§10; one :meth:`~kvsvc.streams.state.StreamMatch.to_json` per stream, ``[]`` with the index
+  disabled). The body is read with one ``wsgi.input.read`` (:func:`~kvsvc.http.body.read_query_body`)
+  and packed once (:func:`~kvsvc.http.body.parse_query_tokens`); most of its cost per long
+  prompt is ``orjson`` creating the ids as Python ints. Bodies over
+  :func:`~kvsvc.http.body.max_content_length` get 413.
+- ``POST /v1/internal/heartbeat`` (§9, xllm-service's shape) ``{"name", "incarnation_id",
+  "load_metrics": {"waiting_requests_num", "gpu_cache_usage_perc"}, "latency_metrics": {...}}``
+  -> 200 ``{"ok": true}``. Refused (nothing recorded): 400 a body of the wrong shape
+  (``malformed``) or a load out of range (``invalid_load``, the registry's message), 401 bad
+  token, 409 unknown instance or stale incarnation, 503 no registry (``--etcd_addr`` empty).
+  Each answer counts once in ``kvsvc_heartbeats_total`` by :data:`~kvsvc.http.metrics.HEARTBEAT_OUTCOMES`.
+- ``POST /v1/internal/route`` ``{"token_ids": [...]}`` or a completion/chat body -> the decision
+  (chosen P/D and every candidate's per-rank hit tokens, hit ratio, queue cost, score, tie, in
+  flight) plus ``tokenized``, without sending anything (§11). Bodies up to
+  ``--max_request_bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence, cast
+
+import flask
+import orjson
+from flask import current_app, request
+
+from kvsvc.errors import (
+    BadRequest,
+    InvalidHeartbeat,
+    NoRegistry,
+    StaleIncarnation,
+    UnknownInstance,
+)
+from kvsvc.http.body import (
+    check_model_and_stream,
+    json_object,
+    parse_chat_prompt,
+    parse_completion_prompt,
+    parse_heartbeat,
+    parse_query_tokens,
+    parse_token_ids,
+    read_body,
+    read_query_body,
+)
+from kvsvc.http.extensions import router, service
+from kvsvc.http.metrics import metrics
+
+INTERNAL_PREFIX = "/v1/internal/"
+QUERY_PATH = "/v1/internal/kv-cache/query"
+HEARTBEAT_PATH = "/v1/internal/heartbeat"
+ROUTE_PATH = "/v1/internal/route"
+
+
+def blueprint() -> flask.Blueprint:
+    """The internal endpoints (see the module docstring)."""
+    bp = flask.Blueprint("kvsvc_internal", __name__)
+    bp.add_url_rule(QUERY_PATH, "kv_cache_query", _query, methods=["POST"])
+    bp.add_url_rule(HEARTBEAT_PATH, "heartbeat", _heartbeat, methods=["POST"])
+    bp.add_url_rule(ROUTE_PATH, "route", _route, methods=["POST"])
+    return bp
+
+
+def _query() -> flask.Response:
+    started = time.perf_counter()
+    svc = service()
+    token_ids = parse_query_tokens(read_query_body(), svc.settings.max_query_tokens)
+    if svc.directory is None:
+        response = flask.jsonify(matches=[])
+    else:
+        matches = svc.directory.query(token_ids)
+        # orjson: much faster than flask.jsonify for many answers; same keys, same order.
+        response = current_app.response_class(
+            orjson.dumps({"matches": [m.to_json() for m in matches]}),
+            mimetype="application/json")
+    # Answered queries only: a 4xx body error is the client's, not the directory's latency.
+    metrics().query_seconds.observe(time.perf_counter() - started)
+    return response
+
+
+def _heartbeat() -> flask.Response:
+    svc = service()
+    counter = metrics().heartbeats
+    try:
+        hb = parse_heartbeat(read_body())
+    except BadRequest:
+        counter.labels("malformed").inc()
+        raise
+    if svc.registry is None:
+        counter.labels("no_registry").inc()
+        raise NoRegistry("no instance registry configured (--etcd_addr is empty)")
+    try:
+        # The registry's check_load judges the values (InvalidHeartbeat otherwise).
+        svc.registry.heartbeat(hb.name, hb.incarnation_id, cast(int, hb.waiting_requests_num),
+                               hb.gpu_cache_usage_perc)
+    except InvalidHeartbeat:
+        counter.labels("invalid_load").inc()
+        raise
+    except UnknownInstance:
+        counter.labels("unknown_instance").inc()
+        raise
+    except StaleIncarnation:
+        counter.labels("stale_incarnation").inc()
+        raise
+    counter.labels("ok").inc()
+    return flask.jsonify(ok=True)
+
+
+def _route() -> flask.Response:
+    svc = service()
+    routing = router()
+    # This endpoint takes OpenAI bodies too: their bound, not the query's.
+    request.max_content_length = svc.settings.max_request_bytes
+    body = read_body()
+    doc = json_object(body)
+    token_ids: Optional[Sequence[int]]
+    if "token_ids" in doc:
+        token_ids = parse_token_ids(body, svc.settings.max_query_tokens)
+        tokenized = True
+    elif "messages" in doc:
+        prompt = parse_chat_prompt(doc)
+        if "model" in doc:
+            check_model_and_stream(doc, routing.models)
+        token_ids = routing.tokens.chat_tokens(prompt)
+        tokenized = token_ids is not None
+    elif "prompt" in doc:
+        completion = parse_completion_prompt(doc)
+        if "model" in doc:
+            check_model_and_stream(doc, routing.models)
+        token_ids = routing.tokens.completion_tokens(completion)
+        tokenized = token_ids is not None
+    else:
+        raise BadRequest("body needs token_ids, prompt or messages")
+    out = metrics().decide(routing, token_ids).to_json()
+    out["tokenized"] = tokenized
+    return flask.jsonify(out)

@@ -1,0 +1,168 @@
+"""The router (§11): one prompt's decision from in-process state, and the forwarding of an OpenAI
+request to the chosen prefill (P) instance.
+
+A :class:`Router` is built once per service (:class:`kvsvc.service.Service`) from its parts,
+all passed to the constructor: the policy, the prompt tokenizer, the proxy, the in-flight
+ledger the proxy counts in, the served model names and read-only views of the registry and the
+directory.
+
+The decision path (:meth:`Router.decide`) reads only ``registry.snapshot()``,
+``directory.stream_ids()``/``identity()``/``query()`` and the ledger's snapshot: no ZMQ, etcd or
+network I/O (§11); an unsynchronized stream only lowers its instance's hit ratio. Forwarding
+(:meth:`Router.forward`) sends the request to the ranked P candidates through the proxy; in P/D
+mode the body gains ``"routing": {"prefill_name": P, "decode_name": D}`` (xLLM's field) and the
+request is counted in flight against its D too.
+
+Errors: :class:`~kvsvc.errors.NoCandidate` when no instance can serve (:meth:`Router.forward`),
+:class:`~kvsvc.errors.UpstreamTimeout` / :class:`~kvsvc.errors.UpstreamUnreachable` from the
+proxy. Nothing here knows HTTP statuses or Flask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Optional, Protocol, Sequence
+
+from kvsvc.cluster.model import RegistrySnapshot
+from kvsvc.errors import NoCandidate
+from kvsvc.routing.in_flight import InFlight
+from kvsvc.routing.policy import Decision, Policy
+from kvsvc.routing.prompt import TokenSource
+from kvsvc.routing.proxy import Proxy, UpstreamReply, upstream_headers
+from kvsvc.streams.state import StreamId, StreamMatch
+
+log = logging.getLogger(__name__)
+
+#: What the router sees without a registry: no instance, so no candidate.
+EMPTY_SNAPSHOT = RegistrySnapshot(MappingProxyType({}), False, False, 0)
+
+
+class RegistryView(Protocol):
+    """What the router reads of the instance registry (:class:`kvsvc.cluster.registry.Registry`)."""
+
+    def snapshot(self) -> RegistrySnapshot:
+        """The current immutable snapshot (lock-free)."""
+        ...
+
+
+class DirectoryView(Protocol):
+    """What the router reads of the KV-event directory (:class:`kvsvc.directory.Directory`)."""
+
+    def stream_ids(self) -> list[StreamId]:
+        """Every stream's id."""
+        ...
+
+    def identity(self, stream_id: StreamId) -> Optional[str]:
+        """The identity the stream was added for (``None``: static stream)."""
+        ...
+
+    def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
+        """One match per stream for the prompt (§10)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Routed:
+    """An OpenAI request forwarded to an upstream that sent its response head.
+
+    :ivar decision: the policy's decision the request was routed by.
+    :ivar reply: the upstream's head and body; the caller must relay or close the body (that
+        releases the request's in-flight count).
+    :ivar decode: the D named in the body (``host:port``), ``""`` without a D.
+    """
+
+    decision: Decision
+    reply: UpstreamReply
+    decode: str
+
+
+class Router:
+    """Policy, tokenizer, proxy, in-flight ledger and served model names of one service.
+    Thread-safe: request threads call every method concurrently.
+
+    :param policy: the §11 policy.
+    :param tokens: prompt tokenization.
+    :param proxy: upstream forwarding; it must count in ``in_flight``.
+    :param in_flight: the ledger the proxy counts in and the policy reads.
+    :param models: served model names (empty: any name accepted), see :func:`served_models`.
+    :param registry: the instance registry, ``None`` without ``--etcd_addr`` (no candidate).
+    :param directory: the KV-event directory, ``None`` with the index disabled (hit ratio 0).
+    :raises ValueError: ``proxy`` counts in another ledger (or in none).
+    """
+
+    def __init__(self, policy: Policy, tokens: TokenSource, proxy: Proxy, in_flight: InFlight,
+                 models: tuple[str, ...], registry: Optional[RegistryView],
+                 directory: Optional[DirectoryView]) -> None:
+        if proxy.in_flight is not in_flight:
+            raise ValueError("the proxy must count in the router's in-flight ledger")
+        self.policy = policy
+        self.tokens = tokens
+        self.proxy = proxy
+        self.in_flight = in_flight
+        self.models = models
+        self._registry = registry
+        self._directory = directory
+
+    def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
+        """Route one prompt with in-process state only (§11); sends nothing.
+
+        Stream identities are read before the query, so a stream replaced in between is judged
+        by its predecessor's identity (counts 0) rather than lending its hits to a new
+        incarnation. The in-flight snapshot is read after the registry's, so a load report
+        received in between makes requests look unreported (counted) rather than reported twice.
+
+        :param token_ids: the prompt's tokens, ``None`` when unknown (hit ratio 0).
+        :returns: the decision; ``prefill`` is ``None`` (with ``reason``) when no instance can
+            serve.
+        """
+        snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
+        in_flight = self.in_flight.snapshot()
+        directory = self._directory
+        if directory is None:
+            return self.policy.choose(token_ids, snapshot, None, None, in_flight)
+        identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
+        matches = directory.query(token_ids if token_ids is not None else [])
+        return self.policy.choose(token_ids, snapshot, matches, identities, in_flight)
+
+    def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
+                client_headers: Sequence[tuple[str, str]]) -> Routed:
+        """Send one validated OpenAI request as ``decision`` says: to its best P, once more to
+        the next one when the first fails before the response head. Without a D the client's
+        bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried).
+
+        :param decision: :meth:`decide`'s answer for the request's prompt.
+        :param path: request path with query string, e.g. ``/v1/completions?x=1``.
+        :param body: the client's raw body.
+        :param doc: ``body`` parsed (a JSON object).
+        :param client_headers: the client's headers as (name, value) pairs (filtered here,
+            :func:`~kvsvc.routing.proxy.upstream_headers`).
+        :raises NoCandidate: ``decision`` has no P.
+        :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
+        :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
+        """
+        if decision.prefill is None:
+            raise NoCandidate(decision.reason)
+        decode = decision.decode.name if decision.decode is not None else ""
+
+        def body_for(target: str) -> bytes:
+            if not decode:
+                return body
+            return json.dumps({**doc, "routing": {"prefill_name": target,
+                                                  "decode_name": decode}}).encode()
+
+        reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
+                                   upstream_headers(client_headers),
+                                   companions=(decode,) if decode else ())
+        return Routed(decision, reply, decode)
+
+    def close(self) -> None:
+        """Close the proxy's pooled upstream connections. Idempotent."""
+        self.proxy.close()
+
+
+def served_models(value: str) -> tuple[str, ...]:
+    """``--model`` -> distinct names in order (``"a, b"`` -> ``("a", "b")``)."""
+    return tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))

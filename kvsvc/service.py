@@ -1,0 +1,204 @@
+"""The composition root: every component one kvsvc process serves from, built from settings.
+
+:class:`Service` builds, in its constructor and without starting anything (so it can be built
+before gunicorn forks, STYLE 8):
+
+- the :class:`~kvsvc.directory.Directory` of the §8 config's streams (none with the index
+  disabled: every query answers no matches);
+- with ``--etcd_addr`` the instance :class:`~kvsvc.cluster.registry.Registry` (§9);
+- with an enabled ``discovery`` block the :class:`~kvsvc.cluster.discovery.Discovery` thread that
+  manages the directory's streams from the registry (§9);
+- the :class:`~kvsvc.routing.router.Router` (§11): the policy from ``--load_balance_policy``,
+  the tokenizer from ``--tokenizer_path`` (loaded now), the proxy's pooled session and the
+  in-flight ledger shared by the proxy and the policy, reading the registry and the directory.
+
+:meth:`Service.start` starts registry, directory and discovery, in that order (the router has no
+thread); :meth:`Service.close` closes discovery, directory, registry and the router's upstream
+connections, in that order, every one of them even when an earlier one fails.
+
+Whoever serves the service starts it after any fork and closes it at exit (gunicorn:
+``post_worker_init`` / ``worker_exit``, :mod:`kvsvc.server`). Nothing here knows HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional, Protocol
+
+from kvsvc.cluster.discovery import Discovery
+from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.registry import Registry
+from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
+from kvsvc.settings import ServiceSettings
+from kvsvc.directory import Directory
+from kvsvc.errors import LifecycleError
+from kvsvc.routing.in_flight import InFlight
+from kvsvc.routing.policy import make_policy
+from kvsvc.routing.prompt import PromptTokenizer, TokenSource
+from kvsvc.routing.proxy import Proxy, ProxySettings
+from kvsvc.routing.router import Router, served_models
+
+log = logging.getLogger(__name__)
+
+
+class _Component(Protocol):
+    """What :class:`Service` starts and closes (the registry, the directory, discovery)."""
+
+    def start(self, timeout_s: float = ...) -> None: ...
+
+    def close(self, timeout_s: float = ...) -> None: ...
+
+
+def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
+    """The registry's settings from the service's (§9), ``None`` without ``etcd_addr``.
+
+    :raises ConfigError: a value the registry refuses.
+    """
+    if not settings.etcd_addr:
+        return None
+    return RegistrySettings(
+        etcd_addr=settings.etcd_addr, namespace=settings.etcd_namespace,
+        suspect_removal_s=settings.detect_disconnected_instance_interval,
+        self_address=settings.advertised_address())
+
+
+def build_router(settings: ServiceSettings, registry: Optional[Registry],
+                 directory: Optional[Directory]) -> Router:
+    """The §11 router from the service settings: policy, tokenizer (loaded now), a proxy with
+    its pooled session and the in-flight ledger it shares with the policy.
+
+    :param settings: validated service settings.
+    :param registry: where candidates come from, ``None`` without ``--etcd_addr``.
+    :param directory: where hits come from, ``None`` with the index disabled.
+    :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
+    """
+    policy = make_policy(settings.load_balance_policy, settings.car_prefill_lambda,
+                         settings.car_host_hit_weight, index_enabled=directory is not None)
+    tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
+                 if settings.tokenizer_path else None)
+    in_flight = InFlight()
+    # One kept-alive connection per worker thread and instance: a thread proxies one request
+    # at a time, so the pool never discards a connection it will need again.
+    proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
+                                read_timeout_s=settings.upstream_read_timeout_s,
+                                pool_maxsize=settings.worker_threads), in_flight)
+    return Router(policy, TokenSource(tokenizer), proxy, in_flight,
+                  served_models(settings.model), registry, directory)
+
+
+class Service:
+    """Everything one process serves from (see the module docstring). Nothing starts in the
+    constructor.
+
+    :param settings: validated service settings (the internal token is read from them here).
+    :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
+    :raises ConfigError: discovery enabled without ``--etcd_addr``, bad registry or routing
+        settings, an unreadable token file or tokenizer.
+
+    :ivar settings: the settings it was built from.
+    :ivar token: the internal API token, ``None`` when none is required (§10).
+    :ivar kv_config: the §8 config, ``None`` with the index disabled.
+    :ivar directory: the directory, ``None`` with the index disabled.
+    :ivar registry: the registry, ``None`` without ``--etcd_addr``.
+    :ivar discovery: discovery, ``None`` unless enabled (it needs a registry and a directory).
+    :ivar router: the §11 router (always present).
+    :ivar static_streams: the §8 config lists streams, so readiness does not need a fresh
+        registry.
+    """
+
+    def __init__(self, settings: ServiceSettings,
+                 kv_config: Optional[KvEventsConfig] = None) -> None:
+        self.settings = settings
+        self.token: Optional[str] = settings.token()
+        self.kv_config = kv_config
+        if kv_config is not None:
+            check_discovery_needs_etcd(kv_config, settings.etcd_addr)
+        self.directory: Optional[Directory] = (
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            if kv_config is not None else None)
+        reg_settings = registry_settings(settings)
+        self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
+        self.discovery: Optional[Discovery] = None
+        if (kv_config is not None and kv_config.discovery is not None
+                and kv_config.discovery.enabled and self.registry is not None
+                and self.directory is not None):
+            self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
+                                       kv_config)
+        self.router = build_router(settings, self.registry, self.directory)
+        self.static_streams = bool(kv_config is not None and kv_config.streams)
+        self._lock = threading.Lock()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`close`."""
+        with self._lock:
+            return self._running
+
+    def _threads(self) -> list[_Component]:
+        """The components with threads, in start order."""
+        parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery]
+        return [p for p in parts if p is not None]
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the registry, the directory's stream threads (none with the index disabled)
+        and discovery, in that order (§9). On a failure what was started is closed again.
+
+        :param timeout_s: bound of each component's (and each stream's) start, seconds.
+        :raises LifecycleError: already running, or something did not start in time.
+        """
+        with self._lock:
+            if self._running:
+                raise LifecycleError("service already started")
+        if self.directory is None:
+            log.warning("kv_events_config_file is empty: KV index disabled, every query "
+                        "answers no matches (hit ratio 0)")
+        started: list[_Component] = []
+        try:
+            for part in self._threads():
+                part.start(timeout_s=timeout_s)
+                started.append(part)
+        except BaseException:
+            log.error("service start failed after %d components; closing them", len(started))
+            for part in reversed(started):
+                try:
+                    part.close(timeout_s=timeout_s)
+                except Exception as exc:  # noqa: BLE001 - undo the rest, raise the start's
+                    log.error("while undoing the start: %s", exc)
+            raise
+        with self._lock:
+            self._running = True
+        log.info("service started (%d streams, registry %s, discovery %s, token %s)",
+                 len(self.directory) if self.directory is not None else 0,
+                 self.settings.etcd_addr or "off", "on" if self.discovery else "off",
+                 "required" if self.token else "not required")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close discovery, the directory's threads, the registry and the router's upstream
+        connections, in that order. Idempotent; does nothing unless running. Every component
+        is closed even when an earlier one fails.
+
+        :param timeout_s: bound of each thread's join, seconds.
+        :raises LifecycleError: a thread did not stop in time (the first failure is raised,
+            after every component was closed; any other exception likewise).
+        """
+        with self._lock:
+            if not self._running:
+                return
+            self._running = False
+        failure: Optional[Exception] = None
+        for part in reversed(self._threads()):
+            try:
+                part.close(timeout_s=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - close the others, raise the first
+                log.error("service close: %s", exc)
+                failure = failure or exc
+        try:
+            self.router.close()
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.exception("service close: the router's connections")
+            failure = failure or exc
+        log.info("service closed")
+        if failure is not None:
+            raise failure
