@@ -41,6 +41,7 @@ after a grace period), the registrations (lease revoked), the engines by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -451,12 +452,15 @@ def discovery_config(opts: DemoOptions) -> dict:
             "resync_interval_ms": opts.resync_interval_ms}
 
 
+def _load(engine: SimEngine) -> Load:
+    """The heartbeat load of ``engine`` now (§9)."""
+    return Load(engine.waiting_requests(), engine.device_usage())
+
+
 def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[EtcdRegistration]:
     regs = []
     for eng in engines:
-        # Default argument binds this engine (not the loop's last one) to its load callback.
-        reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size,
-                               lambda e=eng: Load(e.waiting_requests(), e.device_usage()),
+        reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
                                token=token)
         regs.append(reg)
         reg.start()

@@ -326,7 +326,7 @@ class Soak:
         self.down: dict[str, float] = {}          # killed engine name -> restart time
         self._kinds: list[str] = []
         self.service: Optional[ServiceProcess] = None
-        self._next_rank = collections.Counter()
+        self._next_rank: collections.Counter[str] = collections.Counter()
 
     # -- set-up ---------------------------------------------------------------------------------
 
