@@ -2,8 +2,8 @@
 simulated engines, once per policy, and compare cache reuse, TTFT and load balance.
 
 Per trace (``conversation`` by default; ``--traces conversation,synthetic`` adds the synthetic
-one) and per policy (RR, CAR lambda 0.5, CAR lambda 1.0), one run (about 35 s of wall each at
-the default 20x compression on 2 cores; the whole default bench about 2.5 minutes):
+one) and per policy (RR, CAR lambda 0.5, CAR lambda 1.0), one run of ``window_s / time_scale``
+wall seconds plus start-up (30 s plus a few at the defaults):
 
 1. etcd: ``--etcd``, or a local one started once for the whole bench
    (:class:`~kvsvc.testbed.etcd_launcher.LocalEtcd`), as the demo does.

@@ -29,8 +29,9 @@ above the true reusable tokens, or predicted Device tokens above the true Device
 ``--chaos`` drops 1 % of live messages on every engine (seeded, seqs consumed: the service
 sees gaps) and restarts one engine half-way through as a new process: sockets re-bound, cache
 cleared, seq 0, and a new ``incarnation_id`` registered at the same address, so discovery
-replaces its streams (§9); the demo waits (bounded) until ``/ready`` shows the new identity. A stream that cannot catch up within the bounded wait is compared all
-the same; a correct service then answers zero hits (or hits that are still true).
+replaces its streams (§9); the demo waits (bounded) until ``/ready`` shows the new identity.
+A stream that cannot catch up within the bounded wait is compared all the same; a correct
+service then answers zero hits (or hits that are still true).
 
 Everything started is stopped in ``finally`` (also on Ctrl-C): the service by SIGINT (SIGKILL
 after a grace period), the registrations (lease revoked), the engines by

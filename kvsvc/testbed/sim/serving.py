@@ -84,12 +84,21 @@ class RankExecutor(Protocol):
     """
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The instance name."""
+        ...
 
     @property
-    def dp_size(self) -> int: ...
+    def dp_size(self) -> int:
+        """DP ranks (>= 1)."""
+        ...
 
-    def execute(self, token_ids: Sequence[int], rank: Optional[int] = None) -> ExecResult: ...
+    def execute(self, token_ids: Sequence[int], rank: Optional[int] = None) -> ExecResult:
+        """Run ``token_ids`` on ``rank`` (``None``: any) and publish its events.
+
+        :raises LifecycleError: the rank is not running.
+        """
+        ...
 
 
 class TextTokenizer(Protocol):
@@ -100,12 +109,18 @@ class TextTokenizer(Protocol):
     """
 
     @property
-    def has_chat_template(self) -> bool: ...
+    def has_chat_template(self) -> bool:
+        """True when :meth:`encode_chat` can render messages."""
+        ...
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a completion prompt."""
+        ...
 
     def encode_chat(self, messages: Sequence[Any], *,
-                    add_generation_prompt: bool = True) -> list[int]: ...
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of rendered chat messages; any exception is a template failure."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
