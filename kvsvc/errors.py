@@ -4,6 +4,10 @@ translated into these once, at the module boundary where they occur (``raise ...
 ::
 
     KvsvcError
+    ├── TestbedError           raised only by the testbed (``kvsvc.testbed``), never by the service
+    │   ├── SimServingClosed       the simulated engine is closing: a served request is abandoned
+    │   ├── SimClientDisconnected  the client of a simulated request closed its connection
+    │   └── SimBadRequest          a malformed OpenAI body sent to the simulated engine
     ├── ConfigError            bad configuration; ``field`` names the offending key (§8)
     ├── StreamError            something that invalidates one stream and triggers recovery (§6)
     │   ├── DecodeError        malformed frame, batch or event (§1, §2), rank/block-size mismatch
@@ -235,3 +239,23 @@ class StaleIncarnation(HeartbeatRejected):
         self.got = got
         self.registered = registered
         super().__init__(f"stale incarnation {got!r} for {name!r} (registered {registered!r})")
+
+
+class TestbedError(KvsvcError):
+    """Raised inside the testbed (:mod:`kvsvc.testbed`), never by the service itself."""
+
+    __test__ = False  # a class named Test* is not a pytest test class
+
+
+class SimServingClosed(TestbedError):
+    """The simulated engine is closing (``Serving.close``): a queued or running request is
+    abandoned (answered 503 or its stream cut)."""
+
+
+class SimClientDisconnected(TestbedError):
+    """The client of a simulated request closed its connection: the request is cancelled."""
+
+
+class SimBadRequest(TestbedError):
+    """A malformed OpenAI body sent to the simulated engine (answered 400); the message names
+    the offending field."""

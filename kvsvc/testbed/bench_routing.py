@@ -2,8 +2,8 @@
 simulated engines, once per policy, and compare cache reuse, TTFT and load balance.
 
 Per trace (``conversation`` by default; ``--traces conversation,synthetic`` adds the synthetic
-one) and per policy (RR, CAR lambda 0.5, CAR lambda 1.0), one run (about 35 s of wall each at
-the default 20x compression on 2 cores; the whole default bench about 2.5 minutes):
+one) and per policy (RR, CAR lambda 0.5, CAR lambda 1.0), one run of ``window_s / time_scale``
+wall seconds plus start-up (30 s plus a few at the defaults):
 
 1. etcd: ``--etcd``, or a local one started once for the whole bench
    (:class:`~kvsvc.testbed.etcd_launcher.LocalEtcd`), as the demo does.
@@ -33,10 +33,13 @@ of 128 tokens (512k tokens, 28 GiB of KV), Host 16384 blocks (2M tokens, 112 GiB
 prefill 50 us/token (20k tokens/s), Host loads 2 us/token (PCIe), decode 20 ms/token,
 ``max_num_seqs`` 64.
 
-The routing section of ``bench/RESULTS.md`` (between :data:`BEGIN` and :data:`END`) is replaced
-by the report; the rest of the file is left alone (``python -m bench.run`` keeps this section).
+The routing section of the results file (``--results-file``, default ``bench/RESULTS.md``
+relative to the current directory; between :data:`BEGIN` and :data:`END`) is replaced by the
+report; the rest of the file is left alone (``python -m bench.run`` keeps this section). No
+other file is written; ``--no-write`` writes none.
 
-Errors: :class:`~kvsvc.errors.ConfigError` for an unknown trace, :class:`~kvsvc.errors.LifecycleError`
+Errors: :class:`~kvsvc.errors.ConfigError` for an unknown trace or a results file whose
+directory does not exist (checked before anything starts), :class:`~kvsvc.errors.LifecycleError`
 when etcd, an engine or the service does not start.
 """
 
@@ -73,7 +76,8 @@ EXIT_MISSED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-RESULTS_PATH = Path(__file__).resolve().parent.parent / "bench" / "RESULTS.md"
+#: ``--results-file`` default, relative to the current directory (the repository root).
+DEFAULT_RESULTS_FILE = Path("bench") / "RESULTS.md"
 BEGIN = "<!-- routing:begin -->"
 END = "<!-- routing:end -->"
 MODEL = "sim"
@@ -623,9 +627,14 @@ def report(results: Sequence[RunResult], opts: BenchOptions) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = RESULTS_PATH) -> None:
+def write_section(text: str, path: Path) -> None:
     """Replace the routing section of ``path`` (between :data:`BEGIN` and :data:`END`), or
-    append it; the rest of the file is kept byte for byte."""
+    append it; the rest of the file is kept byte for byte. A missing file is created.
+
+    :param text: the section body (:func:`report`), without the markers.
+    :param path: the results file; its directory must exist.
+    :raises OSError: the file cannot be read or written.
+    """
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     section = f"{BEGIN}\n{text}\n{END}"
     if BEGIN in old and END in old and old.index(BEGIN) < old.index(END):
@@ -667,7 +676,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spread: same-timestamp requests spread over the gap to the next "
                              "timestamp; trace: as recorded (bursts) (default %(default)s)")
     parser.add_argument("--log-dir", default="", help="keep the service logs here")
-    parser.add_argument("--no-write", action="store_true", help="leave bench/RESULTS.md alone")
+    parser.add_argument("--results-file", default=str(DEFAULT_RESULTS_FILE), metavar="PATH",
+                        help="file whose routing section (between the routing:begin/end "
+                             "markers) is rewritten; the rest of it is kept; its directory "
+                             "must exist (default %(default)s, relative to the current "
+                             "directory)")
+    parser.add_argument("--no-write", action="store_true",
+                        help="write no results file (leave --results-file alone)")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
 
@@ -694,26 +709,69 @@ def parse_policies(text: str) -> tuple[tuple[str, Optional[float]], ...]:
     return tuple(out)
 
 
+def results_file(args: argparse.Namespace) -> Optional[Path]:
+    """The file ``kvsvc bench-routing`` writes: ``--results-file``, or ``None`` with
+    ``--no-write``.
+
+    :raises ConfigError: (field ``--results-file``) its directory does not exist.
+    """
+    if args.no_write:
+        return None
+    path = Path(args.results_file)
+    if not path.parent.is_dir():
+        raise ConfigError("--results-file", f"{path}: directory {path.parent} does not exist "
+                          f"(run from the repository root, or pass --results-file or --no-write)")
+    return path
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """The :class:`BenchOptions` of parsed :func:`add_arguments` flags (the rest default).
+
+    :raises ValueError: a bad ``--policies`` value (:func:`parse_policies`).
+    """
+    return BenchOptions(traces=tuple(t for t in args.traces.split(",") if t),
+                        window_s=args.window_s, max_requests=args.requests,
+                        time_scale=args.time_scale, policies=parse_policies(args.policies),
+                        engines=args.engines, device_blocks=args.device_blocks,
+                        host_blocks=args.host_blocks,
+                        prefill_us_per_token=args.prefill_us_per_token,
+                        decode_us_per_token=args.decode_us_per_token,
+                        max_num_seqs=args.max_num_seqs, etcd=args.etcd,
+                        heartbeat_interval_s=args.heartbeat_interval_s,
+                        heartbeat_gap_s=args.heartbeat_gap_s,
+                        log_dir=args.log_dir, arrivals=args.arrivals)
+
+
+def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],
+            out: Optional[TextIO] = None) -> int:
+    """Print the report to ``out`` (stdout by default), write its routing section to ``path``
+    (:func:`write_section`; nothing when ``None``) and return the exit code.
+
+    :returns: :data:`EXIT_OK` when every target is met, else :data:`EXIT_MISSED`.
+    :raises OSError: ``path`` cannot be written.
+    """
+    out = out or sys.stdout
+    text = report(results, opts)
+    print(text, file=out)
+    if path is not None:
+        write_section(text, path)
+        print(f"wrote the routing section of {path}", file=out)
+    met = targets(results)
+    return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED
+
+
 def run(args: argparse.Namespace) -> int:
     """``kvsvc bench-routing``.
 
     :returns: 0 when the conversation targets are met (or not measured), 1 when missed, 2 on
-        bad options or a start-up failure, 130 on Ctrl-C.
+        bad options (a results file whose directory is missing included, found before
+        anything starts) or a start-up failure, 130 on Ctrl-C.
     """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        opts = BenchOptions(traces=tuple(t for t in args.traces.split(",") if t),
-                            window_s=args.window_s, max_requests=args.requests,
-                            time_scale=args.time_scale, policies=parse_policies(args.policies),
-                            engines=args.engines, device_blocks=args.device_blocks,
-                            host_blocks=args.host_blocks,
-                            prefill_us_per_token=args.prefill_us_per_token,
-                            decode_us_per_token=args.decode_us_per_token,
-                            max_num_seqs=args.max_num_seqs, etcd=args.etcd,
-                            heartbeat_interval_s=args.heartbeat_interval_s,
-                            heartbeat_gap_s=args.heartbeat_gap_s,
-                            log_dir=args.log_dir, arrivals=args.arrivals)
+        path = results_file(args)
+        opts = options_from_args(args)
         results = run_bench(opts)
     except KeyboardInterrupt:
         print("kvsvc bench-routing: interrupted; everything stopped", file=sys.stderr)
@@ -724,10 +782,4 @@ def run(args: argparse.Namespace) -> int:
     except KvsvcError as exc:
         print(f"kvsvc bench-routing: failed: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    text = report(results, opts)
-    print(text)
-    if not args.no_write:
-        write_section(text)
-        print(f"wrote the routing section of {RESULTS_PATH}")
-    met = targets(results)
-    return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED
+    return publish(results, opts, path)

@@ -29,8 +29,9 @@ above the true reusable tokens, or predicted Device tokens above the true Device
 ``--chaos`` drops 1 % of live messages on every engine (seeded, seqs consumed: the service
 sees gaps) and restarts one engine half-way through as a new process: sockets re-bound, cache
 cleared, seq 0, and a new ``incarnation_id`` registered at the same address, so discovery
-replaces its streams (§9); the demo waits (bounded) until ``/ready`` shows the new identity. A stream that cannot catch up within the bounded wait is compared all
-the same; a correct service then answers zero hits (or hits that are still true).
+replaces its streams (§9); the demo waits (bounded) until ``/ready`` shows the new identity.
+A stream that cannot catch up within the bounded wait is compared all the same; a correct
+service then answers zero hits (or hits that are still true).
 
 Everything started is stopped in ``finally`` (also on Ctrl-C): the service by SIGINT (SIGKILL
 after a grace period), the registrations (lease revoked), the engines by
@@ -41,6 +42,7 @@ after a grace period), the registrations (lease revoked), the engines by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -451,12 +453,15 @@ def discovery_config(opts: DemoOptions) -> dict:
             "resync_interval_ms": opts.resync_interval_ms}
 
 
+def _load(engine: SimEngine) -> Load:
+    """The heartbeat load of ``engine`` now (§9)."""
+    return Load(engine.waiting_requests(), engine.device_usage())
+
+
 def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[EtcdRegistration]:
     regs = []
     for eng in engines:
-        # Default argument binds this engine (not the loop's last one) to its load callback.
-        reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size,
-                               lambda e=eng: Load(e.waiting_requests(), e.device_usage()),
+        reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
                                token=token)
         regs.append(reg)
         reg.start()

@@ -250,8 +250,17 @@ class SoakReport:
 
 
 @dataclass
-class _Rank:
-    """Audit state of one engine rank (one stream)."""
+class RankAudit:
+    """Audit state of one engine rank (one stream), kept by the soak's driver thread.
+
+    :param engine: the engine (its ground truth is :meth:`SimEngine.resident`).
+    :param rank: the DP rank.
+    :param epoch: restarts of the rank's publisher so far (seq starts again at 0 in each).
+    :param history: the last ``HISTORY_STATES`` recorded states, oldest first, each
+        ``(epoch, seq, {engine hash: DEVICE | HOST bits})``; seq ``None`` before any batch.
+    :param fault: ``(kind, injected at monotonic s)`` while a fault is open, else ``None``.
+    :param epoch_started: monotonic time the current epoch began, seconds.
+    """
 
     engine: SimEngine
     rank: int
@@ -263,6 +272,7 @@ class _Rank:
 
     @property
     def key(self) -> tuple[str, int]:
+        """``(instance name, dp rank)``, the stream's identity in the service's answers."""
         return (self.engine.name, self.rank)
 
     def record(self, seq: Optional[int]) -> None:
@@ -278,6 +288,7 @@ class _Rank:
                 if s == seq and (any_epoch or ep == self.epoch)]
 
     def current(self) -> tuple[Optional[int], dict[int, int]]:
+        """The last recorded ``(seq, residency)``."""
         _, seq, res = self.history[-1]
         return seq, res
 
@@ -296,7 +307,9 @@ def _truth(hashes: Sequence[int], resident: dict[int, int], block_size: int) -> 
     return dev * block_size, host * block_size
 
 
-def _prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Engine hashes of the full blocks of ``tokens``, chained as the simulated engine chains
+    them (:func:`~kvsvc.testbed.sim.block_manager.chain_hash`), first block first."""
     out: list[int] = []
     parent: Optional[int] = None
     for i in range(len(tokens) // block_size):
@@ -322,11 +335,11 @@ class Soak:
         self.report = SoakReport()
         self.rng = random.Random(opts.seed)
         self.engines: list[SimEngine] = []
-        self.ranks: list[_Rank] = []
+        self.ranks: list[RankAudit] = []
         self.down: dict[str, float] = {}          # killed engine name -> restart time
         self._kinds: list[str] = []
         self.service: Optional[ServiceProcess] = None
-        self._next_rank = collections.Counter()
+        self._next_rank: collections.Counter[str] = collections.Counter()
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -344,7 +357,7 @@ class Soak:
             self.engines.append(SimEngine(
                 f"soak-{i}", base, base + dp, dp_size=dp, block_size=o.block_size,
                 device_blocks=o.device_blocks, host_blocks=o.host_blocks, seed=o.seed + i))
-        self.ranks = [_Rank(e, r) for e in self.engines for r in range(e.dp_size)]
+        self.ranks = [RankAudit(e, r) for e in self.engines for r in range(e.dp_size)]
         self.report.streams = len(self.ranks)
 
     def _config(self) -> dict:
@@ -456,9 +469,9 @@ class Soak:
                 if rk.fault and rk.engine.name not in self.down:
                     # A silent rank with an open drop fault needs one more batch to see its gap.
                     self._execute(rk.engine, rk.rank, tokens)
-        self._expire(float("inf") if time.monotonic() >= deadline else time.monotonic())
+        self.expire_faults(float("inf") if time.monotonic() >= deadline else time.monotonic())
 
-    def _rank_of(self, engine: SimEngine, rank: int) -> _Rank:
+    def _rank_of(self, engine: SimEngine, rank: int) -> RankAudit:
         return next(rk for rk in self.ranks if rk.engine is engine and rk.rank == rank)
 
     def _execute(self, engine: SimEngine, rank: int, tokens: list[int]) -> None:
@@ -469,21 +482,33 @@ class Soak:
     # -- auditing ---------------------------------------------------------------------------------
 
     def _audit_until_caught_up(self, service: ServiceProcess, tokens: list[int]) -> None:
-        hashes = _prompt_hashes(tokens, self.opts.block_size)
+        hashes = prompt_hashes(tokens, self.opts.block_size)
         deadline = time.monotonic() + self.opts.catch_up_s
         pause = 0.002
         while True:
             matches = service.query(tokens)
             now = time.monotonic()
             self.report.queries += 1
-            caught_up = self._audit(matches, hashes, now)
-            self._expire(now)
+            caught_up = self.audit(matches, hashes, now)
+            self.expire_faults(now)
             if caught_up or now >= deadline:
                 return
             time.sleep(pause)  # polling another process, bounded by the deadline above
             pause = min(pause * 2, 0.02)
 
-    def _audit(self, matches: list[dict], hashes: list[int], now: float) -> bool:
+    def audit(self, matches: list[dict], hashes: list[int], now: float) -> bool:
+        """Audit one query's answers against the recorded ground truth (module docstring),
+        counting into :attr:`report`; closes the fault of every stream found caught up.
+
+        :param matches: the service's per-stream answers (§10 fields: ``instance_name``,
+            ``dp_rank``, ``synchronized``, ``sequence``, ``device_hit_tokens``,
+            ``host_only_hit_tokens``, ``error``), one per stream of :attr:`ranks`.
+        :param hashes: the prompt's engine hashes (:func:`prompt_hashes`).
+        :param now: monotonic time of the answer, seconds.
+        :returns: True when every stream of a running engine is synchronized at its rank's
+            current seq.
+        :raises LifecycleError: a stream of :attr:`ranks` is missing from ``matches``.
+        """
         got = {(m["instance_name"], m["dp_rank"]): m for m in matches}
         bs = self.opts.block_size
         all_caught_up = True
@@ -545,7 +570,7 @@ class Soak:
                 self._fail("false hit (lagging answer)", rk, m, truths[-1])
         return all_caught_up
 
-    def _fail(self, what: str, rk: _Rank, m: dict, truth: tuple[int, int]) -> None:
+    def _fail(self, what: str, rk: RankAudit, m: dict, truth: tuple[int, int]) -> None:
         if len(self.report.examples) < 10:
             self.report.examples.append(
                 f"{what}: {rk.key[0]}/dp{rk.key[1]} predicted {m['device_hit_tokens']}+"
@@ -554,7 +579,9 @@ class Soak:
                 f"(epoch {rk.epoch}), error {m['error']!r}")
         log.error("soak: %s on %s/dp%d", what, rk.key[0], rk.key[1])
 
-    def _expire(self, now: float) -> None:
+    def expire_faults(self, now: float) -> None:
+        """Count as unrecovered (and close) every fault open for more than
+        ``fault_timeout_s`` at monotonic time ``now``, seconds."""
         for rk in self.ranks:
             if rk.fault is not None and now - rk.fault[1] > self.opts.fault_timeout_s:
                 self.report.unrecovered += 1
@@ -568,7 +595,7 @@ class Soak:
                         f"{rk.current()[0]}, service {status}")
                 rk.fault = None
 
-    def _stream_status(self, rk: _Rank) -> Optional[dict]:
+    def _stream_status(self, rk: RankAudit) -> Optional[dict]:
         """The stream's ``/ready`` entry (diagnostics only), ``None`` if unavailable."""
         if self.service is None:
             return None
@@ -654,7 +681,7 @@ class Soak:
             return [base + j for j in range(4 * bs)]
         return make
 
-    def _new_epoch(self, rk: _Rank, resident: Optional[dict[int, int]] = None) -> None:
+    def _new_epoch(self, rk: RankAudit, resident: Optional[dict[int, int]] = None) -> None:
         rk.epoch += 1
         rk.epoch_started = time.monotonic()
         if resident is None:

@@ -237,12 +237,38 @@ class TestRoundRobin:
         assert {n: after[n] - before[n] for n in after} == {n: 3 for n in after}
 
 
-def test_small_bench_routing_run(etcd_server, tmp_path):
+def test_small_bench_routing_run(etcd_server, tmp_path, monkeypatch):
+    """A small bench through the CLI's own steps (flags -> options, run, publish): the
+    figures add up, and the routing section goes to --results-file and nowhere else."""
+    import argparse
+    import dataclasses
+    import os
+
+    from kvsvc.testbed import bench_routing
+
+    parser = argparse.ArgumentParser()
+    bench_routing.add_arguments(parser)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    # A results file whose directory is missing is refused before anything starts.
+    assert bench_routing.run(parser.parse_args(
+        ["--results-file", str(tmp_path / "missing" / "RESULTS.md")])) == bench_routing.EXIT_USAGE
+    assert bench_routing.results_file(parser.parse_args(["--no-write"])) is None
     n = 24
-    opts = BenchOptions(traces=("conversation",), window_s=0, max_requests=n, time_scale=100.0,
-                        policies=(("RR", None), ("CAR", 0.5)), engines=2,
-                        etcd=etcd_server.addr, ready_timeout_s=30.0, client_threads=16,
-                        service_threads=16)
+    results_path = tmp_path / "results" / "RESULTS.md"
+    results_path.parent.mkdir()
+    results_path.write_text("# head\n", encoding="utf-8")
+    args = parser.parse_args(["--traces", "conversation", "--window-s", "0", "--requests", str(n),
+                              "--time-scale", "100", "--policies", "RR,CAR:0.5", "--engines", "2",
+                              "--etcd", etcd_server.addr, "--results-file", str(results_path)])
+    # Smaller thread pools and start-up bound than the CLI's defaults, for a 2-engine run.
+    opts = dataclasses.replace(bench_routing.options_from_args(args), ready_timeout_s=30.0,
+                               client_threads=16, service_threads=16)
+    assert opts == BenchOptions(traces=("conversation",), window_s=0, max_requests=n,
+                                time_scale=100.0, policies=(("RR", None), ("CAR", 0.5)),
+                                engines=2, etcd=etcd_server.addr, ready_timeout_s=30.0,
+                                client_threads=16, service_threads=16)
     out = tmp_path / "out.txt"
     with out.open("w") as f:
         results = run_bench(opts, f)
@@ -261,6 +287,14 @@ def test_small_bench_routing_run(etcd_server, tmp_path):
     assert text.count("| conversation |") == 2
     assert len(targets(results)) == 5
     assert "CAR λ=0.5" in out.read_text()
+    package_results = Path(bench_routing.__file__).resolve().parent.parent / "bench"
+    assert not package_results.exists()
+    with (tmp_path / "publish.txt").open("w") as f:
+        code = bench_routing.publish(results, opts, bench_routing.results_file(args), f)
+    assert code in (bench_routing.EXIT_OK, bench_routing.EXIT_MISSED)
+    assert results_path.read_text(encoding="utf-8") == f"# head\n\n{BEGIN}\n{text}\n{END}\n"
+    assert os.listdir(cwd) == [] and os.listdir(results_path.parent) == ["RESULTS.md"]
+    assert not package_results.exists()
 
 
 def test_write_section_replaces_only_the_routing_section(tmp_path):

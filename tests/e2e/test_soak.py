@@ -40,7 +40,7 @@ def auditor():
     ev, rp = free_ports(2)
     eng = SimEngine("e", ev, rp, block_size=BS, device_blocks=8)
     s.engines = [eng]
-    s.ranks = [soak._Rank(eng, 0)]
+    s.ranks = [soak.RankAudit(eng, 0)]
     tokens = list(range(3 * BS))
     h = []
     parent = None
@@ -50,12 +50,12 @@ def auditor():
     rk = s.ranks[0]
     rk.history.append((0, 0, {h[0]: DEVICE}))                       # after seq 0: 1 block
     rk.history.append((0, 1, {h[0]: DEVICE, h[1]: DEVICE, h[2]: HOST}))  # after seq 1
-    return s, soak._prompt_hashes(tokens, BS)
+    return s, soak.prompt_hashes(tokens, BS)
 
 
 def test_auditor_counts_exact_checked_answer(auditor):
     s, hashes = auditor
-    assert s._audit([_match("e", True, 1, 2 * BS, BS)], hashes, 0.0) is True
+    assert s.audit([_match("e", True, 1, 2 * BS, BS)], hashes, 0.0) is True
     r = s.report
     assert (r.answers, r.checked, r.false_hits, r.missed_hits, r.hit_tokens_checked) == \
         (1, 1, 0, 0, 3 * BS)
@@ -63,12 +63,12 @@ def test_auditor_counts_exact_checked_answer(auditor):
 
 def test_auditor_catches_false_and_missed_hits(auditor):
     s, hashes = auditor
-    s._audit([_match("e", True, 1, 3 * BS, 0)], hashes, 0.0)    # Host block claimed on Device
-    s._audit([_match("e", True, 1, 2 * BS, 0)], hashes, 0.0)    # Host block missed
-    s._audit([_match("e", True, 0, 2 * BS, 0)], hashes, 0.0)    # lagging at seq 0: 1 block only
-    s._audit([_match("e", True, 0, BS, 0)], hashes, 0.0)        # lagging, true for seq 0
-    s._audit([_match("e", False, None, 0, BS)], hashes, 0.0)    # hit while unsynchronized
-    s._audit([_match("e", True, 7, BS, 0)], hashes, 0.0)        # seq never recorded
+    s.audit([_match("e", True, 1, 3 * BS, 0)], hashes, 0.0)    # Host block claimed on Device
+    s.audit([_match("e", True, 1, 2 * BS, 0)], hashes, 0.0)    # Host block missed
+    s.audit([_match("e", True, 0, 2 * BS, 0)], hashes, 0.0)    # lagging at seq 0: 1 block only
+    s.audit([_match("e", True, 0, BS, 0)], hashes, 0.0)        # lagging, true for seq 0
+    s.audit([_match("e", False, None, 0, BS)], hashes, 0.0)    # hit while unsynchronized
+    s.audit([_match("e", True, 7, BS, 0)], hashes, 0.0)        # seq never recorded
     r = s.report
     assert (r.answers, r.checked, r.false_hits, r.missed_hits, r.unsynchronized_hits,
             r.unauditable) == (6, 2, 2, 1, 1, 1)
@@ -80,14 +80,14 @@ def test_auditor_closes_fault_when_caught_up(auditor):
     s, hashes = auditor
     rk = s.ranks[0]
     rk.fault = ("drop", 10.0)
-    assert s._audit([_match("e", False, None, 0)], hashes, 10.2) is False
+    assert s.audit([_match("e", False, None, 0)], hashes, 10.2) is False
     assert rk.fault == ("drop", 10.0)
-    assert s._audit([_match("e", True, 0, BS)], hashes, 10.3) is False   # synchronized, behind
-    assert s._audit([_match("e", True, 1, 2 * BS, BS)], hashes, 10.5) is True
+    assert s.audit([_match("e", True, 0, BS)], hashes, 10.3) is False   # synchronized, behind
+    assert s.audit([_match("e", True, 1, 2 * BS, BS)], hashes, 10.5) is True
     assert rk.fault is None
     assert s.report.unsync_s["drop"] == [pytest.approx(0.5)]
     rk.fault = ("kill", 0.0)
-    s._expire(s.opts.fault_timeout_s + 1.0)
+    s.expire_faults(s.opts.fault_timeout_s + 1.0)
     assert (rk.fault, s.report.unrecovered) == (None, 1)
 
 

@@ -563,3 +563,91 @@ def test_sim_cli_replays_a_trace_and_stops(zmq_ctx):
         stop.set()
         t.join(10.0)
     assert not t.is_alive() and result == [0]
+
+
+# ---- the thread contract (kvsvc.lifecycle.BackgroundThread) of every testbed thread owner -----
+
+def _threads(prefix: str) -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_engine_start_and_close_are_idempotent(zmq_ctx):
+    from tests.util import free_port
+
+    base = consecutive_ports(4)
+    eng = SimEngine("life", base, base + 2, dp_size=2, block_size=BS, context=zmq_ctx,
+                    http_port=free_port())
+    eng.close()                                  # before start: nothing to stop
+    eng.start()
+    eng.start()                                  # already running: no second set of threads
+    assert sorted(_threads("sim-")) == ["sim-http-life", "sim-life/dp0", "sim-life/dp1"]
+    assert eng.execute(blocks(0), 1).seq == 0
+    eng.close()
+    eng.close()
+    assert _threads("sim-") == []
+    with pytest.raises(LifecycleError, match="not running"):
+        eng.execute(blocks(0), 0)
+
+
+def test_health_server_contract_and_close_bounded_by_a_stuck_connection():
+    import socket
+
+    import requests
+
+    from kvsvc.testbed.sim.health import HealthServer
+    from tests.util import free_port
+
+    port = free_port()
+    hs = HealthServer("127.0.0.1", port, "hs")
+    hs.close()                                   # before start: nothing to stop
+    hs.start()
+    assert hs.running and _threads("sim-http-") == ["sim-http-hs"]
+    with pytest.raises(LifecycleError, match="already started"):
+        hs.start()
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5.0).json() == {"status": "ok"}
+    # A client that never finishes its request line holds its connection thread, so the
+    # server's thread (which joins its connection threads last) cannot end in time.
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    try:
+        sock.sendall(b"GET /hea")
+        wait_for(lambda: _threads("sim-http-conn-"), what="connection thread")
+        with pytest.raises(LifecycleError, match="sim-http-hs: did not stop"):
+            hs.close(timeout_s=0.2)
+        assert hs.running
+        sock.shutdown(socket.SHUT_WR)            # the request ends: the handler answers, exits
+        hs.close()
+    finally:
+        sock.close()
+    assert not hs.running and _threads("sim-http-") == []
+    hs.close()                                   # closed twice: nothing more
+
+
+def test_registration_contract_and_close_bounded_by_a_silent_etcd():
+    import socket
+
+    from kvsvc.testbed.sim.registration import EtcdRegistration, Load
+
+    # A listening socket that never answers: every etcd request waits its whole timeout.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        reg = EtcdRegistration(f"127.0.0.1:{silent.getsockname()[1]}", "127.0.0.1:1", 1,
+                               lambda: Load(0, 0.0), etcd_timeout_s=1.0)
+        reg.close()                              # before start: nothing to stop
+        with pytest.raises(LifecycleError, match="not running"):
+            reg.reincarnate()
+        reg.start()
+        assert _threads("sim-etcd-") == ["sim-etcd-127.0.0.1:1"]
+        with pytest.raises(LifecycleError, match="already started"):
+            reg.start()
+        with pytest.raises(LifecycleError, match="did not stop"):
+            reg.close(timeout_s=0.1)             # the thread is inside a 1 s etcd request
+        reg.close()
+        reg.close()
+        assert not reg.running and _threads("sim-etcd-") == []
+        assert reg.stats().registrations == 0
+    finally:
+        silent.close()

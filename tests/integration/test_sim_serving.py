@@ -29,13 +29,13 @@ def make_engine(**serving: object) -> SimEngine:
 
 
 def url(engine: SimEngine, path: str = "/v1/completions") -> str:
-    return f"http://127.0.0.1:{engine._health.port}{path}"  # noqa: SLF001 (test access)
+    return f"http://127.0.0.1:{engine.http_port}{path}"
 
 
 def raw_request(engine: SimEngine, body: dict, path: str = "/v1/completions") -> socket.socket:
     """Send a POST on a raw socket (so the test can close it mid-request); returns it."""
     data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", engine._health.port), timeout=5.0)  # noqa: SLF001
+    sock = socket.create_connection(("127.0.0.1", engine.http_port), timeout=5.0)
     sock.sendall(f"POST {path} HTTP/1.0\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock

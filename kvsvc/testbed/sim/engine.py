@@ -2,8 +2,8 @@
 publishing its KV events (§1, §2) and serving snapshots (§7) byte-exactly on loopback ZMQ
 sockets, with fault switches for tests, ``kvsvc demo --chaos`` and soaks.
 
-Threads and sockets. Each DP rank has one I/O thread (:class:`_RankIO`) that owns the rank's
-``XPUB`` (live events, bound on ``event_port + rank``) and ``ROUTER`` (snapshots, bound on
+Threads and sockets. Each DP rank has one I/O thread ``sim-<name>/dp<r>`` (:class:`_RankIO`, a
+:class:`~kvsvc.lifecycle.BackgroundThread`) that owns the rank's ``XPUB`` (live events, bound on ``event_port + rank``) and ``ROUTER`` (snapshots, bound on
 ``replay_port + rank``); no other thread touches them. :meth:`SimEngine.execute` runs on the
 caller's thread: under the rank's state lock it mutates the block manager, assigns the next seq
 and queues the encoded message; it then wakes the I/O thread (a socketpair byte) and waits until
@@ -17,8 +17,9 @@ the queue before the snapshot reply, so live ``W`` always leaves before a snapsh
 Encoding the snapshot happens outside the lock, so serving one blocks ``execute`` only for the
 copy. Delayed replies are scheduled, not slept on, so live publishing never stalls.
 
-Errors: :class:`~kvsvc.errors.LifecycleError` when an I/O thread does not start (ports taken)
-or a message is not published in time; ``ValueError`` / ``IndexError`` for bad arguments.
+Errors: :class:`~kvsvc.errors.LifecycleError` when an I/O thread does not start (ports taken),
+does not stop in time, or a message is not published in time; ``ValueError`` / ``IndexError``
+for bad arguments.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import ormsgpack
 import zmq
 
 from kvsvc.errors import LifecycleError
 from kvsvc.events import DEVICE, HOST
+from kvsvc.lifecycle import BackgroundThread
 from kvsvc.testbed.sim.block_manager import BlockManager, SnapshotBlock, stored_event
 from kvsvc.testbed.sim.health import HealthServer
-from kvsvc.testbed.sim.serving import Serving, ServingConfig
+from kvsvc.testbed.sim.results import ExecResult, RankStats
+from kvsvc.testbed.sim.serving import Serving, ServingConfig, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,43 +129,6 @@ def encode_snapshot(blocks: Sequence[SnapshotBlock], block_size: int, dp_rank: i
     return payloads
 
 
-@dataclass(frozen=True, slots=True)
-class ExecResult:
-    """Outcome of :meth:`SimEngine.execute`.
-
-    :param rank: DP rank that executed the request.
-    :param seq: seq of the published batch, ``None`` when the request changed nothing (no
-        events, nothing published; a real engine does not publish empty batches).
-    :param device_hit_tokens: prefix tokens on Device before execution (§10 truth).
-    :param host_only_hit_tokens: prefix tokens only on Host before execution.
-    :param stored_blocks: new blocks stored on Device.
-    """
-
-    rank: int
-    seq: Optional[int]
-    device_hit_tokens: int
-    host_only_hit_tokens: int
-    stored_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class RankStats:
-    """Counters of one rank since the engine started (kept across restarts).
-
-    :param published: live batches sent to the socket.
-    :param dropped: live batches dropped by a fault (their seqs consumed).
-    :param snapshots: snapshot requests answered (including delayed or truncated ones).
-    :param malformed: malformed messages injected.
-    :param restarts: process restarts (:meth:`SimEngine.restart`).
-    """
-
-    published: int
-    dropped: int
-    snapshots: int
-    malformed: int
-    restarts: int
-
-
 @dataclass(slots=True)
 class _Outgoing:
     frames: list[bytes]
@@ -204,16 +170,20 @@ class _Rank:
         self.io: Optional[_RankIO] = None
 
 
-class _RankIO:
-    """The I/O thread of one rank: owns its ``XPUB`` and ``ROUTER`` sockets (created, used and
-    closed in the thread). ``start()`` returns once both are bound; ``close()`` stops it.
+class _RankIO(BackgroundThread):
+    """The I/O thread ``sim-<label>`` of one rank (the :class:`~kvsvc.lifecycle.BackgroundThread`
+    contract): owns its ``XPUB`` and ``ROUTER`` sockets and the read end of its wake-up
+    socketpair (created, used and closed on the thread). ``start()`` returns once both sockets
+    are bound; ``close()`` sends what is queued, stops the thread and joins it.
 
     :param label: ``<engine>/dp<r>`` for thread names and logs.
+    :param bind_retry_s: how long a bind retries a port still held (after a restart), seconds.
     """
 
     def __init__(self, state: _Rank, ctx: zmq.Context, event_ep: str, replay_ep: str,
                  topic: bytes, block_size: int, max_snapshot_message_bytes: int, label: str,
                  bind_retry_s: float = 0.0) -> None:
+        super().__init__(f"sim-{label}")
         self._state = state
         self._bind_retry_s = bind_retry_s
         self._ctx = ctx
@@ -223,33 +193,36 @@ class _RankIO:
         self._block_size = block_size
         self._max_snapshot = max_snapshot_message_bytes
         self._label = label
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
+        # The write end is used by every thread that wakes this one, under _wake_lock.
         self._wake_lock = threading.Lock()
         self._wake_w: Optional[socket.socket] = None
+        # Thread only: the sockets, the wake-up read end and the delayed snapshot replies
+        # as (due monotonic time, messages).
         self._wake_r: Optional[socket.socket] = None
-        # (due monotonic time, messages) of delayed snapshot replies; I/O thread only.
+        self._pub: Optional[zmq.Socket] = None
+        self._router: Optional[zmq.Socket] = None
+        self._poller: Optional[zmq.Poller] = None
         self._delayed: list[tuple[float, list[list[bytes]]]] = []
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Bind the sockets on the I/O thread; return once they are bound.
 
-        :raises LifecycleError: the thread did not come up within 5 s or a bind failed.
+        :param timeout_s: bound of the start, seconds, extended by ``bind_retry_s``.
+        :raises LifecycleError: already started, a bind failed, or the thread did not come up
+            within ``timeout_s + bind_retry_s``.
         """
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._thread = threading.Thread(target=self._run, name=f"sim-{self._label}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(_START_TIMEOUT_S + self._bind_retry_s) or self._error is not None:
-            self.close()
-            raise LifecycleError(f"sim {self._label}: I/O thread did not start: {self._error}") \
-                from self._error
+        super().start(timeout_s + self._bind_retry_s)
+
+    def close(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
+        """Send the queued live messages, stop the thread and join it. Idempotent.
+
+        :param timeout_s: join bound, seconds.
+        :raises LifecycleError: the thread is still alive after ``timeout_s``.
+        """
+        super().close(timeout_s)
 
     def wake(self) -> None:
-        """Wake the I/O thread (thread-safe; a no-op once closed)."""
+        """Wake the I/O thread (thread-safe; a no-op before start and once closed)."""
         with self._wake_lock:
             if self._wake_w is not None:
                 try:
@@ -257,19 +230,8 @@ class _RankIO:
                 except (BlockingIOError, OSError):
                     pass  # a full pipe already wakes the thread
 
-    def close(self) -> None:
-        """Stop the thread (queued live messages are sent first) and join it (5 s)."""
-        self._stop.set()
+    def _wake(self) -> None:
         self.wake()
-        if self._thread is not None:
-            self._thread.join(_CLOSE_TIMEOUT_S)
-            if self._thread.is_alive():
-                log.error("sim %s: I/O thread did not stop within %.0f s", self._label,
-                          _CLOSE_TIMEOUT_S)
-        with self._wake_lock:
-            if self._wake_w is not None:
-                self._wake_w.close()
-                self._wake_w = None
 
     def _bind(self, sock: zmq.Socket, endpoint: str, retry_s: Optional[float] = None) -> None:
         # A restarted rank re-binds the ports its predecessor just released; the ZMQ I/O thread
@@ -284,55 +246,66 @@ class _RankIO:
                     raise
                 time.sleep(0.02)
 
-    def _run(self) -> None:
-        pub = router = None
-        try:
-            pub = self._new_pub()
-            router = self._ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.SNDHWM, 0)
-            self._bind(pub, self._event_ep)
-            self._bind(router, self._replay_ep)
-            poller = zmq.Poller()
-            poller.register(pub, zmq.POLLIN)
-            poller.register(router, zmq.POLLIN)
-            assert self._wake_r is not None
-            wake_fd = self._wake_r.fileno()
-            poller.register(wake_fd, zmq.POLLIN)
-            log.info("sim %s: publishing on %s, snapshots on %s", self._label, self._event_ep,
-                     self._replay_ep)
-            self._ready.set()
-            while not self._stop.is_set():
-                timeout = _IDLE_POLL_MS
-                if self._delayed:
-                    due = min(d for d, _ in self._delayed)
-                    timeout = max(0, min(timeout, int((due - time.monotonic()) * 1000) + 1))
-                ready = dict(poller.poll(timeout))
-                if wake_fd in ready:
-                    self._drain_wake()
-                if self._state.reconnect_requested:
-                    pub = self._rebind_pub(poller, pub)
-                self._flush_live(pub)
-                if pub in ready:
-                    self._read_subscriptions(pub)
-                if router in ready:
-                    self._serve_snapshots(router, pub)
-                if self._delayed:
-                    self._send_due(router)
+    def _setup(self) -> None:
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        self._wake_r = wake_r
+        with self._wake_lock:
+            self._wake_w = wake_w
+        self._pub = self._new_pub()
+        router = self._router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, 0)
+        self._bind(self._pub, self._event_ep)
+        self._bind(router, self._replay_ep)
+        poller = self._poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
+        log.info("sim %s: publishing on %s, snapshots on %s", self._label, self._event_ep,
+                 self._replay_ep)
+
+    def _loop(self) -> None:
+        assert self._poller is not None and self._router is not None and self._pub is not None
+        assert self._wake_r is not None
+        poller, router, wake_fd = self._poller, self._router, self._wake_r.fileno()
+        while not self.stopping:
+            timeout = _IDLE_POLL_MS
+            if self._delayed:
+                due = min(d for d, _ in self._delayed)
+                timeout = max(0, min(timeout, int((due - time.monotonic()) * 1000) + 1))
+            ready = dict(poller.poll(timeout))
+            if wake_fd in ready:
+                self._drain_wake()
+            if self._state.reconnect_requested:
+                self._pub = self._rebind_pub(poller, self._pub)
+            pub = self._pub
             self._flush_live(pub)
-        except Exception as exc:  # reported by start() or logged: the rank stops publishing
-            self._error = exc
-            log.exception("sim %s: I/O thread failed", self._label)
-        finally:
-            for s in (pub, router):
-                if s is not None:
-                    s.close(linger=0)
-            if self._wake_r is not None:
-                self._wake_r.close()
-            with self._state.cond:
-                self._state.subscriptions = 0
-                self._state.cond.notify_all()
-            self._ready.set()
+            if pub in ready:
+                self._read_subscriptions(pub)
+            if router in ready:
+                self._serve_snapshots(router, pub)
+            if self._delayed:
+                self._send_due(router)
+        # Messages queued before close() still leave (execute() waits for them).
+        self._flush_live(self._pub)
+
+    def _teardown(self) -> None:
+        for s in (self._pub, self._router):
+            if s is not None:
+                s.close(linger=0)
+        self._pub = self._router = self._poller = None
+        with self._wake_lock:
+            if self._wake_w is not None:
+                self._wake_w.close()
+                self._wake_w = None
+        if self._wake_r is not None:
+            self._wake_r.close()
+            self._wake_r = None
+        with self._state.cond:
+            self._state.subscriptions = 0
+            self._state.cond.notify_all()
 
     def _new_pub(self) -> zmq.Socket:
         pub = self._ctx.socket(zmq.XPUB)
@@ -472,7 +445,7 @@ class SimEngine:
     :param seed: seeds the drop-probability fault (per rank), for reproducible chaos.
     :param http_port: when given, the instance's HTTP port: :meth:`start` serves ``GET /health``
         on ``host:http_port`` (:class:`~kvsvc.testbed.sim.health.HealthServer`, §9 probe) until
-        :meth:`close`.
+        :meth:`close`; kept as the attribute ``http_port`` (``None`` without an HTTP port).
     :param serving: when given (with ``http_port``), the same port also serves OpenAI
         requests with this latency model (:mod:`kvsvc.testbed.sim.serving`); its waiting queue is
         :meth:`waiting_requests`.
@@ -486,7 +459,8 @@ class SimEngine:
                  topic: Union[bytes, str] = b"", context: Optional[zmq.Context] = None,
                  host: str = "127.0.0.1", max_snapshot_message_bytes: int = 1 << 20,
                  seed: int = 0, http_port: Optional[int] = None,
-                 serving: Optional[ServingConfig] = None, tokenizer: Any = None) -> None:
+                 serving: Optional[ServingConfig] = None,
+                 tokenizer: Optional[TextTokenizer] = None) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         for label, port in (("event_port", event_port), ("replay_port", replay_port)):
@@ -512,6 +486,7 @@ class SimEngine:
         if serving is not None and http_port is None:
             raise ValueError("serving needs an http_port")
         self.serving = Serving(self, serving, tokenizer) if serving is not None else None
+        self.http_port = http_port
         self._health = (HealthServer(host, http_port, name, self.serving,
                                      serving.max_connections if serving is not None else 256)
                         if http_port is not None else None)
@@ -539,7 +514,10 @@ class SimEngine:
             if self._health is not None:
                 self._health.start()
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            except LifecycleError:
+                log.exception("sim %s: could not close after a failed start", self.name)
             raise
         self._started = True
 
@@ -552,18 +530,33 @@ class SimEngine:
         st.io = io
 
     def close(self) -> None:
-        """Stop every rank (queued live messages are sent first) and release the context if
-        this engine created it. Idempotent."""
+        """Stop the HTTP port and every rank (queued live messages are sent first) and release
+        the context if this engine created it. Idempotent. Every thread is asked to stop even
+        when one of them does not.
+
+        :raises LifecycleError: a thread did not stop in time (the first such error; the
+            others are logged); the context is then left to the garbage collector.
+        """
+        errors: list[LifecycleError] = []
         if self._health is not None:
-            self._health.close()
+            try:
+                self._health.close()
+            except LifecycleError as exc:
+                errors.append(exc)
         for st in self._ranks:
             if st.io is not None:
-                st.io.close()
+                try:
+                    st.io.close()
+                except LifecycleError as exc:
+                    errors.append(exc)
                 st.io = None
-        if self._ctx is not None and self._given_ctx is None:
+        if self._ctx is not None and self._given_ctx is None and not errors:
+            # term() would block on the sockets of a thread that did not stop.
             self._ctx.term()
         self._ctx = None
         self._started = False
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> "SimEngine":
         self.start()

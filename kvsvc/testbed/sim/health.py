@@ -5,10 +5,12 @@ failure ``SUSPECT``) and, when the engine serves requests, the OpenAI endpoints 
 
 :class:`HealthServer` is a threaded ``http.server`` (HTTP/1.0: one request per connection, so
 a client closing its connection is the end of its request) on its own thread, owned by the
-:class:`~kvsvc.testbed.sim.engine.SimEngine` that starts it: ``start()`` binds and returns once the
-serving thread runs (:class:`~kvsvc.errors.LifecycleError` when the port is taken),
-``close()`` shuts it down, ends the requests in flight, joins every thread and closes the
-socket. At most ``max_connections`` connections are served at once (one thread each); a
+:class:`~kvsvc.testbed.sim.engine.SimEngine` that starts it, with the
+:class:`~kvsvc.lifecycle.BackgroundThread` contract: ``start()`` binds on the thread and returns
+once the socket is bound (:class:`~kvsvc.errors.LifecycleError` when the port is taken),
+``close()`` stops it, ends the requests in flight, joins every thread and closes the socket
+(:class:`~kvsvc.errors.LifecycleError` when the thread does not stop in time). At most
+``max_connections`` connections are served at once (one thread each, joined by ``close()``); a
 connection over the limit is answered 503 at once.
 """
 
@@ -19,12 +21,11 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from kvsvc.errors import LifecycleError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsvc.testbed.sim.serving import Serving
+from kvsvc.lifecycle import BackgroundThread
+from kvsvc.testbed.sim.serving import Serving
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
     block_on_close = False
 
     def __init__(self, addr: tuple[str, int], max_connections: int,
-                 serving: Optional["Serving"]) -> None:
+                 serving: Optional[Serving]) -> None:
         super().__init__(addr, _Handler)
         self.serving = serving
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -139,9 +140,15 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
         return sum(1 for t in threads if t.is_alive())
 
 
-class HealthServer:
+class HealthServer(BackgroundThread):
     """``GET /health`` (and the OpenAI endpoints of ``serving``) on ``host:port``, the
-    instance's registered HTTP address.
+    instance's registered HTTP address, served by the thread ``sim-http-<label>``
+    (the :class:`~kvsvc.lifecycle.BackgroundThread` contract).
+
+    The thread binds the listening socket (:meth:`start` returns once it is bound and
+    ``serving`` accepts requests), accepts connections in bounded waits of 0.1 s until
+    :meth:`close`, then, last, stops ``serving`` (queued requests get 503, streams are cut),
+    joins the connection threads (at most 5 s) and closes the socket.
 
     :param host: bind address.
     :param port: TCP port (the ``port`` of the instance name ``host:port``).
@@ -150,59 +157,61 @@ class HealthServer:
     :param max_connections: connections served at once (threads); more get 503.
     """
 
-    def __init__(self, host: str, port: int, label: str, serving: Optional["Serving"] = None,
+    def __init__(self, host: str, port: int, label: str, serving: Optional[Serving] = None,
                  max_connections: int = 256) -> None:
+        super().__init__(f"sim-http-{label}")
         self.host = host
         self.port = port
         self._label = label
         self._serving = serving
         self._max_connections = max_connections
+        # Created, served and closed by the thread only.
         self._server: Optional[_BoundedServer] = None
-        self._thread: Optional[threading.Thread] = None
 
-    def start(self) -> None:
-        """Bind and serve on a thread; return once it serves.
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Bind and serve on the thread; return once the socket is bound.
 
-        :raises LifecycleError: the port cannot be bound, or the thread did not start in 5 s.
+        :param timeout_s: bound of the start, seconds.
+        :raises LifecycleError: already started, the port cannot be bound (the message names
+            ``host:port`` and the OS reason), or the thread did not run within ``timeout_s``.
         """
-        if self._thread is not None:
-            return
+        super().start(timeout_s)
+
+    def close(self, timeout_s: float = 2 * _CLOSE_TIMEOUT_S) -> None:
+        """Stop serving, end the requests in flight (queued ones get 503, streams are cut),
+        join every thread and close the socket. Idempotent; nothing happens before
+        :meth:`start`.
+
+        :param timeout_s: bound of the join, seconds; it covers the thread's own wait for the
+            connection threads (5 s).
+        :raises LifecycleError: the thread is still alive after ``timeout_s``.
+        """
+        super().close(timeout_s)
+
+    def _setup(self) -> None:
         try:
-            server = _BoundedServer((self.host, self.port), self._max_connections,
-                                    self._serving)
+            self._server = _BoundedServer((self.host, self.port), self._max_connections,
+                                          self._serving)
         except OSError as exc:
             raise LifecycleError(f"sim {self._label}: cannot serve /health on "
                                  f"{self.host}:{self.port}: {exc.strerror}") from exc
+        # handle_request() waits at most this long, so the loop sees close() in time.
+        self._server.timeout = _POLL_INTERVAL_S
         if self._serving is not None:
             self._serving.open()
-        running = threading.Event()
-
-        def serve() -> None:
-            running.set()
-            server.serve_forever(poll_interval=_POLL_INTERVAL_S)
-
-        self._server = server
-        self._thread = threading.Thread(target=serve, name=f"sim-http-{self._label}", daemon=True)
-        self._thread.start()
-        if not running.wait(_START_TIMEOUT_S):
-            self.close()
-            raise LifecycleError(f"sim {self._label}: /health thread did not start")
         log.info("sim %s: serving GET /health%s on %s:%d", self._label,
                  " and OpenAI requests" if self._serving is not None else "", self.host, self.port)
 
-    def close(self) -> None:
-        """Stop serving, end the requests in flight (queued ones get 503, streams are cut),
-        join every thread (5 s) and close the socket. Idempotent."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
+    def _loop(self) -> None:
+        server = self._server
+        assert server is not None
+        while not self.stopping:
+            server.handle_request()
+
+    def _teardown(self) -> None:
+        server, self._server = self._server, None
         if server is None:
             return
-        if thread is not None and thread.is_alive():
-            server.shutdown()  # returns once serve_forever has left its loop
-            thread.join(_CLOSE_TIMEOUT_S)
-            if thread.is_alive():
-                log.error("sim %s: /health thread did not stop within %.0f s", self._label,
-                          _CLOSE_TIMEOUT_S)
         if self._serving is not None:
             self._serving.close()
         left = server.join_connections(_CLOSE_TIMEOUT_S)

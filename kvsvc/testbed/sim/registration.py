@@ -36,12 +36,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
-from kvsvc.errors import EtcdError, LifecycleError
 from kvsvc.cluster.etcd import EtcdClient, parse_addr
+from kvsvc.errors import EtcdError, LifecycleError
+from kvsvc.lifecycle import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,10 @@ class RegistrationStats:
     last_heartbeat_status: Optional[int]
 
 
-class EtcdRegistration:
-    """Registration of one instance ``host:port`` (see the module docstring).
+class EtcdRegistration(BackgroundThread):
+    """Registration of one instance ``host:port`` (see the module docstring) by the thread
+    ``sim-etcd-<name>`` (the :class:`~kvsvc.lifecycle.BackgroundThread` contract): its etcd client
+    and HTTP session are created, used and closed on that thread.
 
     :param etcd_addr: etcd ``host:port``.
     :param name: the instance name ``host:port`` (its HTTP address, where ``GET /health`` is
@@ -134,6 +137,7 @@ class EtcdRegistration:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
+        super().__init__(f"sim-etcd-{name}")
         self.etcd_addr = etcd_addr
         self.name = name
         self.dp_size = dp_size
@@ -161,11 +165,13 @@ class EtcdRegistration:
         self._put_generation = 0
         self._put_cond = threading.Condition(self._lock)
         self._stats = RegistrationStats(0, 0, 0, 0, None)
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._running = threading.Event()
+        # Set to end the thread's wait early (close, reincarnate, load_changed).
+        self._tick = threading.Event()
         self._deregister = True
-        self._thread: Optional[threading.Thread] = None
+        # Thread only: created by _setup, closed by _teardown.
+        self._client: Optional[EtcdClient] = None
+        self._http: Optional[requests.Session] = None
+        self._lease_id: Optional[int] = None
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -196,13 +202,13 @@ class EtcdRegistration:
         :raises LifecycleError: not running, or etcd did not take the put within ``timeout_s``.
         """
         with self._lock:
-            if self._thread is None:
+            if not self.running:
                 raise LifecycleError(f"registration {self.name}: not running")
             self._incarnation_id = str(uuid.uuid4())
             self._register_ts_ms = max(self._register_ts_ms + 1, int(time.time() * 1000))
             self._wanted += 1
             wanted, new_id = self._wanted, self._incarnation_id
-        self._wake.set()
+        self._tick.set()
         with self._put_cond:
             if not self._put_cond.wait_for(lambda: self._put_generation >= wanted, timeout_s):
                 raise LifecycleError(f"registration {self.name}: new incarnation not put "
@@ -215,7 +221,7 @@ class EtcdRegistration:
         previous one). Thread-safe and cheap; a no-op without ``min_heartbeat_gap_s``."""
         if self._min_gap_s is not None and not self._load_dirty.is_set():
             self._load_dirty.set()
-            self._wake.set()
+            self._tick.set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -223,17 +229,10 @@ class EtcdRegistration:
         """Start the thread; returns once it runs (the first put follows at once, retried
         while etcd is unreachable).
 
+        :param timeout_s: bound of the start, seconds.
         :raises LifecycleError: already started, or the thread did not run in time.
         """
-        if self._thread is not None:
-            raise LifecycleError(f"registration {self.name}: already started")
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"sim-etcd-{self.name}",
-                                        daemon=True)
-        self._thread.start()
-        if not self._running.wait(timeout_s):
-            self.close()
-            raise LifecycleError(f"registration {self.name}: thread did not start")
+        super().start(timeout_s)
 
     def wait_registered(self, timeout_s: float = 5.0) -> None:
         """Wait until the current incarnation has been put.
@@ -246,67 +245,68 @@ class EtcdRegistration:
                 raise LifecycleError(f"registration {self.name}: not registered within "
                                      f"{timeout_s:.1f} s")
 
-    def close(self, deregister: bool = True, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
+    def close(self, timeout_s: float = _JOIN_TIMEOUT_S, *, deregister: bool = True) -> None:
         """Stop the thread. With ``deregister`` the lease is revoked (the key goes at once);
-        without, it is left to expire after its TTL, like a killed process. Idempotent.
+        without, it is left to expire after its TTL, like a killed process. Idempotent;
+        nothing happens before :meth:`start`.
 
+        :param timeout_s: join bound, seconds (it covers one etcd request of the thread).
         :raises LifecycleError: the thread did not stop within ``timeout_s``.
         """
-        thread = self._thread
-        if thread is None:
-            return
         self._deregister = deregister
-        self._stop.set()
-        self._wake.set()
-        thread.join(timeout_s)
-        with self._lock:
-            self._thread = None
-        if thread.is_alive():
-            raise LifecycleError(f"registration {self.name}: thread did not stop within "
-                                 f"{timeout_s:.1f} s")
+        super().close(timeout_s)
 
     # -- the thread ----------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        client = EtcdClient(self.etcd_addr, timeout_s=self._etcd_timeout_s)
-        http = requests.Session()
+    def _wake(self) -> None:
+        self._tick.set()
+
+    def _setup(self) -> None:
+        self._client = EtcdClient(self.etcd_addr, timeout_s=self._etcd_timeout_s)
+        self._http = requests.Session()
         if self._token:
-            http.headers[TOKEN_HEADER] = self._token
-        lease_id: Optional[int] = None
+            self._http.headers[TOKEN_HEADER] = self._token
+        self._lease_id = None
+
+    def _loop(self) -> None:
+        client, http = self._client, self._http
+        assert client is not None and http is not None
         etcd_ok: Optional[bool] = None
         next_keepalive = next_heartbeat = time.monotonic()
         last_heartbeat = float("-inf")
-        self._running.set()
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                try:
-                    lease_id = self._register_or_keepalive(client, lease_id, now >= next_keepalive)
-                    if etcd_ok is not True:
-                        log.info("sim %s: registered as %s (lease %x)", self.name, self.key,
-                                 lease_id)
-                    etcd_ok = True
-                except EtcdError as exc:
-                    if etcd_ok is not False:
-                        log.warning("sim %s: etcd unavailable, registration retried: %s",
-                                    self.name, exc)
-                    etcd_ok = False
-                if now >= next_keepalive:
-                    next_keepalive = now + self._keepalive_interval_s
-                early = (self._load_dirty.is_set() and self._min_gap_s is not None
-                         and now >= last_heartbeat + self._min_gap_s)
-                if now >= next_heartbeat or early:
-                    self._load_dirty.clear()
-                    last_heartbeat = now
-                    next_heartbeat = now + self._heartbeat_interval_s
-                    self._heartbeat(client, http)
-                due = min(next_keepalive, next_heartbeat)
-                if self._load_dirty.is_set() and self._min_gap_s is not None:
-                    due = min(due, last_heartbeat + self._min_gap_s)
-                delay = due - time.monotonic()
-                self._wake.wait(max(0.0, delay))
-                self._wake.clear()
-        finally:
+        while not self.stopping:
+            now = time.monotonic()
+            try:
+                self._lease_id = self._register_or_keepalive(client, self._lease_id,
+                                                             now >= next_keepalive)
+                if etcd_ok is not True:
+                    log.info("sim %s: registered as %s (lease %x)", self.name, self.key,
+                             self._lease_id)
+                etcd_ok = True
+            except EtcdError as exc:
+                if etcd_ok is not False:
+                    log.warning("sim %s: etcd unavailable, registration retried: %s",
+                                self.name, exc)
+                etcd_ok = False
+            if now >= next_keepalive:
+                next_keepalive = now + self._keepalive_interval_s
+            early = (self._load_dirty.is_set() and self._min_gap_s is not None
+                     and now >= last_heartbeat + self._min_gap_s)
+            if now >= next_heartbeat or early:
+                self._load_dirty.clear()
+                last_heartbeat = now
+                next_heartbeat = now + self._heartbeat_interval_s
+                self._heartbeat(client, http)
+            due = min(next_keepalive, next_heartbeat)
+            if self._load_dirty.is_set() and self._min_gap_s is not None:
+                due = min(due, last_heartbeat + self._min_gap_s)
+            self._tick.wait(max(0.0, due - time.monotonic()))
+            self._tick.clear()
+
+    def _teardown(self) -> None:
+        client, http, lease_id = self._client, self._http, self._lease_id
+        self._client = self._http = self._lease_id = None
+        if client is not None:
             if self._deregister and lease_id is not None:
                 try:
                     client.revoke(lease_id)
@@ -314,6 +314,7 @@ class EtcdRegistration:
                 except EtcdError as exc:
                     log.warning("sim %s: could not revoke lease (it expires): %s", self.name, exc)
             client.close()
+        if http is not None:
             http.close()
 
     def _register_or_keepalive(self, client: EtcdClient, lease_id: Optional[int],
@@ -352,7 +353,7 @@ class EtcdRegistration:
         address = self._master_address(client)
         if address is not None:
             load = self._load()
-            body = {"name": self.name, "incarnation_id": self.incarnation_id,
+            body: dict[str, Any] = {"name": self.name, "incarnation_id": self.incarnation_id,
                     "load_metrics": {"waiting_requests_num": load.waiting_requests_num,
                                      "gpu_cache_usage_perc": load.gpu_cache_usage_perc},
                     "latency_metrics": {}}

@@ -41,8 +41,11 @@ the head at once (like vLLM), then one chunk per output token, the usage chunk w
 ``stream_options.include_usage`` is true, and ``data: [DONE]``.
 
 Errors (OpenAI's ``{"error": {...}}`` shape): 400 malformed body, 404 unknown path, 503 the
-engine is closing or the connection limit is reached. :class:`ServingClosed` is raised inside
-the sim when :meth:`Serving.close` wakes waiting requests.
+engine is closing or the connection limit is reached. Inside the sim (never to the client):
+:class:`~kvsvc.errors.SimBadRequest` for a malformed body (-> 400),
+:class:`~kvsvc.errors.SimServingClosed` when :meth:`Serving.close` wakes waiting requests
+(-> 503 or a cut stream), :class:`~kvsvc.errors.SimClientDisconnected` when the client went
+away (counted ``cancelled``).
 """
 
 from __future__ import annotations
@@ -56,13 +59,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeGuard
 
-from kvsvc.errors import KvsvcError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsvc.routing.prompt import PromptTokenizer
-    from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.errors import SimBadRequest, SimClientDisconnected, SimServingClosed
+from kvsvc.testbed.sim.results import ExecResult
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,52 @@ DEFAULT_MAX_TOKENS = 16
 _CHECK_S = 0.05
 
 
-class ServingClosed(KvsvcError):
-    """The engine is closing: a queued or running request is abandoned (answered 503)."""
+class RankExecutor(Protocol):
+    """What :class:`Serving` needs of its engine
+    (:class:`~kvsvc.testbed.sim.engine.SimEngine` provides it).
+
+    ``name`` is the instance name (logs), ``dp_size`` the number of DP ranks; ``execute``
+    runs one prompt on ``rank`` (``0 <= rank < dp_size``) and publishes its KV events (§1, §2).
+    """
+
+    @property
+    def name(self) -> str:
+        """The instance name."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """DP ranks (>= 1)."""
+        ...
+
+    def execute(self, token_ids: Sequence[int], rank: Optional[int] = None) -> ExecResult:
+        """Run ``token_ids`` on ``rank`` (``None``: any) and publish its events.
+
+        :raises LifecycleError: the rank is not running.
+        """
+        ...
 
 
-class Disconnected(KvsvcError):
-    """The client closed its connection: the request is cancelled."""
+class TextTokenizer(Protocol):
+    """A text tokenizer for prompts (:class:`~kvsvc.routing.prompt.PromptTokenizer` is one).
+
+    ``encode_text`` tokenizes a completion prompt; ``encode_chat`` renders OpenAI chat messages
+    with the model's chat template and tokenizes them (only when ``has_chat_template``).
+    """
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when :meth:`encode_chat` can render messages."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a completion prompt."""
+        ...
+
+    def encode_chat(self, messages: Sequence[Any], *,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of rendered chat messages; any exception is a template failure."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +229,6 @@ class Prefilled:
         return self.queue_ms + self.prefill_ms
 
 
-class BadRequest(KvsvcError):
-    """A malformed body (400), the message naming the field."""
-
-
 # ---- text tokenization -----------------------------------------------------------------------
 
 def byte_tokens(text: str) -> list[int]:
@@ -212,34 +248,34 @@ def chatml(messages: Sequence[dict]) -> str:
     return "".join(parts) + "<|im_start|>assistant\n"
 
 
-def _is_token_list(value: Any) -> bool:
+def _is_token_list(value: Any) -> TypeGuard[list[int]]:
     return (isinstance(value, list) and bool(value)
             and all(type(v) is int and 0 <= v <= MAX_TOKEN_ID for v in value))
 
 
-def parse_request(path: str, doc: Any, tokenizer: Optional["PromptTokenizer"],
+def parse_request(path: str, doc: Any, tokenizer: Optional[TextTokenizer],
                   default_model: str) -> SimRequest:
     """Validate an OpenAI body and tokenize its prompt (see the module docstring).
 
     :param path: :data:`COMPLETIONS_PATH` or :data:`CHAT_PATH`.
     :param doc: the decoded JSON body.
     :param tokenizer: text tokenizer, ``None`` for the built-in byte scheme.
-    :raises BadRequest: naming the offending field.
+    :raises SimBadRequest: naming the offending field.
     """
     if not isinstance(doc, dict):
-        raise BadRequest("body must be a JSON object")
+        raise SimBadRequest("body must be a JSON object")
     chat = path == CHAT_PATH
     if chat:
         messages = doc.get("messages")
         if (not isinstance(messages, list) or not messages
                 or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                            for m in messages)):
-            raise BadRequest("messages: must be a non-empty list of objects with a role")
+            raise SimBadRequest("messages: must be a non-empty list of objects with a role")
         if tokenizer is not None and tokenizer.has_chat_template:
             try:
                 token_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
             except Exception as exc:  # template errors of arbitrary user templates
-                raise BadRequest(f"messages: chat template failed: {exc}") from exc
+                raise SimBadRequest(f"messages: chat template failed: {exc}") from exc
         else:
             text = chatml(messages)
             token_ids = tokenizer.encode_text(text) if tokenizer is not None else byte_tokens(text)
@@ -252,29 +288,29 @@ def parse_request(path: str, doc: Any, tokenizer: Optional["PromptTokenizer"],
         elif isinstance(prompt, str) and prompt:
             token_ids = tokenizer.encode_text(prompt) if tokenizer is not None else byte_tokens(prompt)
         else:
-            raise BadRequest(f"prompt: must be a non-empty string or a list of token ids in "
+            raise SimBadRequest(f"prompt: must be a non-empty string or a list of token ids in "
                              f"[0, {MAX_TOKEN_ID}] (one prompt per request)")
     if not token_ids:
-        raise BadRequest("prompt: tokenizes to no tokens")
+        raise SimBadRequest("prompt: tokenizes to no tokens")
     max_tokens = doc.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = doc.get("max_tokens", DEFAULT_MAX_TOKENS)
     if type(max_tokens) is not int or max_tokens < 1:
-        raise BadRequest("max_tokens: must be an integer >= 1")
+        raise SimBadRequest("max_tokens: must be an integer >= 1")
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
-        raise BadRequest("stream: must be a boolean")
+        raise SimBadRequest("stream: must be a boolean")
     options = doc.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise BadRequest("stream_options: must be an object")
+        raise SimBadRequest("stream_options: must be an object")
     model = doc.get("model", default_model)
     if not isinstance(model, str):
-        raise BadRequest("model: must be a string")
+        raise SimBadRequest("model: must be a string")
     routing = doc.get("routing")
     decode_name = None
     if routing is not None:
         if not isinstance(routing, dict) or not isinstance(routing.get("decode_name", ""), str):
-            raise BadRequest("routing: must be an object with prefill_name/decode_name strings")
+            raise SimBadRequest("routing: must be an object with prefill_name/decode_name strings")
         decode_name = routing.get("decode_name", "")
     return SimRequest(chat, token_ids, max_tokens, stream, options.get("include_usage") is True,
                       model, decode_name)
@@ -303,13 +339,13 @@ class Serving:
     """The OpenAI front of one :class:`~kvsvc.testbed.sim.engine.SimEngine` (its HTTP handler calls
     :meth:`handle`). Thread-safe: every HTTP connection runs on its own thread.
 
-    :param engine: the engine whose ranks execute the prompts.
+    :param engine: the engine whose ranks execute the prompts (a :class:`RankExecutor`).
     :param config: latency model and limits.
     :param tokenizer: text tokenizer (see the module docstring), ``None`` for bytes.
     """
 
-    def __init__(self, engine: "SimEngine", config: ServingConfig,
-                 tokenizer: Optional["PromptTokenizer"] = None) -> None:
+    def __init__(self, engine: RankExecutor, config: ServingConfig,
+                 tokenizer: Optional[TextTokenizer] = None) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
@@ -390,7 +426,7 @@ class Serving:
             self._count(rejected=1)
             _send_json(start_response, write, 400, _error("body is not valid JSON"))
             return
-        except BadRequest as exc:
+        except SimBadRequest as exc:
             self._count(rejected=1)
             _send_json(start_response, write, 400, _error(str(exc)))
             return
@@ -409,10 +445,10 @@ class Serving:
                 self._serve_stream(rid, req, conn, start_response, write)
             else:
                 self._serve_whole(rid, req, conn, start_response, write)
-        except (Disconnected, OSError):
+        except (SimClientDisconnected, OSError):
             self._count(cancelled=1)
             log.info("sim %s: %s cancelled (client went away)", self.engine.name, rid)
-        except ServingClosed:
+        except SimServingClosed:
             self._count(rejected=1)
             if not req.stream:
                 _send_json(start_response, write, 503, _error("engine is shutting down",
@@ -431,20 +467,20 @@ class Serving:
     def _wait(self, seconds: float, conn: socket.socket) -> None:
         """Sleep ``seconds`` of wall time unless the client goes away or close() is called.
 
-        :raises Disconnected: the client closed its connection.
-        :raises ServingClosed: the engine is closing.
+        :raises SimClientDisconnected: the client closed its connection.
+        :raises SimServingClosed: the engine is closing.
         """
         deadline = time.monotonic() + seconds
         while True:
             if self._closing.is_set():
-                raise ServingClosed("closing")
+                raise SimServingClosed("closing")
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             step = min(left, _CHECK_S)
             started = time.monotonic()
             if _peer_closed(conn, step):
-                raise Disconnected("client closed")
+                raise SimClientDisconnected("client closed")
             if time.monotonic() - started < step / 2:
                 # Readable but not closed: the client sent more bytes (never read); wait on
                 # close() instead so that this does not spin.
@@ -465,7 +501,7 @@ class Serving:
             while True:
                 with q.cond:
                     if self._closing.is_set():
-                        raise ServingClosed("closing")
+                        raise SimServingClosed("closing")
                     if (q.waiting[0] is ticket and q.running < cfg.max_num_seqs
                             and not q.prefilling):
                         q.waiting.popleft()
@@ -474,7 +510,7 @@ class Serving:
                         break
                     q.cond.wait(_CHECK_S)
                 if _peer_closed(conn, 0.0):
-                    raise Disconnected("client closed while queued")
+                    raise SimClientDisconnected("client closed while queued")
         except BaseException:
             with q.cond:
                 if ticket in q.waiting:
