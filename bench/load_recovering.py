@@ -11,7 +11,7 @@ directory (16 stream threads) runs in this process, as in the service's worker.
 Measured, alternately in the same windows so both see the same machine state:
 
 - ``query``: :meth:`kvsvc.directory.Directory.query` of the prompt (keys + 16 streams);
-- ``route``: what ``/v1/internal/route`` does in process (:meth:`kvsvc.http.routes.Router.decide`):
+- ``route``: what ``/v1/internal/route`` does in process (:meth:`kvsvc.routing.router.Router.decide`):
   the streams' identities, the query, and :class:`kvsvc.routing.policy.CacheAware` over 16 DEFAULT
   instances with load reports.
 

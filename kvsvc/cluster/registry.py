@@ -234,12 +234,12 @@ class Registry:
         :param waiting_requests_num: an int (not a bool) from 0 to
             :data:`~kvsvc.cluster.model.MAX_WAITING_REQUESTS` (2**31 - 1).
         :param gpu_cache_usage_perc: an int or float (not a bool) in ``[0, 1]``.
-        :raises InvalidHeartbeat: (400) a load value of the wrong type or out of range, checked
+        :raises InvalidHeartbeat: a load value of the wrong type or out of range, checked
             by :func:`~kvsvc.cluster.model.check_load`; the message names the field
             (``load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]``,
             ``load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]``).
-        :raises UnknownInstance: (409) no such instance in the registry.
-        :raises StaleIncarnation: (409) the registered instance has a different incarnation.
+        :raises UnknownInstance: no such instance in the registry.
+        :raises StaleIncarnation: the registered instance has a different incarnation.
         """
         try:
             waiting, usage = check_load(waiting_requests_num, gpu_cache_usage_perc,
