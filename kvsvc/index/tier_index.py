@@ -205,10 +205,10 @@ class TierIndex:
         get = flags.get
         device = host_only = 0
         for key in keys:
-            flags = get(key)
-            if not flags:
+            key_flags = get(key)
+            if not key_flags:
                 break
-            if flags & DEVICE:
+            if key_flags & DEVICE:
                 device += 1
             else:
                 host_only += 1
@@ -247,10 +247,11 @@ class TierIndex:
         """
         for event in events:
             kind = type(event)
+            # (`type(x) is C` is the fast dispatch; mypy narrows only isinstance.)
             if kind is BlockStored:
-                self._stored(event, snapshot)
+                self._stored(event, snapshot)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
-                self._removed(event)
+                self._removed(event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 self._cleared(event.tier)
             else:
@@ -499,11 +500,11 @@ class TierIndex:
         if old_alias:
             emap = {}
             for h, key in self._emap.items():
-                slots = old_alias.get(key)
-                if slots is None:
+                alias_slots = old_alias.get(key)
+                if alias_slots is None:
                     if key in flags_map:
                         emap[h] = key
-                elif slots[h if h in slots else None] & keep:
+                elif alias_slots[h if h in alias_slots else None] & keep:
                     emap[h] = key
         else:
             emap = {h: key for h, key in self._emap.items() if key in flags_map}

@@ -32,7 +32,7 @@ sends booleans as token ids; checking every item's type would cost more than the
 itself). Likewise ``ormsgpack.unpackb`` ignores bytes after the first complete object, so
 trailing garbage after a valid live batch is not detected (a truncated payload is): finding
 the end takes a second scan, ~13% of the live path's CPU. Snapshot messages are checked
-(:func:`kvsvc.streams.snapshot.check_single_object`).
+(:func:`kvsvc.streams.split.check_single_object`).
 """
 
 from __future__ import annotations
