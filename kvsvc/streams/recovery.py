@@ -67,9 +67,11 @@ Rules (each one fixes a failure the soak test found; README "Where the spec is s
   :data:`LIVE_SILENCE_GRACE_S` unsynchronizes the stream, and no snapshot is requested until a
   live message arrives (then it recovers).
 
-A second rule set (history replay, §7h) is meant to sit beside this one: it shares the inputs,
-the actions, the serving state and :class:`RecoveryTimers`, and replaces what a reply means
-and how the tail merges (:meth:`SnapshotRecovery.on_snapshot_complete`, the duplicate rule).
+A second rule set (history replay, §7h) is meant to sit beside this one: another
+implementation of :class:`RecoveryRules` (the inputs the stream thread feeds and the actions
+it carries out), sharing the serving state and :class:`RecoveryTimers`, with its own meaning of
+a reply and of the tail merge (:meth:`SnapshotRecovery.on_snapshot_complete`, the duplicate
+rule); the stream thread picks the rule set by the stream's replay mode.
 
 Not thread-safe: owned by the stream thread; :meth:`SnapshotRecovery.view` is a racy copy for
 tests and debugging.
@@ -79,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import BufferOverflow, SnapshotError, SnapshotTimeout, StreamError
@@ -214,6 +216,46 @@ def record_bytes(batch: Batch, wire_bytes: int) -> int:
         elif type(ev) is BlockRemoved:
             cost += BUFFER_HASH_OVERHEAD * len(ev.block_hashes)
     return cost
+
+
+class RecoveryRules(Protocol):
+    """What the stream thread drives: one rule set per replay mode (§7 snapshot; §7h history
+    next). Every input takes ``now`` (monotonic seconds) where time matters and returns the
+    actions to carry out in order; see :class:`SnapshotRecovery` for the rules of each."""
+
+    @property
+    def buffered_bytes(self) -> int: ...
+
+    @property
+    def attempt(self) -> Optional[int]: ...
+
+    def view(self) -> "RecoveryView": ...
+
+    def wakeup_at(self) -> Optional[float]: ...
+
+    def start(self, now: float) -> tuple[Action, ...]: ...
+
+    def tick(self, now: float) -> tuple[Action, ...]: ...
+
+    def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
+                      now: float) -> tuple[Action, ...]: ...
+
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[Action, ...]: ...
+
+    def on_live_opened(self) -> tuple[Action, ...]: ...
+
+    def on_live_up(self, now: float) -> tuple[Action, ...]: ...
+
+    def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]: ...
+
+    def on_snapshot_failed(self, attempt: int, exc: StreamError,
+                           now: float) -> tuple[Action, ...]: ...
+
+    def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
+                             requested_at: Optional[float], now: float) -> tuple[Action, ...]: ...
+
+    def on_internal_error(self, error_name: str, now: float) -> tuple[Action, ...]: ...
 
 
 class RecoveryTimers:

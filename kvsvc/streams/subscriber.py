@@ -46,7 +46,13 @@ from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.frame import parse_live
 from kvsvc.streams.gate import SnapshotGate
 from kvsvc.streams.live import DISCONNECTED, HANDSHAKE_SUCCEEDED, LiveConnection
-from kvsvc.streams.recovery import Action, RecoveryView, RequestSnapshot, SnapshotRecovery
+from kvsvc.streams.recovery import (
+    Action,
+    RecoveryRules,
+    RecoveryView,
+    RequestSnapshot,
+    SnapshotRecovery,
+)
 from kvsvc.streams.serving import ServingState
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import SnapshotResult, StreamId, StreamMatch, StreamStatus
@@ -118,7 +124,8 @@ class StreamSubscriber(BackgroundThread):
         self._topic = stream.topic.encode("utf-8")
         self._serving = ServingState(self.stream_id, stream.block_size)
         self.match = self._serving.match
-        self._recovery = SnapshotRecovery(stream, limits, self._serving)
+        # The §7 rules (snapshot mode); a history-mode stream (§7h) gets its own rule set.
+        self._recovery: RecoveryRules = SnapshotRecovery(stream, limits, self._serving)
 
         # Owned by the stream thread from start() on.
         self._poller: Optional[zmq.Poller] = None
