@@ -975,3 +975,37 @@ def test_internal_error_in_apply_recovers_instead_of_killing_the_stream(h, monke
     assert (st.device_blocks, st.recoveries) == (2, 2)
     assert hits(sub, 1, 2) == (True, 8, 0)
     assert calls["n"] == 1
+
+
+def test_live_reopen_backoff(zmq_ctx):
+    """The live connection's reopen schedule (kvsvc.streams.live): connections that end within
+    LIVE_STABLE_S of their handshake (or before one) are reopened after 10 ms doubling to 5 s,
+    with the flapping hint from the third; a stable one is reopened at once and resets it."""
+    from kvsvc.streams.live import LiveConnection
+
+    port = free_ports(1)[0]
+    cfg = StreamConfig(instance_name="e", block_size=BS, endpoint=f"tcp://127.0.0.1:{port}",
+                       replay_endpoint=f"tcp://127.0.0.1:{port}", hash_seed=SEED)
+    poller = zmq.Poller()
+    live = LiveConnection(zmq_ctx, cfg, KvEventsConfig(), poller, "e/dp0")
+    live.open()
+    try:
+        now, delays, reasons = 100.0, [], []
+        for _ in range(12):
+            reasons.append(live.disconnected(now))
+            assert live.sub is None and live.monitor is None     # closed until the reopen
+            delays.append(round(live.reopen_at - now, 6))
+            now = live.reopen_at
+            live.reopen()
+        assert delays == [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0, 5.0, 5.0]
+        assert reasons[:2] == ["disconnected", "disconnected"]
+        assert reasons[2] == (f"disconnected: 3 live connections in a row ended within 1 s (is "
+                              f"tcp://127.0.0.1:{port} the engine's PUB event socket?)")
+        live.handshake(now)
+        assert live.disconnected(now + 0.999).startswith("disconnected: 13 live connections")
+        live.reopen()
+        live.handshake(now + 10.0)
+        assert live.disconnected(now + 11.0) == "disconnected"   # lasted 1 s: stable
+        assert (live.reopen_at, live.failures, live.sub is not None) == (now + 11.0, 0, True)
+    finally:
+        live.close()
