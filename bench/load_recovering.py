@@ -31,7 +31,7 @@ the holder was forced to drop it, and the forced hand-over often went to another
 (a shorter ``sys.setswitchinterval`` made it worse). Worse still, ``ormsgpack.unpackb`` of one
 550 kB reply message (1,024 blocks) holds the GIL in one C call for ~4.5 ms.
 
-Then (:mod:`kvsvc.streams.snapshot`): one snapshot at a time per directory (the gate), each
+Then (:mod:`kvsvc.streams.snapshot_client`, :mod:`kvsvc.streams.gate`): one snapshot at a time per directory (the gate), each
 reply message unpacked one event at a time (~70 us stretches, each event's end found by packing
 it again), and the building thread yields the GIL every 0.3 ms. Measured (2 cores, other work
 light, 3 runs of ``python -m bench.run --only 8 --no-write``): query p50 ~90 us idle and

@@ -15,7 +15,7 @@ Steps, all in one run:
    querying (p99 while loading). Load time = add -> synchronized, minus the engine's encoding
    time measured in step 2; both are reported.
 
-What the directory does with these 1 MiB messages (:mod:`kvsvc.streams.snapshot`, built for
+What the directory does with these 1 MiB messages (:mod:`kvsvc.streams.snapshot_client`, built for
 benchmark 8): it decodes each in groups of ~16 kB of events (``msgpack`` skips to find the
 event boundaries, ``ormsgpack`` parses each group), so no C call holds the GIL for more than
 ~0.1 ms, and the building thread sleeps 20 us after every 0.3 ms of work (timer slack 1 ns

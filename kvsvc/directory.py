@@ -6,21 +6,21 @@ The directory owns one :class:`~kvsvc.streams.subscriber.StreamSubscriber` per k
 keep reading the view they took, without a lock held during a query. Request threads never touch
 ZMQ (§6): :meth:`Directory.query` only hashes tokens and reads each stream's in-memory index.
 
-Snapshot attempts (§6, §7) of all streams share one :class:`~kvsvc.streams.snapshot.SnapshotGate`
+Snapshot attempts (§6, §7) of all streams share one :class:`~kvsvc.streams.gate.SnapshotGate`
 of ``max_concurrent_snapshots`` permits: decoding and indexing a snapshot is pure CPU under the
 GIL, and a request thread waits for the GIL behind every stream thread that holds it, so when
 many streams recover at once (a deploy, a network blip) they take turns instead of all
-competing with the request path (bench 8: ``bench/load_recovering.py``).
+competing with the request path (``bench/load_recovering.py``).
 
-Live batches are likewise applied one stream thread at a time (a lock the directory hands to
-every subscriber, held for one turn of at most ``LIVE_MESSAGES_PER_TURN`` messages). pyzmq
-releases the GIL around every frame it receives; with 16 busy stream threads each release
-handed the GIL to another stream thread and back, a context switch per frame: 137 us of CPU
-per live message against 36 us when they take turns (bench 2, 0.22x -> 0.51x the raw decode
-rate). Request threads never take that lock, so they get the GIL whenever the draining thread
-waits on its socket.
+Live batches are likewise applied one stream thread at a time (:attr:`Directory.live_turns`, a
+lock the directory hands to every subscriber, held for one turn of at most
+``LIVE_MESSAGES_PER_TURN`` messages). pyzmq releases the GIL around every frame it receives;
+with many busy stream threads each release would hand the GIL to another stream thread and
+back, a context switch per frame. Request threads never take that lock, so they get the GIL
+whenever the draining thread waits on its socket.
 
-Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not start or stop in time,
+Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not start or stop in time
+(:meth:`Directory.close` closes every stream first and raises the first failure),
 :class:`~kvsvc.errors.ConfigError` for a duplicate stream, ``ValueError`` for bad token ids.
 """
 
@@ -37,9 +37,10 @@ import zmq
 from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, KvEventsConfig, StreamConfig
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.index.keys import chain_keys, pack_tokens
-from kvsvc.streams.snapshot import GateStats, SnapshotGate
+from kvsvc.streams.counters import StreamCounters
+from kvsvc.streams.gate import GateStats, SnapshotGate
 from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
-from kvsvc.streams.subscriber import StreamCounters, StreamSubscriber
+from kvsvc.streams.subscriber import StreamSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Directory:
         Until then each stream answers unsynchronized with error ``"not started"``.
     :param max_concurrent_snapshots: snapshot attempts (request, receive, build) running at
         once across all streams, >= 1; the others queue first come, first served before
-        sending their request (:class:`~kvsvc.streams.snapshot.SnapshotGate`). The service
+        sending their request (:class:`~kvsvc.streams.gate.SnapshotGate`). The service
         passes ``ServiceSettings.max_concurrent_snapshots``.
     :raises ValueError: ``max_concurrent_snapshots`` < 1.
     """
@@ -222,7 +223,9 @@ class Directory:
                     self._context.destroy(linger=0)
                     self._context = None
             else:
-                self._view = _View.of(configs, {sid: self._subscriber(cfg, self._context)
+                context = self._context
+                assert context is not None  # given to the constructor, never replaced
+                self._view = _View.of(configs, {sid: self._subscriber(cfg, context)
                                                 for sid, cfg in configs.items()})
 
     @staticmethod
@@ -350,6 +353,23 @@ class Directory:
         under each stream's lock; a stream without a subscriber (directory not started) is
         absent."""
         return {sid: sub.counters() for sid, sub in self._current().subscribers.items()}
+
+    def subscriber(self, stream_id: StreamId) -> Optional[StreamSubscriber]:
+        """The subscriber of ``stream_id``; ``None`` for an unknown stream or before the
+        directory has a ZMQ context (an owned one is created in :meth:`start`)."""
+        return self._current().subscribers.get(stream_id)
+
+    @property
+    def live_turns(self) -> threading.Lock:
+        """The lock the stream threads take in turns to handle live messages; holding it
+        pauses live application on every stream (tests, debugging)."""
+        return self._live_turns
+
+    @property
+    def context(self) -> Optional[zmq.Context]:
+        """The ZMQ context of the stream sockets: the given one, or the owned one while
+        started (``None`` before :meth:`start` and after :meth:`close`)."""
+        return self._context
 
     def snapshot_gate(self) -> GateStats:
         """Counters of the snapshot gate (permits, in use, queued, most ever in use)."""

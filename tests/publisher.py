@@ -202,6 +202,12 @@ class ProtocolPublisher:
             self._send(encode_live(self.topic if topic is None else topic, seq, payload))
         return seq
 
+    def set_send_hwm(self, messages: int) -> None:
+        """Set the live PUB's send high-water mark (0: unbounded, nothing is ever dropped)."""
+        with self._lock:
+            assert self._pub is not None, "publisher not started"
+            self._pub.setsockopt(zmq.SNDHWM, messages)
+
     def skip(self, n: int = 1) -> None:
         """Advance the seq counter without sending (a batch lost on the wire)."""
         with self._lock:

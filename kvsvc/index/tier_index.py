@@ -245,10 +245,9 @@ class TierIndex:
 
         After any of these the index content is undefined: the caller discards the index.
         """
-        # ``type(...) is`` through a local is the cheapest dispatch on this per-event path;
-        # mypy does not narrow through the local, hence the ignores.
         for event in events:
             kind = type(event)
+            # (`type(x) is C` is the fast dispatch; mypy narrows only isinstance.)
             if kind is BlockStored:
                 self._stored(event, snapshot)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
@@ -501,11 +500,11 @@ class TierIndex:
         if old_alias:
             emap = {}
             for h, key in self._emap.items():
-                old_slots = old_alias.get(key)
-                if old_slots is None:
+                alias_slots = old_alias.get(key)
+                if alias_slots is None:
                     if key in flags_map:
                         emap[h] = key
-                elif old_slots[h if h in old_slots else None] & keep:
+                elif alias_slots[h if h in alias_slots else None] & keep:
                     emap[h] = key
         else:
             emap = {h: key for h, key in self._emap.items() if key in flags_map}

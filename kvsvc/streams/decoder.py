@@ -24,15 +24,13 @@ negatives and values of 2**32 or more fail the packing) and the top bit of every
 significant byte is checked with one ``isascii`` over every 4th byte (values of 2**31 or more):
 :func:`kvsvc.index.keys.pack_tokens`. The event carries those bytes as ``packed_tokens`` (the
 index hashes them as they are) and ``token_ids`` as a zero-copy ``memoryview`` of them in
-format ``"I"`` (4 bytes per id however long the event waits in a recovery buffer). Measured per
-2048 tokens (CPython 3.11): ``array("I", ids)`` 9.2 us (the former conversion, after which the
-index packed and checked again, ~0.8 us), ``struct`` packing and the check 7.6 us. Known gap:
+format ``"I"`` (4 bytes per id however long the event waits in a recovery buffer). Known gap:
 MessagePack booleans are Python ``bool``, a subclass of ``int``, and pass as 0/1 (no engine
 sends booleans as token ids; checking every item's type would cost more than the packing
 itself). Likewise ``ormsgpack.unpackb`` ignores bytes after the first complete object, so
 trailing garbage after a valid live batch is not detected (a truncated payload is): finding
 the end takes a second scan, ~13% of the live path's CPU. Snapshot messages are checked
-(:func:`kvsvc.streams.snapshot.check_single_object`).
+(:func:`kvsvc.streams.split.check_single_object`).
 """
 
 from __future__ import annotations

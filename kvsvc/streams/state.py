@@ -1,11 +1,13 @@
-"""Stream identity, state and per-stream query answers (§6, §10), shared by the subscriber,
-the directory and the HTTP layer."""
+"""Stream identity, state, per-stream query answers (§6, §10) and the snapshot result (§7):
+the values shared by the stream modules, the directory and the HTTP layer."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 from typing import Optional
+
+from kvsvc.index.tier_index import TierIndex
 
 
 class StreamState(str, enum.Enum):
@@ -34,7 +36,7 @@ class StreamMatch:
     Not ``frozen``: a frozen dataclass sets each field through ``object.__setattr__`` (~0.7 us
     per instance against ~0.13 us), and a query builds one per stream. Treat instances as
     immutable all the same: a stream hands the *same* zero-hit instance to every query until
-    its state changes (:meth:`kvsvc.streams.subscriber.StreamSubscriber.match`).
+    its state changes (:meth:`kvsvc.streams.serving.ServingState.match`).
 
     :param sequence: last applied live seq, ``None`` before the first one.
     :param device_hit_tokens: tokens of the contiguous reusable prefix found on Device.
@@ -94,3 +96,23 @@ class StreamStatus:
     synchronized_once: bool
     recoveries: int
     resync_differences: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResult:
+    """A complete snapshot reply (§7), from the snapshot client to the recovery rules.
+
+    :param index: the private new index holding the snapshot (not yet serving).
+    :param empty: True when the reply held only the end marker: the engine state is empty and
+        the watermark unknown (the first live batch received afterwards is the baseline).
+    :param watermark: seq of the last live batch included; ``None`` when ``empty`` or when the
+        engine had published no live batch yet (next expected seq 0).
+    :param messages: data messages received.
+    :param wire_bytes: total bytes of all reply messages, end marker included.
+    """
+
+    index: TierIndex
+    empty: bool
+    watermark: Optional[int]
+    messages: int
+    wire_bytes: int

@@ -298,7 +298,7 @@ def test_live_channel_survives_arbitrary_input(schedule, initial_blocks):
         converge(a_engine, a)
         converge(b_engine, b)
         for engine, sub in ((a_engine, a), (b_engine, b)):
-            assert sub._thread is not None and sub._thread.is_alive()
+            assert sub.running
             prompts = [engine.prompt(x) for x in engine.blocks] + [block_tokens(10**6)]
             for tokens in prompts:
                 m = hit(sub, tokens)

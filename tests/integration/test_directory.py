@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import sys
 from contextlib import ExitStack
 from typing import Any, Sequence
 
@@ -14,7 +12,6 @@ from kvsvc.config import KvEventsConfig, StreamConfig, parse_kv_events_config
 from kvsvc.directory import NOT_STARTED, Directory
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.streams.state import StreamId, StreamState
-from kvsvc.streams.subscriber import StreamSubscriber
 from tests.publisher import ProtocolPublisher, removed, stored
 from tests.util import free_ports, wait_for
 
@@ -123,14 +120,14 @@ def test_ready_after_every_stream_synchronized_once(cluster):
 def test_owned_context_created_in_start_and_destroyed_in_close(cluster):
     cluster.engine("a:1", state=[stored([1], None, [1, 2, 3, 4], B4)])
     d = Directory(cluster.config())
-    assert d._context is None
+    assert d.context is None
     with ExitStack() as stack:
         started(d, stack)
-        assert d._context is not None
+        assert d.context is not None
         wait_synced(d)
         assert hits(d, [1, 2, 3, 4]) == {("a:1", 0): (4, 0)}
-        context = d._context
-    assert d._context is None
+        context = d.context
+    assert d.context is None
     assert context.closed
     # Closed again: no effect.
     d.close()
@@ -140,7 +137,7 @@ def test_start_failure_closes_streams_already_started(cluster, monkeypatch):
     for name in ("a:1", "b:1", "c:1"):
         cluster.engine(name)
     d = Directory(cluster.config(), cluster.ctx)
-    failing = d._current().subscribers[StreamId("c:1", 0)]
+    failing = d.subscriber(StreamId("c:1", 0))
 
     def fail(timeout_s: float = 5.0) -> None:
         raise LifecycleError("forced start failure")
@@ -321,17 +318,13 @@ def test_streams_take_turns_draining_live_batches(cluster):
     with ExitStack() as stack:
         d = started(Directory(cluster.config(), cluster.ctx), stack)
         wait_synced(d)
-        subs = list(d._current().subscribers.values())
-        assert len(subs) == 3 and all(s._live_turns is d._live_turns for s in subs)
-        source, first = inspect.getsourcelines(StreamSubscriber._turn)
-        turn_line = first + next(i for i, line in enumerate(source) if "self._live_turns" in line)
+        subs = [d.subscriber(sid) for sid in d.stream_ids()]
+        assert len(subs) == 3 and all(s.live_turns is d.live_turns for s in subs)
 
         def waiting_for_turn(sub) -> bool:
-            frame = sys._current_frames().get(sub._thread.ident)
-            return frame is not None and frame.f_code.co_name == "_turn" and \
-                frame.f_lineno == turn_line
+            return sub.debug_view().waiting_for_live_turn
 
-        with d._live_turns:
+        with d.live_turns:
             seqs = [pub.publish([stored([i + 1], None, [7, 8, 9, 10 + i], B4)])
                     for i, pub in enumerate(pubs)]
             # Each thread has its batch readable and waits for its turn; none applied it.

@@ -31,8 +31,6 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-import zmq
-
 from tests.publisher import ProtocolPublisher, stored
 from tests.e2e.test_e2e_gunicorn import Server, group_alive, serve_env
 from tests.fuzz.test_fuzz_http import group_pids
@@ -140,8 +138,7 @@ def test_flood_stays_within_memory_bound(tmp_path, zmq_ctx):
         # 1. Live flood of unique roots, 12x max_blocks_per_stream, none dropped by the
         #    publisher (send HWM 0: the backlog waits in this process, the service's SUB only
         #    ever holds its receive HWM): the index hits capacity again and again (§5).
-        with pubs[0]._lock:
-            pubs[0]._pub.setsockopt(zmq.SNDHWM, 0)
+        pubs[0].set_send_hwm(0)
         flood.unique(FLOOD_BATCHES)
         calm_step(1)
         # 2. Unknown parents: every batch is a §5 error in a live delta.

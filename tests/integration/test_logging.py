@@ -143,6 +143,6 @@ def test_serve_logs_json_no_token_no_line_per_request(tmp_path, zmq_ctx, access_
     assert [d for d in during if d["logger"] != "gunicorn.access"] == []
     if not access_log:
         assert not [d for d in lines if d["logger"] == "gunicorn.access"]
-    synced = [d["message"] for d in lines if d["logger"] == "kvsvc.streams.subscriber"
+    synced = [d["message"] for d in lines if d["logger"] == "kvsvc.streams.recovery"
               and "synchronized (" in d["message"]]
     assert len(synced) == 1 and synced[0].startswith(f"stream {INSTANCE}/dp0: synchronized")

@@ -1,4 +1,4 @@
-"""The snapshot gate (kvsvc.streams.snapshot.SnapshotGate) and the sliced snapshot decode
+"""The snapshot gate (kvsvc.streams.gate.SnapshotGate) and the sliced snapshot decode
 inside a running directory (split_batch on its own: tests/integration/test_snapshot_split.py).
 
 The gate bounds the snapshot attempts running at once across a directory's streams; these
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-import kvsvc.streams.snapshot as snapshot_module
+import kvsvc.streams.snapshot_client as snapshot_module
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
     ServiceSettings,
@@ -25,8 +25,10 @@ from kvsvc.config import (
 )
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, DecodeError
+from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.decoder import decode_batch
-from kvsvc.streams.snapshot import GateStats, SnapshotGate, split_batch
+from kvsvc.streams.gate import GateStats, SnapshotGate
+from kvsvc.streams.split import split_batch
 from kvsvc.streams.state import StreamId, StreamState
 from tests.publisher import ProtocolPublisher, encode_batch, stored
 from tests.util import free_ports, wait_for
@@ -156,19 +158,22 @@ def test_one_permit_one_attempt_at_a_time(zmq_ctx, monkeypatch):
     active = [0]
     most = [0]
     lock = threading.Lock()
-    original = snapshot_module.SnapshotAttempt._on_message
+    original = TierIndex.apply
 
-    def counting(self, frames):
+    def counting(self, events, *, snapshot=False):
+        if not snapshot:
+            return original(self, events, snapshot=snapshot)
         with lock:
             active[0] += 1
             most[0] = max(most[0], active[0])
         try:
-            return original(self, frames)
+            return original(self, events, snapshot=snapshot)
         finally:
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(snapshot_module.SnapshotAttempt, "_on_message", counting)
+    # Counts the snapshot builds running at once (every snapshot event goes through apply).
+    monkeypatch.setattr(TierIndex, "apply", counting)
     names = ["a:1", "b:1", "c:1", "d:1"]
     with ExitStack() as stack:
         engines = Engines(zmq_ctx, stack, names)
@@ -204,10 +209,10 @@ def test_a_queued_stream_is_closed_promptly(zmq_ctx):
         wait_for(lambda: len(engines.requested()) == 1, what="the holder's request")
         (holder,) = engines.requested()
         queued = "b:1" if holder == "a:1" else "a:1"
-        sub = d._current().subscribers[StreamId(queued, 0)]
-        thread = sub._thread
+        sub = d.subscriber(StreamId(queued, 0))
+        assert sub is not None and sub.running
         assert d.remove_stream(StreamId(queued, 0), timeout_s=2.0) is True  # raises if slow
-        assert not thread.is_alive()
+        assert not sub.running
         assert d.snapshot_gate() == GateStats(permits=1, in_use=1, waiting=0, max_in_use=1,
                                               granted=1, waited=1)
         assert engines.by_name[queued].requests == []  # it never sent a request
@@ -224,7 +229,7 @@ def test_permit_returned_after_a_timeout(zmq_ctx):
         engines.by_name["b:1"].release_replies()
         d = engines.directory(permits=1, replay_timeout_ms=100)
         wait_for(lambda: state(d, "b:1") is StreamState.SYNCHRONIZED, what="b:1 synced")
-        sub = d._current().subscribers[StreamId("a:1", 0)]
+        sub = d.subscriber(StreamId("a:1", 0))
         wait_for(lambda: sub.counters().snapshot_attempts["timeout"] >= 2, what="2 timeouts")
         stats = d.snapshot_gate()
         assert stats.max_in_use == 1 and stats.granted >= 3
@@ -242,7 +247,7 @@ def test_permit_returned_after_a_malformed_reply(zmq_ctx):
         engines.by_name["b:1"].release_replies()
         d = engines.directory(permits=1)
         wait_for(lambda: state(d, "b:1") is StreamState.SYNCHRONIZED, what="b:1 synced")
-        sub = d._current().subscribers[StreamId("a:1", 0)]
+        sub = d.subscriber(StreamId("a:1", 0))
         wait_for(lambda: sub.counters().snapshot_attempts["error"] >= 1, what="a failed attempt")
         assert sub.status().error == "snapshot reply: event 0: unknown event type 'NoSuchEvent'"
         bad.set_snapshot([stored([7], None, blk(7), B4)], watermark=None)
@@ -283,7 +288,7 @@ def test_sliced_decode_error_text_is_decode_batch_s(zmq_ctx, monkeypatch):
         pub.set_snapshot(events, watermark=None)
         pub.release_replies()
         d = engines.directory(permits=1)
-        sub = d._current().subscribers[StreamId("a:1", 0)]
+        sub = d.subscriber(StreamId("a:1", 0))
         wait_for(lambda: sub.counters().snapshot_attempts["error"] >= 1, what="failed attempt")
         assert sub.status().error == f"snapshot reply: {whole.value}"
         assert split_calls  # the sliced path ran
@@ -315,7 +320,7 @@ def test_an_unreachable_engine_never_takes_a_permit(zmq_ctx):
                                 "endpoint": f"tcp://127.0.0.1:{event_port}",
                                 "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
         d = engines.directory(permits=1, replay_timeout_ms=100)
-        sub = d._current().subscribers[StreamId("a:1", 0)]
+        sub = d.subscriber(StreamId("a:1", 0))
         wait_for(lambda: sub.counters().snapshot_attempts["timeout"] >= 2, what="2 timeouts")
         wait_for(lambda: state(d, "b:1") is StreamState.SYNCHRONIZED, what="b:1 synced")
         assert d.snapshot_gate() == GateStats(permits=1, in_use=0, waiting=0, max_in_use=1,

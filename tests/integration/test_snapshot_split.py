@@ -1,5 +1,5 @@
-"""The sliced decode of large snapshot reply payloads (kvsvc.streams.snapshot.split_batch and
-SnapshotAttempt._decode): event boundaries found by ``msgpack`` (skipping only), events still
+"""The sliced decode of large snapshot reply payloads (kvsvc.streams.split.split_batch and
+kvsvc.streams.snapshot_client.SnapshotAttempt.decode): event boundaries found by ``msgpack`` (skipping only), events still
 parsed by ``ormsgpack``, and exactly the answer or error of a whole ``decode_batch``.
 
 The invariant checked everywhere: for any payload, the sliced decode returns the events
@@ -23,18 +23,16 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvsvc.streams.snapshot as snapshot_module
+import kvsvc.streams.pacing as pacing_module
+import kvsvc.streams.snapshot_client as snapshot_module
 from kvsvc.config import StreamConfig, parse_kv_events_config
-from kvsvc.errors import DecodeError
+from kvsvc.errors import DecodeError, SnapshotError
 from kvsvc.events import Event
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.frame import encode_reply
-from kvsvc.streams.snapshot import (
-    SnapshotAttempt,
-    check_single_object,
-    set_timer_slack,
-    split_batch,
-)
+from kvsvc.streams.pacing import BUILD_TIMER_SLACK_NS, set_timer_slack
+from kvsvc.streams.snapshot_client import SnapshotAttempt
+from kvsvc.streams.split import check_single_object, split_batch, wrap_events
 from tests.publisher import encode_batch, stored, to_array_event
 from tests.fuzz.test_fuzz_decoder import msgpack_values, valid_events
 
@@ -82,7 +80,7 @@ def sliced(attempt_factory, payload: bytes, group_bytes: int = 1) -> tuple[str, 
     """The outcome of an attempt's decode of ``payload``, split whatever its size."""
     with mock.patch.object(snapshot_module, "SPLIT_MIN_BYTES", 0), \
             mock.patch.object(snapshot_module, "SPLIT_GROUP_BYTES", group_bytes):
-        return outcome(lambda: attempt_factory()._decode(payload))
+        return outcome(lambda: attempt_factory().decode(payload))
 
 
 def whole(payload: bytes) -> list[Event]:
@@ -128,7 +126,7 @@ def test_group_array_headers_of_every_width():
     groups = split_batch(payload, RANK, lambda: None, 1 << 20)
     assert groups is not None and groups[0][:2] == b"\x91\xdc"
     assert _joined(groups) == ormsgpack.unpackb(payload)[1]
-    assert snapshot_module._group(memoryview(b""), 0x10000)[:6] == b"\x91\xdd\x00\x01\x00\x00"
+    assert wrap_events(memoryview(b""), 0x10000)[:6] == b"\x91\xdd\x00\x01\x00\x00"
 
 
 @pytest.mark.parametrize("payload", [
@@ -266,7 +264,7 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
     return box[0]
 
 
-@pytest.mark.skipif(not snapshot_module.sys.platform.startswith("linux"), reason="Linux prctl")
+@pytest.mark.skipif(not pacing_module.sys.platform.startswith("linux"), reason="Linux prctl")
 def test_set_timer_slack_returns_the_previous_value():
     def run() -> tuple[Optional[int], Optional[int], Optional[int]]:
         first = set_timer_slack(7777)
@@ -279,7 +277,7 @@ def test_set_timer_slack_returns_the_previous_value():
     assert (second, third) == (7777, 1)
 
 
-@pytest.mark.skipif(not snapshot_module.sys.platform.startswith("linux"), reason="Linux prctl")
+@pytest.mark.skipif(not pacing_module.sys.platform.startswith("linux"), reason="Linux prctl")
 def test_a_build_lowers_the_slack_and_sets_it_back(attempt_factory):
     """While a reply message is built the thread's slack is BUILD_TIMER_SLACK_NS (cheap GIL
     yields); afterwards it is what it was, also when the message fails."""
@@ -289,7 +287,7 @@ def test_a_build_lowers_the_slack_and_sets_it_back(attempt_factory):
         set_timer_slack(7777)
         attempt = attempt_factory()
         during: list[Optional[int]] = []
-        decode = attempt._decode
+        decode = attempt.decode
 
         def spy(p: bytes) -> list[Event]:
             slack = set_timer_slack(1)
@@ -297,14 +295,14 @@ def test_a_build_lowers_the_slack_and_sets_it_back(attempt_factory):
             set_timer_slack(slack)  # type: ignore[arg-type]
             return decode(p)
 
-        attempt._decode = spy  # type: ignore[method-assign]
-        attempt._on_message(encode_reply(None, payload))
+        attempt.decode = spy  # type: ignore[method-assign]
+        attempt.feed(encode_reply(None, payload))
         after_ok = set_timer_slack(7777)
-        with pytest.raises(snapshot_module.SnapshotError):
-            attempt._on_message(encode_reply(None, b"\xc1"))
+        with pytest.raises(SnapshotError):
+            attempt.feed(encode_reply(None, b"\xc1"))
         after_error = set_timer_slack(7777)
         return during, after_ok, after_error
 
     during, after_ok, after_error = _in_thread(run)
-    assert during == [snapshot_module.BUILD_TIMER_SLACK_NS, snapshot_module.BUILD_TIMER_SLACK_NS]
+    assert during == [BUILD_TIMER_SLACK_NS, BUILD_TIMER_SLACK_NS]
     assert (after_ok, after_error) == (7777, 7777)

@@ -13,7 +13,7 @@ from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import LifecycleError, SnapshotError, SnapshotTimeout
 from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.frame import END_MARKER, encode_live, encode_reply, parse_snapshot_request
-from kvsvc.streams.snapshot import SnapshotAttempt
+from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
 from tests.publisher import ProtocolPublisher, cleared, encode_batch, removed, stored
@@ -76,6 +76,11 @@ def synced_at(sub: StreamSubscriber, seq: Optional[int], timeout_s: float = 5.0)
         st = sub.status()
         return st if st.state is SYNC and st.sequence == seq else None
     return wait_for(check, timeout_s, what=f"synchronized at seq {seq}")
+
+
+def silence_check(sub: StreamSubscriber):
+    """The running silent-channel check of ``sub`` (its debug view), ``None`` when none runs."""
+    return sub.debug_view().recovery.silence_check
 
 
 def error_contains(sub: StreamSubscriber, text: str, timeout_s: float = 5.0):
@@ -476,7 +481,9 @@ def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(h):
     assert "topic 'kv'" in st.error and (st.sequence, st.device_blocks) == (None, 0)
     assert hits(sub, 2) == (False, 0, 0) and hits(sub, 1) == (False, 0, 0)
     assert "since seq 0" in st.error
-    assert sub._attempt is None and sub._next_attempt_at is None  # no snapshot scheduled
+    view = sub.debug_view()
+    assert view.recovery.attempt is None and view.recovery.next_attempt_at is None  # none scheduled
+    assert not view.attempt_open
     requests = list(pub.requests)
     assert sub.counters().recoveries_started["live_silent"] == 1
     # The engine is fixed (same topic as configured): its next batch ends the wait.
@@ -524,18 +531,18 @@ def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(h):
     pub.set_snapshot(snap, watermark=2)
     pub.skip()                                       # seq 2 published, still in flight
     pub.release_replies(budget=1)                    # R1: ahead of the applied seq 1
-    wait_for(lambda: sub._silence_check is not None, timeout_s=5, what="R1 check armed")
-    armed = sub._silence_check
+    wait_for(lambda: silence_check(sub) is not None, timeout_s=5, what="R1 check armed")
+    armed = silence_check(sub)
     wait_for(lambda: len(pub.requests) == 4, timeout_s=5, what="R2 requested")
     pub.send_raw([pub.topic, (2).to_bytes(8, "big"),
                   encode_batch([stored([3], 2, blk(3), BS)], 0)])
     wait_for(lambda: sub.duplicates_dropped == 1, timeout_s=5, what="late seq 2 received")
     pub.release_replies()                            # R2 swaps
-    wait_for(lambda: sub._silence_check is None and len(pub.requests) >= 5, timeout_s=8,
+    wait_for(lambda: silence_check(sub) is None and len(pub.requests) >= 5, timeout_s=8,
              what="check ended, R2 swapped")
     st = sub.status()
     assert (st.state, sub.counters().recoveries_started["live_silent"]) == (SYNC, 0)
-    assert armed[3] < sub.live_messages and hits(sub, 1, 2, 3) == (True, 12, 0)
+    assert armed.live_messages < sub.live_messages and hits(sub, 1, 2, 3) == (True, 12, 0)
 
 
 def test_resync_ahead_with_batches_arriving_late_stays_synchronized(h):
@@ -547,10 +554,10 @@ def test_resync_ahead_with_batches_arriving_late_stays_synchronized(h):
     pub.skip()                                       # seq 1 lost on the wire for now
     st = wait_for(lambda: (s := sub.status()).resync_differences == 1 and s, timeout_s=5,
                   what="resync ahead of the applied seq")
-    assert sub._silence_check is not None            # the grace period runs
+    assert silence_check(sub) is not None            # the grace period runs
     pub.publish([stored([3], 2, blk(3), BS)])        # seq 2 arrives within it
     synced_at(sub, 2)
-    wait_for(lambda: sub._silence_check is None, timeout_s=5, what="check passed")
+    wait_for(lambda: silence_check(sub) is None, timeout_s=5, what="check passed")
     st = sub.status()
     assert (st.state, st.recoveries, sub.counters().recoveries_started["live_silent"]) == \
         (SYNC, 1, 0)
@@ -968,3 +975,37 @@ def test_internal_error_in_apply_recovers_instead_of_killing_the_stream(h, monke
     assert (st.device_blocks, st.recoveries) == (2, 2)
     assert hits(sub, 1, 2) == (True, 8, 0)
     assert calls["n"] == 1
+
+
+def test_live_reopen_backoff(zmq_ctx):
+    """The live connection's reopen schedule (kvsvc.streams.live): connections that end within
+    LIVE_STABLE_S of their handshake (or before one) are reopened after 10 ms doubling to 5 s,
+    with the flapping hint from the third; a stable one is reopened at once and resets it."""
+    from kvsvc.streams.live import LiveConnection
+
+    port = free_ports(1)[0]
+    cfg = StreamConfig(instance_name="e", block_size=BS, endpoint=f"tcp://127.0.0.1:{port}",
+                       replay_endpoint=f"tcp://127.0.0.1:{port}", hash_seed=SEED)
+    poller = zmq.Poller()
+    live = LiveConnection(zmq_ctx, cfg, KvEventsConfig(), poller, "e/dp0")
+    live.open()
+    try:
+        now, delays, reasons = 100.0, [], []
+        for _ in range(12):
+            reasons.append(live.disconnected(now))
+            assert live.sub is None and live.monitor is None     # closed until the reopen
+            delays.append(round(live.reopen_at - now, 6))
+            now = live.reopen_at
+            live.reopen()
+        assert delays == [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0, 5.0, 5.0]
+        assert reasons[:2] == ["disconnected", "disconnected"]
+        assert reasons[2] == (f"disconnected: 3 live connections in a row ended within 1 s (is "
+                              f"tcp://127.0.0.1:{port} the engine's PUB event socket?)")
+        live.handshake(now)
+        assert live.disconnected(now + 0.999).startswith("disconnected: 13 live connections")
+        live.reopen()
+        live.handshake(now + 10.0)
+        assert live.disconnected(now + 11.0) == "disconnected"   # lasted 1 s: stable
+        assert (live.reopen_at, live.failures, live.sub is not None) == (now + 11.0, 0, True)
+    finally:
+        live.close()

@@ -1,0 +1,821 @@
+"""The recovery rules of one stream (§6, §7) as a state machine without sockets ("sans-IO").
+
+:class:`SnapshotRecovery` is fed what happened on the stream's thread and answers what to do
+next. It holds no socket, starts no thread and never reads the clock: every input carries
+``now`` (monotonic seconds). Inputs:
+
+=============================================  ==============================================
+``start(now)``                                 the thread runs: a snapshot is due at once (§6)
+``on_live_batch(seq, batch, wire_bytes, now)`` a decoded live batch (§1, §2) with the exact topic
+``on_live_error(reason, text, seq, now)``      a live message with the exact topic that failed
+                                               frame parsing (§1) or payload decoding (§2)
+``on_live_opened()``                           the live ``SUB`` was (re)created: not connected
+``on_live_up(now)``                            its handshake succeeded (the subscription is out)
+``on_live_down(reason, now)``                  its monitor reported a disconnect
+``on_snapshot_complete(id, result, ...)``      the end marker of attempt ``id`` arrived (§7)
+``on_snapshot_failed(id, exc, now)``           attempt ``id`` failed (timeout, malformed, ...)
+``on_internal_error(name, now)``               a bug-class exception escaped a turn
+``tick(now)``                                  time passed (call at each loop turn)
+=============================================  ==============================================
+
+Each returns a tuple of actions for the owner to carry out, in order: :class:`RequestSnapshot`
+(open attempt ``id`` with ``start_seq``; ``urgent`` for a recovery, not for a periodic resync)
+and :class:`AbandonSnapshot` (close attempt ``id``); usually the empty tuple
+:data:`NO_ACTIONS`, which is what one in-order live batch costs. :meth:`SnapshotRecovery.wakeup_at`
+says when the next :meth:`~SnapshotRecovery.tick` is due. The serving side effects (apply a
+batch, swap in an index, invalidate with a reason, count a recovery with its trigger label) are
+made on the :class:`~kvsvc.streams.serving.ServingState` the machine is given, which is pure
+memory under one lock: the index is discarded under the same lock hold that saw an apply error.
+
+States (§6)::
+
+    UNSYNCHRONIZED --attempt starts--> RECOVERING --snapshot + buffered tail--> SYNCHRONIZED
+          ^    ^--------attempt fails, backoff----------'                            |
+          '-------- seq error, decode/index error, disconnect (index discarded) -----'
+
+    RECOVERING / UNSYNCHRONIZED --live batch starting with AllBlocksCleared--> SYNCHRONIZED
+
+Rules (each one fixes a failure the soak test found; README "Where the spec is silent"):
+
+- Snapshots are requested only while the live ``SUB`` is connected (``on_live_up`` since the
+  last ``on_live_opened``/``on_live_down``): a ``PUB`` drops every batch published before a
+  subscription reaches it without a trace, so a snapshot taken before that moment can be
+  followed by batches this stream never receives; with a restarted counter the gap is
+  invisible. A due attempt waiting for the connection says so in ``error``.
+- ``expected``: the next live seq the serving index needs; ``None`` after an empty snapshot
+  (watermark unknown): the first live batch is then applied whatever its seq (§7).
+- ``max_seen``: the highest live seq this ``SUB`` connection has received (forgotten on a
+  disconnect and when a backward jump starts a new epoch). After a swap at watermark W, a
+  batch with seq <= W that is above ``max_seen`` was published before the snapshot but
+  received after it: a duplicate already covered, dropped silently. With nothing seen on the
+  connection, an old seq may be a publisher whose counter restarted after the snapshot: that
+  recovers. Any other seq than ``expected`` (a repeat, a backward jump, a gap) is a sequence
+  error.
+- Buffer accounting during an attempt (§6): each batch costs its wire bytes plus
+  :data:`BUFFER_EVENT_OVERHEAD` per event, :data:`BUFFER_HASH_OVERHEAD` per block hash and
+  :data:`BUFFER_TOKEN_OVERHEAD` per token id; above ``max_buffered_bytes`` the attempt fails
+  (``buffer overflow``).
+- Failed attempts retry after :data:`BACKOFF_INITIAL_S` doubling to :data:`BACKOFF_MAX_S`; a
+  new live connection resets that backoff (it may be a new engine).
+- A synchronized stream resyncs every ``resync_interval_ms`` (a failed resync keeps serving);
+  after a recovery from a snapshot with a watermark while nothing has arrived on the live
+  connection, the first resync comes after :data:`PROBE_RESYNC_S`.
+- A resync whose watermark is behind the applied seq means the engine's counter restarted
+  unseen: the serving index goes, not just the attempt.
+- Silent channel: a resync showing batches that never arrived (watermark >= expected) while
+  no live message arrived since the previous swap arms a check; no live message within
+  :data:`LIVE_SILENCE_GRACE_S` unsynchronizes the stream, and no snapshot is requested until a
+  live message arrives (then it recovers).
+
+A second rule set (history replay, §7h) is meant to sit beside this one: another
+implementation of :class:`RecoveryRules` (the inputs the stream thread feeds and the actions
+it carries out), sharing the serving state and :class:`RecoveryTimers`, with its own meaning of
+a reply and of the tail merge (:meth:`SnapshotRecovery.on_snapshot_complete`, the duplicate
+rule); the stream thread picks the rule set by the stream's replay mode.
+
+Not thread-safe: owned by the stream thread; :meth:`SnapshotRecovery.view` is a racy copy for
+tests and debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Union
+
+from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.errors import BufferOverflow, SnapshotError, SnapshotTimeout, StreamError
+from kvsvc.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.counters import (
+    NOT_INDEXED,
+    DecodeErrorReason,
+    RecoveryTrigger,
+    SnapshotOutcome,
+    error_reason,
+    stats_tuple,
+    trigger_of,
+)
+from kvsvc.streams.serving import NOT_YET, ServingState
+from kvsvc.streams.state import SnapshotResult
+
+log = logging.getLogger(__name__)
+
+#: Backoff of failed attempts (§6): 100 ms doubling to at most 5 s.
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+#: After a periodic resync shows live batches that never arrived (watermark above the applied
+#: seq) while nothing at all arrived on the live channel since the previous swap, a live batch
+#: must arrive within this many seconds (those batches may still be in flight), or the live
+#: channel is taken for dead (README "Where the spec is silent").
+LIVE_SILENCE_GRACE_S = 2.0
+#: After a recovery from a snapshot with a watermark while nothing at all has arrived on the
+#: live connection, the first resync comes this soon (seconds) instead of after
+#: ``resync_interval_ms``: a dead live channel (a wrong topic) is then found within seconds,
+#: not after a whole resync interval of a snapshot index going stale.
+PROBE_RESYNC_S = 2.0
+#: Buffer record overheads (bytes) added to a buffered batch's wire size (§6).
+BUFFER_EVENT_OVERHEAD = 128
+BUFFER_HASH_OVERHEAD = 40
+BUFFER_TOKEN_OVERHEAD = 4
+
+#: Appended to the reason while a due snapshot waits for the live connection.
+LIVE_WAIT = "; the snapshot is requested once the live channel "
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    """Action: open snapshot attempt ``attempt`` (§7) asking from ``start_seq``; report its end
+    with :meth:`SnapshotRecovery.on_snapshot_complete` / ``on_snapshot_failed``.
+
+    :param attempt: the attempt's id (increasing per machine).
+    :param start_seq: last applied seq + 1 for a resync, else 0 (§7).
+    :param urgent: a recovery (the stream serves nothing meanwhile); False: a periodic resync.
+    """
+
+    attempt: int
+    start_seq: int
+    urgent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonSnapshot:
+    """Action: close attempt ``attempt`` (its socket and gate permit); a late reply is dropped."""
+
+    attempt: int
+
+
+Action = Union[RequestSnapshot, AbandonSnapshot]
+#: What most inputs return: nothing to do.
+NO_ACTIONS: tuple[Action, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SilenceCheck:
+    """A running silent-channel check.
+
+    :param deadline: monotonic seconds by which a live message must have arrived.
+    :param watermark: the resync watermark that showed batches never received.
+    :param first_missing: the first seq not received (the expected seq then).
+    :param live_messages: live messages counted when the check was armed.
+    """
+
+    deadline: float
+    watermark: int
+    first_missing: int
+    live_messages: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryView:
+    """Read-only copy of a machine's bookkeeping (tests, debugging; see the module docstring).
+
+    :param synchronized: the serving index is valid.
+    :param expected: next live seq the serving index needs (``None``: any, or unsynchronized).
+    :param max_seen: highest live seq seen on the current connection.
+    :param live_up: the live connection's handshake succeeded.
+    :param attempt: id of the attempt in flight, ``None`` when there is none.
+    :param next_attempt_at: when the next attempt is due (monotonic s); ``None``: none scheduled.
+    :param failures: consecutive failed attempts (the backoff exponent).
+    :param buffered_bytes: buffer accounting of the attempt in flight.
+    :param buffered_seqs: seqs of the batches buffered, in arrival order.
+    :param silence_check: the running silent-channel check, if any.
+    :param awaiting_live: a silent channel was found: recover on the next live message.
+    :param live_messages: live messages with the exact topic so far.
+    """
+
+    synchronized: bool
+    expected: Optional[int]
+    max_seen: Optional[int]
+    live_up: bool
+    attempt: Optional[int]
+    next_attempt_at: Optional[float]
+    failures: int
+    buffered_bytes: int
+    buffered_seqs: tuple[int, ...]
+    silence_check: Optional[SilenceCheck]
+    awaiting_live: bool
+    live_messages: int
+
+
+def backoff_s(failures: int) -> float:
+    """Delay (seconds) before the retry after ``failures`` consecutive failed attempts (>= 1):
+    :data:`BACKOFF_INITIAL_S` doubling per failure, at most :data:`BACKOFF_MAX_S` (§6)."""
+    return min(BACKOFF_INITIAL_S * (2 ** min(failures - 1, 16)), BACKOFF_MAX_S)
+
+
+def record_bytes(batch: Batch, wire_bytes: int) -> int:
+    """Buffer cost (bytes) of one decoded live batch: wire bytes plus decoded-record overhead
+    (§6): :data:`BUFFER_EVENT_OVERHEAD` per event, :data:`BUFFER_HASH_OVERHEAD` per block hash,
+    :data:`BUFFER_TOKEN_OVERHEAD` per token id."""
+    cost = wire_bytes
+    for ev in batch.events:
+        cost += BUFFER_EVENT_OVERHEAD
+        if type(ev) is BlockStored:
+            cost += BUFFER_HASH_OVERHEAD * len(ev.block_hashes) + BUFFER_TOKEN_OVERHEAD * len(ev.token_ids)
+        elif type(ev) is BlockRemoved:
+            cost += BUFFER_HASH_OVERHEAD * len(ev.block_hashes)
+    return cost
+
+
+class RecoveryRules(Protocol):
+    """What the stream thread drives: one rule set per replay mode (§7 snapshot; §7h history
+    next). Every input takes ``now`` (monotonic seconds) where time matters and returns the
+    actions to carry out in order; see :class:`SnapshotRecovery` for the rules of each."""
+
+    @property
+    def buffered_bytes(self) -> int: ...
+
+    @property
+    def attempt(self) -> Optional[int]: ...
+
+    def view(self) -> "RecoveryView": ...
+
+    def wakeup_at(self) -> Optional[float]: ...
+
+    def start(self, now: float) -> tuple[Action, ...]: ...
+
+    def tick(self, now: float) -> tuple[Action, ...]: ...
+
+    def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
+                      now: float) -> tuple[Action, ...]: ...
+
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[Action, ...]: ...
+
+    def on_live_opened(self) -> tuple[Action, ...]: ...
+
+    def on_live_up(self, now: float) -> tuple[Action, ...]: ...
+
+    def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]: ...
+
+    def on_snapshot_failed(self, attempt: int, exc: StreamError,
+                           now: float) -> tuple[Action, ...]: ...
+
+    def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
+                             requested_at: Optional[float], now: float) -> tuple[Action, ...]: ...
+
+    def on_internal_error(self, error_name: str, now: float) -> tuple[Action, ...]: ...
+
+
+class RecoveryTimers:
+    """The schedule shared by every rule set: when the next attempt is due, the backoff of
+    failed attempts, and the resync interval (§6). Pure arithmetic on ``now``.
+
+    :param resync_interval_ms: the §8 periodic resync interval.
+    :ivar next_attempt_at: monotonic seconds when an attempt is due; ``None``: none scheduled.
+    :ivar failures: consecutive failed attempts.
+    """
+
+    def __init__(self, resync_interval_ms: int) -> None:
+        self.resync_interval_s = resync_interval_ms / 1000.0
+        self.next_attempt_at: Optional[float] = None
+        self.failures = 0
+
+    def failed(self, now: float) -> float:
+        """One more failed attempt: the next one is due after the backoff; returns the delay."""
+        self.failures += 1
+        delay = backoff_s(self.failures)
+        self.next_attempt_at = now + delay
+        return delay
+
+    def synchronized(self, now: float, probe: bool) -> None:
+        """A swap: failures reset, the next resync due after the interval (at most
+        :data:`PROBE_RESYNC_S` with ``probe``)."""
+        self.failures = 0
+        interval_s = self.resync_interval_s
+        if probe:
+            interval_s = min(interval_s, PROBE_RESYNC_S)
+        self.next_attempt_at = now + interval_s
+
+    def new_connection(self, now: float) -> None:
+        """A new live connection may be a new engine: the backoff its predecessor's failed
+        snapshots earned must not delay asking it (due within :data:`BACKOFF_INITIAL_S`)."""
+        self.failures = 0
+        if self.next_attempt_at is not None:
+            self.next_attempt_at = min(self.next_attempt_at, now + BACKOFF_INITIAL_S)
+
+
+class SnapshotRecovery:
+    """The §6/§7 recovery rules of one snapshot-mode stream (see the module docstring).
+
+    :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
+    :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
+    :param serving: where the serving side effects go (the subscriber publishes it).
+    """
+
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
+                 serving: ServingState) -> None:
+        self._stream = stream
+        self._limits = limits
+        self._serving = serving
+        self._name = str(serving.stream_id)
+        self._max_buffered = limits.max_buffered_bytes
+        self._timers = RecoveryTimers(limits.resync_interval_ms)
+        self._out: list[Action] = []
+        self._synced = False                     # mirrors the serving state SYNCHRONIZED
+        self._expected: Optional[int] = None     # next live seq the serving index needs
+        self._max_seen: Optional[int] = None     # highest live seq on this connection
+        self._live_up = False                    # the SUB's handshake succeeded
+        self._live_wait_noted = False            # the error says a due attempt waits for it
+        self._waiting_error_logged = False       # one warning per backoff wait
+        self._live_at_swap = 0                   # live_messages when the index was swapped
+        self._silence: Optional[SilenceCheck] = None
+        self._awaiting_live = False              # silent channel: recover on the next batch
+        self._attempt: Optional[int] = None      # id of the attempt in flight
+        self._attempt_ids = 0
+        self._buffer: list[tuple[int, Batch]] = []
+        self._buffer_bytes = 0
+
+    # ------------------------------------------------------------------ read-only state
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Buffer accounting (bytes) of the attempt in flight (§6)."""
+        return self._buffer_bytes
+
+    @property
+    def synchronized(self) -> bool:
+        """The serving index is valid."""
+        return self._synced
+
+    @property
+    def attempt(self) -> Optional[int]:
+        """Id of the attempt in flight, ``None`` when there is none."""
+        return self._attempt
+
+    def view(self) -> RecoveryView:
+        """A copy of the bookkeeping (racy when read off the stream thread: tests, debugging)."""
+        return RecoveryView(
+            synchronized=self._synced, expected=self._expected, max_seen=self._max_seen,
+            live_up=self._live_up, attempt=self._attempt,
+            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
+            buffered_bytes=self._buffer_bytes,
+            buffered_seqs=tuple(seq for seq, _ in self._buffer),
+            silence_check=self._silence, awaiting_live=self._awaiting_live,
+            live_messages=self._serving.live_messages)
+
+    def wakeup_at(self) -> Optional[float]:
+        """Monotonic seconds when :meth:`tick` is next due (an attempt due, a silence check's
+        deadline); ``None``: nothing scheduled (an attempt in flight has its own deadline)."""
+        at: Optional[float] = None
+        nxt = self._timers.next_attempt_at
+        # Once a due attempt is noted as waiting for the live channel, on_live_up ends the wait.
+        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
+            at = nxt
+        if self._silence is not None:
+            deadline = self._silence.deadline
+            at = deadline if at is None else min(at, deadline)
+        return at
+
+    # ------------------------------------------------------------------ inputs
+
+    def start(self, now: float) -> tuple[Action, ...]:
+        """The stream thread runs: a recovery snapshot is due at once (§6; sent on the first
+        :meth:`tick` with the live channel up). Counts the ``start`` recovery."""
+        self._timers.next_attempt_at = now
+        self._serving.count_recovery(RecoveryTrigger.START)
+        return self._take()
+
+    def tick(self, now: float) -> tuple[Action, ...]:
+        """Time passed: end a silence check whose deadline passed, start a due attempt (or note
+        in ``error`` that it waits for the live channel)."""
+        if self._silence is not None:
+            self._check_silence(now)
+        nxt = self._timers.next_attempt_at
+        if self._attempt is None and nxt is not None and now >= nxt:
+            if self._live_up:
+                self._begin_attempt(now)
+            elif not self._live_wait_noted:
+                self._note_live_wait()
+        return self._take()
+
+    def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
+                      now: float) -> tuple[Action, ...]:
+        """A live batch with the exact topic, framed (§1) and decoded (§2).
+
+        Synchronized: applied when ``seq`` is the expected one (and buffered for a resync in
+        flight), dropped when covered by the swapped-in snapshot, else a sequence error.
+        Otherwise: an ``AllBlocksCleared`` batch becomes the baseline; else buffered into the
+        attempt in flight (nothing to buffer into during a backoff).
+
+        :param wire_bytes: the message's wire size (buffer accounting).
+        """
+        serving = self._serving
+        serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
+        prev_max = self._max_seen
+        self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
+        serving.last_event_at = now
+        if self._synced:
+            expected = self._expected
+            if expected is None or seq == expected:
+                failure = serving.apply_live(seq, batch.events)
+                if failure is not None:
+                    self._synced = False
+                    self._expected = None
+                    self._log_unsynchronized(f"seq {seq}: {failure}",
+                                             trigger_of(error_reason(failure)))
+                    self._restart_recovery(now)
+                    return self._take()
+                self._expected = seq + 1
+                if self._attempt is not None:
+                    # Background resync: the new index needs this batch too.
+                    self._buffer_batch(seq, batch, wire_bytes, now)
+                    return self._take()
+                if self._out:
+                    return self._take()
+                return NO_ACTIONS
+            self._on_unexpected_seq(seq, expected, batch, wire_bytes, prev_max, now)
+        else:
+            self._on_live_unsynchronized(seq, batch, wire_bytes, prev_max, now)
+        return self._take()
+
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[Action, ...]:
+        """A live message with the exact topic that failed parsing (``frame``, §1) or decoding
+        (``payload``, §2): counted, and a stream error (§6).
+
+        :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
+        :param seq: the message's seq when its frames parsed, else ``None``.
+        """
+        self._serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
+        if seq is not None:
+            prev_max = self._max_seen
+            self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
+        self._serving.count_decode_error(reason)
+        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
+        return self._take()
+
+    def on_live_opened(self) -> tuple[Action, ...]:
+        """A new live ``SUB`` was created and is connecting: not up until its handshake."""
+        self._live_up = False
+        self._live_wait_noted = False
+        return self._take()
+
+    def on_live_up(self, now: float) -> tuple[Action, ...]:
+        """The live ``SUB``'s handshake succeeded: snapshots may be requested from now on
+        (see the module docstring). A new connection may be a new engine, so the backoff of
+        failed attempts is reset; an endpoint that keeps dropping connections gets requests at
+        the pace of its reopens, which back off themselves (:mod:`kvsvc.streams.live`)."""
+        self._live_up = True
+        if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
+            self._timers.new_connection(now)
+        if self._live_wait_noted:
+            self._live_wait_noted = False
+            error = self._serving.error
+            # The wait is over: the reason is the cause alone again.
+            if not self._synced and error is not None:
+                self._serving.set_error(error.partition(LIVE_WAIT)[0])
+        return self._take()
+
+    def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]:
+        """The live ``SUB``'s monitor reported a disconnect (§6): a stream error with trigger
+        ``disconnect``; the next connection may be a restarted engine counting from 0 again.
+
+        :param reason: the error text (``"disconnected"``, or with the flapping hint).
+        """
+        self._max_seen = None
+        self._live_up = False
+        self._stream_error(reason, RecoveryTrigger.DISCONNECT, now)
+        return self._take()
+
+    def on_snapshot_failed(self, attempt: int, exc: StreamError, now: float) -> tuple[Action, ...]:
+        """Attempt ``attempt`` failed (§6): ``SnapshotTimeout`` (outcome ``timeout``), any
+        other ``StreamError`` (``error``). Retried after the backoff; a failed resync keeps
+        serving. An attempt no longer in flight is ignored."""
+        if attempt == self._attempt:
+            self._attempt_failed(exc, now)
+        return self._take()
+
+    def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
+                             requested_at: Optional[float], now: float) -> tuple[Action, ...]:
+        """The end marker of attempt ``attempt`` arrived: merge the buffered tail and swap (§6,
+        §7). The owner takes in the live messages already queued first (fewer batches published
+        before the snapshot then arrive after the swap); an attempt those ended is ignored.
+
+        - Empty reply: empty state, watermark unknown; the first live batch is the baseline.
+        - Otherwise buffered batches with seq <= watermark are dropped, the rest must continue
+          ``watermark + 1, ...`` contiguously (else the attempt fails: ``gap after watermark``)
+          and are applied to the new index.
+        - A resync whose merged seq is behind the applied one: the engine's counter restarted;
+          the serving index is discarded and a recovery starts (``sequence_backwards``).
+
+        :param requested_at: monotonic seconds when the request was sent (duration metric).
+        """
+        if attempt != self._attempt:
+            return self._take()
+        resync = self._synced
+        index = reply.index
+        # Not-indexed counts of the snapshot itself are not live ones; a recovery's buffered
+        # tail is (it never reached a serving index), a resync's tail was counted when applied.
+        stats_base = stats_tuple(index.stats)
+        tail: list[Batch] = []
+        if reply.empty:
+            # §7: empty state, unknown watermark: the first live batch becomes the baseline.
+            expected: Optional[int] = None
+            sequence: Optional[int] = None
+            how = "empty snapshot, baseline is the next live batch"
+        else:
+            wm = reply.watermark
+            expected = 0 if wm is None else wm + 1
+            sequence = wm
+            try:
+                for seq, batch in self._buffer:
+                    if seq < expected:
+                        continue  # covered by the snapshot
+                    if seq != expected:
+                        raise SnapshotError(f"gap after watermark {_wm(wm)}: expected seq "
+                                            f"{expected}, got {seq}")
+                    index.apply(batch.events)
+                    tail.append(batch)
+                    expected = seq + 1
+                    sequence = seq
+            except StreamError as exc:
+                self._attempt_failed(exc if isinstance(exc, SnapshotError)
+                                     else SnapshotError(f"seq {seq} after snapshot: {exc}"), now)
+                return self._take()
+            if resync and self._expected is not None and expected < self._expected:
+                # A consistent engine cannot do this: its counter restarted (a new process or
+                # publisher) without a live batch telling us. The serving index describes the
+                # old counter's state, so it must go, not just this attempt.
+                reason = (f"snapshot watermark {_wm(wm)} is behind applied seq "
+                          f"{self._expected - 1}: the engine's sequence restarted")
+                self._abandon_attempt()
+                self._invalidate(reason, RecoveryTrigger.SEQUENCE_BACKWARDS)
+                self._restart_recovery(now)
+                return self._take()
+            how = f"snapshot watermark {_wm(wm)}, {reply.messages} messages, tail to seq {_wm(sequence)}"
+        live_messages = self._serving.live_messages
+        silent = (resync and not reply.empty and reply.watermark is not None
+                  and self._expected is not None and reply.watermark >= self._expected
+                  and live_messages == self._live_at_swap)
+        first_missing = self._expected
+        if resync:
+            stats_base = stats_tuple(index.stats)
+            tail = []
+        duration = now - requested_at if requested_at is not None else 0.0
+        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        self._abandon_attempt()
+        self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how,
+                   live_events=[ev for b in tail for ev in b.events], stats_base=stats_base,
+                   now=now)
+        if silent and self._silence is None:
+            # The engine published batches up to the watermark and not one reached us since
+            # the last swap: in flight still, or a dead live channel. The index is exact now;
+            # a live message must show up within the grace period. (A check already running
+            # keeps its earlier deadline and count.)
+            self._silence = SilenceCheck(now + LIVE_SILENCE_GRACE_S, reply.watermark,  # type: ignore[arg-type]
+                                         first_missing, live_messages)  # type: ignore[arg-type]
+        return self._take()
+
+    def on_internal_error(self, error_name: str, now: float) -> tuple[Action, ...]:
+        """A bug in kvsvc escaped a turn (input errors are ``StreamError``s): discard the index,
+        as for any stream error, and recover after a backoff instead of leaving the stream dead
+        for the life of the process (trigger ``internal_error``).
+
+        :param error_name: the exception's class name (the reason says
+            ``"internal error: <name>"``).
+        """
+        self._abandon_attempt()
+        self._invalidate(f"internal error: {error_name}", RecoveryTrigger.INTERNAL_ERROR)
+        self._timers.failed(now)
+        return self._take()
+
+    # ------------------------------------------------------------------ live batches
+
+    def _live_alive_again(self, now: float) -> None:
+        self._awaiting_live = False
+        log.info("stream %s: live channel alive again; recovering", self._name)
+        self._restart_recovery(now)
+
+    def _on_unexpected_seq(self, seq: int, expected: int, batch: Batch, wire_bytes: int,
+                           prev_max: Optional[int], now: float) -> None:
+        if seq < expected and prev_max is not None and seq > prev_max:
+            # Published before the snapshot we swapped in at watermark >= seq, received after
+            # it: already covered. Never a repeat (seq is above anything seen on this
+            # connection), so it cannot hide an engine restart. With nothing seen on this
+            # connection yet (prev_max None) an old seq may just as well be a publisher that
+            # restarted its counter after the snapshot: that case recovers (one extra snapshot
+            # at worst), because dropping it could keep a stale index synchronized.
+            self._serving.duplicates_dropped += 1
+            log.debug("stream %s: dropped seq %d covered by the snapshot (next %d)",
+                      self._name, seq, expected)
+            return
+        if seq > expected:
+            reason = f"sequence gap: expected seq {expected}, got {seq}"
+            trigger = RecoveryTrigger.SEQUENCE_GAP
+        else:
+            trigger = RecoveryTrigger.SEQUENCE_BACKWARDS
+            reason = f"sequence went backwards: expected seq {expected}, got {seq}"
+            # A backward jump starts a new epoch (restarted engine): later batches of it must
+            # not be judged against the old engine's numbers.
+            self._max_seen = seq
+        self._invalidate(reason, trigger)
+        self._restart_recovery(now)
+        # The new attempt's snapshot is requested after this batch: buffer it like any other.
+        self._on_live_unsynchronized(seq, batch, wire_bytes, None, now)
+
+    def _on_live_unsynchronized(self, seq: int, batch: Batch, wire_bytes: int,
+                                prev_max: Optional[int], now: float) -> None:
+        events = batch.events
+        if events and type(events[0]) is AllBlocksCleared and events[0].tier is None:
+            self._baseline_from_cleared(seq, batch, now)
+            return
+        if prev_max is not None and seq <= prev_max:
+            # A repeat or a restarted engine while recovering: the snapshot in flight may be the
+            # old engine's. Start over in the new epoch.
+            self._max_seen = seq
+            self._stream_error(f"sequence went backwards during recovery: got seq {seq} "
+                               f"after {prev_max}", RecoveryTrigger.SEQUENCE_BACKWARDS, now)
+            return
+        if self._attempt is None:
+            # Backoff: nothing to buffer into; the next snapshot is taken after this batch.
+            return
+        self._buffer_batch(seq, batch, wire_bytes, now)
+
+    def _buffer_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float) -> None:
+        self._buffer_bytes += record_bytes(batch, wire_bytes)
+        if self._buffer_bytes > self._max_buffered:
+            self._attempt_failed(BufferOverflow(
+                f"buffer overflow: live batches buffered during the snapshot exceed "
+                f"max_buffered_bytes={self._max_buffered}"), now)
+            return
+        self._buffer.append((seq, batch))
+
+    def _baseline_from_cleared(self, seq: int, batch: Batch, now: float) -> None:
+        """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
+        index = self._new_index()
+        try:
+            index.apply(batch.events)
+        except StreamError as exc:
+            reason = error_reason(exc)
+            self._serving.count_decode_error(reason)
+            self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
+            return
+        self._abandon_attempt()
+        self._max_seen = seq
+        # Every event of this batch is live: none of its not-indexed counts is a snapshot's.
+        self._swap(index, expected=seq + 1, sequence=seq, resync=False,
+                   how=f"AllBlocksCleared batch seq {seq}", live_events=batch.events,
+                   stats_base=(0,) * len(NOT_INDEXED), now=now)
+
+    # ------------------------------------------------------------------ errors
+
+    def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
+        """An error of the stream: invalidate and recover when synchronized, else fail the
+        attempt in flight (or record the reason while waiting to retry).
+
+        :param reason: the error text (``/ready``, logs).
+        :param trigger: counted when this ends synchronization.
+        """
+        if self._synced:
+            self._invalidate(reason, trigger)
+            self._restart_recovery(now)
+        elif self._attempt is not None:
+            self._attempt_failed(StreamError(reason), now)
+        else:
+            self._serving.set_error(reason)
+            # The state does not change while a retry waits: log the first error only, so a
+            # burst of garbage cannot flood the log (the latest reason is still in `error`).
+            if not self._waiting_error_logged:
+                self._waiting_error_logged = True
+                log.warning("stream %s: %s (retry already scheduled; further errors until then "
+                            "are logged at debug level)", self._name, reason)
+            else:
+                log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+
+    def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
+        """Discard the serving index and forget its sequence; one log line and one recovery
+        count (``trigger``) per loss of synchronization."""
+        self._serving.invalidate(reason)
+        self._synced = False
+        self._expected = None
+        self._log_unsynchronized(reason, trigger)
+
+    def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger) -> None:
+        self._serving.count_recovery(trigger)
+        log.warning("stream %s: unsynchronized: %s", self._name, reason)
+
+    def _check_silence(self, now: float) -> None:
+        """End a silent-channel check: passed once any live message arrived since it was armed;
+        failed at its deadline, which unsynchronizes the stream until a live message arrives
+        (a dead live channel, e.g. a topic the engine does not publish, would otherwise keep
+        a snapshot's index serving while the engine moves on: stale hits)."""
+        check = self._silence
+        assert check is not None
+        # Counted from when the check was armed, not from the last swap: a later resync's
+        # swap must not hide a batch that arrived in between.
+        if self._serving.live_messages != check.live_messages or not self._synced:
+            self._silence = None
+            return
+        if now < check.deadline:
+            return
+        self._silence = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        self._timers.next_attempt_at = None  # no snapshot until the live channel shows life
+        self._invalidate(
+            f"live channel silent: the engine published up to seq {check.watermark} (resync "
+            f"watermark) but no live batch arrived since seq {check.first_missing}; check the "
+            f"stream's endpoint and topic {self._stream.topic!r}", RecoveryTrigger.LIVE_SILENT)
+
+    def _note_live_wait(self) -> None:
+        """An attempt is due but the live channel is not connected: say so in ``error``."""
+        self._live_wait_noted = True
+        # (Never synchronized here: a disconnect unsynchronizes first.)
+        cause = self._serving.error or NOT_YET
+        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
+
+    # ------------------------------------------------------------------ attempts
+
+    def _new_index(self) -> TierIndex:
+        return TierIndex(self._stream.block_size, self._stream.hash_seed,
+                         self._limits.max_blocks_per_stream)
+
+    def _take(self) -> tuple[Action, ...]:
+        out = self._out
+        if not out:
+            return NO_ACTIONS
+        self._out = []
+        return tuple(out)
+
+    def _restart_recovery(self, now: float) -> None:
+        """Abandon any attempt (a resync too) and request a recovery snapshot now (§6), or as
+        soon as the live channel is connected."""
+        self._abandon_attempt()
+        self._timers.next_attempt_at = now
+        if self._live_up:
+            self._begin_attempt(now)
+
+    def _abandon_attempt(self) -> None:
+        if self._attempt is not None:
+            self._out.append(AbandonSnapshot(self._attempt))
+            self._attempt = None
+        self._buffer = []
+        self._buffer_bytes = 0
+
+    def _begin_attempt(self, now: float) -> None:
+        self._waiting_error_logged = False
+        resync = self._synced
+        start_seq = self._expected if resync and self._expected is not None else 0
+        self._buffer = []
+        self._buffer_bytes = 0
+        self._attempt_ids += 1
+        self._attempt = self._attempt_ids
+        self._out.append(RequestSnapshot(self._attempt, start_seq, not resync))
+        self._timers.next_attempt_at = None
+        if resync:
+            # Periodic and uneventful (every resync_interval_ms per stream): not a state change.
+            log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
+        else:
+            self._serving.set_recovering()
+            log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name, start_seq)
+
+    def _attempt_failed(self, exc: StreamError, now: float) -> None:
+        """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed
+        resync leaves the stream synchronized and serving."""
+        self._abandon_attempt()
+        outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
+                   SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
+                   SnapshotOutcome.ERROR)
+        self._serving.count_attempt(outcome)
+        delay = self._timers.failed(now)
+        if self._synced:
+            log.warning("stream %s: resync failed: %s; retry in %.1fs", self._name, exc, delay)
+            return
+        self._serving.set_unsynchronized(str(exc))
+        log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, exc, delay)
+
+    def _swap(self, index: TierIndex, *, expected: Optional[int], sequence: Optional[int],
+              resync: bool, how: str, live_events: Sequence[object],
+              stats_base: tuple[int, ...], now: float) -> None:
+        """Make ``index`` the serving one, atomically (§6), and schedule the next resync."""
+        serving = self._serving
+        difference = 0
+        current = serving.index
+        if resync and current is not None:
+            # Only this thread writes the serving index, so reading it unlocked is safe.
+            difference = index.difference(current)
+        serving.swap(index, sequence=sequence, resync=resync, difference=difference,
+                     live_events=live_events, stats_base=stats_base)
+        self._synced = True
+        self._expected = expected
+        self._live_at_swap = serving.live_messages
+        self._timers.synchronized(
+            now, probe=not resync and sequence is not None and self._max_seen is None)
+        if not resync:
+            log.info("stream %s: synchronized (%s): %d device, %d host blocks", self._name, how,
+                     index.device_blocks, index.host_blocks)
+        elif difference:
+            log.warning("stream %s: resync found %d differing blocks (lost events); index "
+                        "replaced (%s)", self._name, difference, how)
+        else:
+            log.debug("stream %s: resync matched (%s)", self._name, how)
+
+
+def _wm(value: Optional[int]) -> str:
+    return "none" if value is None else str(value)

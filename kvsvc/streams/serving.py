@@ -1,0 +1,319 @@
+"""The serving state of one stream: what request threads read (§6, §10), and its counters.
+
+A :class:`ServingState` holds the serving index (only while ``SYNCHRONIZED``), the state, the
+error reason, the last applied seq and the metrics counters, all under one lock. It is written
+by the stream thread only (through :class:`~kvsvc.streams.recovery.SnapshotRecovery`) and read
+by request threads (:meth:`ServingState.match`, :meth:`ServingState.status`,
+:meth:`ServingState.counters`). Pure memory: no ZMQ, no thread, no clock.
+
+Rules it keeps:
+
+- Any change of the serving state happens under the lock in one hold, and the index is
+  discarded under the same hold that saw an apply error, so a query never sees a partial
+  batch, a stale index or a half-built one (§6). A snapshot index is built privately and swapped
+  in one assignment.
+- :meth:`ServingState.match` has a lock-free fast path: ``_quick`` is a pair (resident keys,
+  zero-hit answer) replaced in one assignment whenever the serving state changes; a prompt
+  whose first key is not resident gets the shared zero-hit answer without the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Container, Optional, Sequence
+
+from kvsvc.errors import StreamError
+from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.counters import (
+    DECODE_ERROR_REASONS,
+    EVENT_TYPES,
+    NOT_INDEXED,
+    RECOVERY_TRIGGERS,
+    SNAPSHOT_OUTCOMES,
+    DecodeErrorReason,
+    RecoveryTrigger,
+    SnapshotOutcome,
+    StreamCounters,
+    error_reason,
+    stats_tuple,
+)
+from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
+
+#: ``error`` of a stream that has not been synchronized yet.
+NOT_YET = "not synchronized yet: waiting for the first snapshot"
+#: Resident keys of a stream that serves no hits (the fast path's "nothing here").
+_NO_KEYS: frozenset[int] = frozenset()
+_ZERO_STATS = (0,) * len(NOT_INDEXED)
+
+
+class ServingState:
+    """Serving index, state and counters of one stream (see the module docstring).
+
+    :param stream_id: the stream's (instance, DP rank), copied into every answer.
+    :param block_size: tokens per block: hits are reported in tokens (blocks * block_size).
+
+    :ivar live_messages: live messages received with the exact topic (valid or not); written
+        by the stream thread only (a plain int read is safe anywhere).
+    :ivar topic_mismatches: live messages dropped for a topic not exactly equal (§1).
+    :ivar duplicates_dropped: batches covered by a swapped-in snapshot, dropped (§6).
+    :ivar last_event_at: monotonic time of the last live batch decoded; ``None`` before one.
+    """
+
+    def __init__(self, stream_id: StreamId, block_size: int) -> None:
+        self.stream_id = stream_id
+        self._instance = stream_id.instance_name
+        self._rank = stream_id.dp_rank
+        self._block_size = block_size
+        self._lock = threading.Lock()
+        self._index: Optional[TierIndex] = None
+        self._state = StreamState.UNSYNCHRONIZED
+        self._error: Optional[str] = NOT_YET
+        self._sequence: Optional[int] = None
+        self._synchronized_once = False
+        self._recoveries = 0
+        self._resync_differences = 0
+        self._quick: tuple[Container[int], StreamMatch] = (_NO_KEYS, self._zero_answer())
+        # Plain ints written by the stream thread only.
+        self.live_messages = 0
+        self.topic_mismatches = 0
+        self.duplicates_dropped = 0
+        self.last_event_at: Optional[float] = None
+        # Metrics dicts: written by the stream thread under _lock, copied under it.
+        self._events_applied = dict.fromkeys(EVENT_TYPES.values(), 0)
+        self._decode_errors = dict.fromkeys(DECODE_ERROR_REASONS, 0)
+        self._recoveries_started = dict.fromkeys(RECOVERY_TRIGGERS, 0)
+        self._snapshot_attempts = dict.fromkeys(SNAPSHOT_OUTCOMES, 0)
+        self._snapshot_seconds_sum = 0.0
+        self._last_snapshot: Optional[tuple[float, int, int]] = None  # seconds, bytes, messages
+        # Live not-indexed counts: those of retired serving indexes, plus the serving index's
+        # stats minus what its snapshot had counted when it was swapped in (_stats_base).
+        self._not_indexed_retired = [0] * len(NOT_INDEXED)
+        self._stats_base: tuple[int, ...] = _ZERO_STATS
+
+    # ------------------------------------------------------------------ request threads
+
+    def match(self, keys: Sequence[int]) -> StreamMatch:
+        """This stream's answer to a prefix query (§10).
+
+        Hits are computed under the lock only, so they always come from one complete serving
+        state (§6: never a stale or partial hit). Most streams of a query hold none of the
+        prompt: for them a lock-free probe of the first key returns the shared zero-hit
+        answer. That probe may run while the stream thread applies a batch, so it can answer 0
+        hits for a first block that is resident just before and after that batch, with the
+        previous batch's ``sequence`` and block counts: a miss, never a hit, that was not there.
+
+        :param keys: content keys of the prompt's full blocks, oldest first, computed with the
+            stream's ``block_size`` and ``hash_seed`` (:func:`kvsvc.index.keys.prompt_keys`).
+        :returns: hits in tokens (blocks * ``block_size``) when synchronized; otherwise zero
+            hits, ``synchronized=False`` and the reason in ``error``. Treat it as read-only:
+            zero-hit answers are shared between queries.
+        """
+        resident, zero = self._quick
+        if not keys or keys[0] not in resident:
+            return zero
+        with self._lock:
+            index = self._index
+            if self._state is StreamState.SYNCHRONIZED and index is not None:
+                device, host_only = index.match(keys)
+                block_size = self._block_size
+                return StreamMatch(self._instance, self._rank, True, self._sequence,
+                                   device * block_size, host_only * block_size,
+                                   index.device_blocks, index.host_blocks, None)
+            return self._quick[1]
+
+    def status(self) -> StreamStatus:
+        """The stream's state and counts (read under the lock)."""
+        with self._lock:
+            index = self._index
+            return StreamStatus(
+                stream=self.stream_id, state=self._state, error=self._error,
+                sequence=self._sequence,
+                device_blocks=index.device_blocks if index is not None else 0,
+                host_blocks=index.host_blocks if index is not None else 0,
+                entries=index.entries if index is not None else 0,
+                synchronized_once=self._synchronized_once, recoveries=self._recoveries,
+                resync_differences=self._resync_differences)
+
+    def counters(self, now: float, buffered_bytes: int) -> StreamCounters:
+        """Copy of the metrics counters (O(1): a few dict copies under the lock).
+
+        :param now: monotonic seconds, for ``seconds_since_event``.
+        :param buffered_bytes: the recovery's current buffer accounting (§6).
+        """
+        with self._lock:
+            index = self._index
+            not_indexed = list(self._not_indexed_retired)
+            if index is not None:
+                for i, (cur, base) in enumerate(zip(stats_tuple(index.stats), self._stats_base)):
+                    not_indexed[i] += cur - base
+            last = self._last_snapshot
+            last_event = self.last_event_at
+            return StreamCounters(
+                events_applied=dict(self._events_applied),
+                not_indexed=dict(zip(NOT_INDEXED.values(), not_indexed)),
+                decode_errors=dict(self._decode_errors),
+                recoveries_started=dict(self._recoveries_started),
+                snapshot_attempts=dict(self._snapshot_attempts),
+                snapshot_seconds_sum=self._snapshot_seconds_sum,
+                last_snapshot_seconds=last[0] if last is not None else None,
+                last_snapshot_bytes=last[1] if last is not None else 0,
+                last_snapshot_messages=last[2] if last is not None else 0,
+                buffered_bytes=buffered_bytes,
+                seconds_since_event=now - last_event if last_event is not None else None,
+                topic_mismatches=self.topic_mismatches,
+                duplicates_dropped=self.duplicates_dropped)
+
+    # ------------------------------------------------------------------ stream thread
+
+    @property
+    def index(self) -> Optional[TierIndex]:
+        """The serving index (stream thread only: it is the only writer)."""
+        return self._index
+
+    @property
+    def error(self) -> Optional[str]:
+        """The current error reason (stream thread only: it is the only writer)."""
+        return self._error
+
+    def apply_live(self, seq: int, events: Sequence[object]) -> Optional[StreamError]:
+        """Apply one live batch to the serving index (§5, §6), under the lock.
+
+        :returns: ``None`` when applied (``sequence`` is then ``seq``); the index's error
+            otherwise, after counting its decode-error label and discarding the index in the
+            same lock hold (reason ``"seq <seq>: <error>"``).
+        """
+        with self._lock:
+            try:
+                self._index.apply(events)  # type: ignore[union-attr, arg-type]
+            except StreamError as exc:
+                self._decode_errors[error_reason(exc)] += 1
+                self._invalidate_locked(f"seq {seq}: {exc}")
+                return exc
+            self._sequence = seq
+            self._count_events_locked(events)
+            self._publish_locked()
+        return None
+
+    def invalidate(self, reason: str) -> None:
+        """Discard the serving index and its sequence; state ``UNSYNCHRONIZED`` with ``reason``."""
+        with self._lock:
+            self._invalidate_locked(reason)
+
+    def swap(self, index: TierIndex, *, sequence: Optional[int], resync: bool, difference: int,
+             live_events: Sequence[object], stats_base: tuple[int, ...]) -> None:
+        """Make ``index`` the serving one in one lock hold; state ``SYNCHRONIZED`` (§6).
+
+        :param sequence: the last applied seq it holds (``None``: unknown).
+        :param resync: a periodic resync (counts ``difference``) rather than a recovery
+            (counts a recovery).
+        :param difference: blocks that differ from the index it replaces (resync only).
+        :param live_events: live events ``index`` holds that no serving index counted yet
+            (a recovery's buffered tail, an ``AllBlocksCleared`` baseline batch).
+        :param stats_base: ``index.stats`` counts (as :func:`~kvsvc.streams.counters.stats_tuple`)
+            not due to live events, subtracted from the live not-indexed counts; ``()``: none.
+        """
+        with self._lock:
+            self._retire_stats_locked()
+            self._stats_base = stats_base or _ZERO_STATS
+            self._count_events_locked(live_events)
+            self._index = index
+            self._state = StreamState.SYNCHRONIZED
+            self._error = None
+            self._sequence = sequence
+            self._synchronized_once = True
+            if resync:
+                self._resync_differences += difference
+            else:
+                self._recoveries += 1
+            self._publish_locked()
+
+    def set_recovering(self) -> None:
+        """State ``RECOVERING`` (a recovery snapshot was requested); the error stays."""
+        with self._lock:
+            self._state = StreamState.RECOVERING
+            self._publish_locked()
+
+    def set_unsynchronized(self, error: str) -> None:
+        """State ``UNSYNCHRONIZED`` with ``error`` (a failed recovery attempt)."""
+        with self._lock:
+            self._state = StreamState.UNSYNCHRONIZED
+            self._error = error
+            self._publish_locked()
+
+    def set_error(self, error: Optional[str]) -> None:
+        """Replace the error reason only (the state does not change)."""
+        with self._lock:
+            self._error = error
+            self._publish_locked()
+
+    def crashed(self, error: str) -> None:
+        """The stream thread ended on a failure: no index, ``UNSYNCHRONIZED`` with ``error``."""
+        with self._lock:
+            self._index = None
+            self._state = StreamState.UNSYNCHRONIZED
+            self._error = error
+            self._publish_locked()
+
+    def count_decode_error(self, reason: DecodeErrorReason) -> None:
+        """One more decode error labelled ``reason``."""
+        with self._lock:
+            self._decode_errors[reason] += 1
+
+    def count_recovery(self, trigger: RecoveryTrigger) -> None:
+        """One more recovery started by ``trigger``."""
+        with self._lock:
+            self._recoveries_started[trigger] += 1
+
+    def count_attempt(self, outcome: SnapshotOutcome) -> None:
+        """One more snapshot attempt ended with ``outcome`` (a failure; see :meth:`snapshot_ok`)."""
+        with self._lock:
+            self._snapshot_attempts[outcome] += 1
+
+    def snapshot_ok(self, seconds: float, wire_bytes: int, messages: int) -> None:
+        """One more successful snapshot: its duration (request to swap), bytes and messages."""
+        with self._lock:
+            self._snapshot_attempts[SnapshotOutcome.OK] += 1
+            self._snapshot_seconds_sum += seconds
+            self._last_snapshot = (seconds, wire_bytes, messages)
+
+    # ------------------------------------------------------------------ internals
+
+    def _invalidate_locked(self, reason: str) -> None:
+        self._retire_stats_locked()
+        self._index = None
+        self._state = StreamState.UNSYNCHRONIZED
+        self._error = reason
+        self._sequence = None
+        self._publish_locked()
+
+    def _zero_answer(self) -> StreamMatch:
+        """The answer to a prompt whose first block the stream does not hold (caller holds
+        the lock, or nothing runs yet)."""
+        index = self._index
+        if self._state is StreamState.SYNCHRONIZED and index is not None:
+            return StreamMatch(self._instance, self._rank, True, self._sequence, 0, 0,
+                               index.device_blocks, index.host_blocks, None)
+        return StreamMatch(self._instance, self._rank, False, None, 0, 0, 0, 0, self._error)
+
+    def _publish_locked(self) -> None:
+        """Refresh match()'s fast path after a change of the serving state (index, state,
+        error, sequence or counts); caller holds the lock. One assignment, so a query reads
+        either the old pair or the new one."""
+        index = self._index
+        resident = (index.live_flags if self._state is StreamState.SYNCHRONIZED
+                    and index is not None else _NO_KEYS)
+        self._quick = (resident, self._zero_answer())
+
+    def _count_events_locked(self, events: Sequence[object]) -> None:
+        applied = self._events_applied
+        for ev in events:
+            applied[EVENT_TYPES[type(ev)]] += 1
+
+    def _retire_stats_locked(self) -> None:
+        """Fold the serving index's live not-indexed counts into the retired totals before it
+        is replaced or discarded."""
+        index = self._index
+        if index is None:
+            return
+        for i, (cur, base) in enumerate(zip(stats_tuple(index.stats), self._stats_base)):
+            self._not_indexed_retired[i] += cur - base
