@@ -19,7 +19,7 @@ Two kinds of values:
   heartbeats by outcome, proxied requests by status. One ``observe``/``inc`` each.
 
 Every name has the ``kvsvc_`` prefix, counters end in ``_total``, durations are seconds and
-sizes bytes. Label sets are fixed (:data:`~kvsvc.streams.subscriber.DECODE_ERROR_REASONS` and
+sizes bytes. Label sets are fixed (:data:`~kvsvc.streams.counters.DECODE_ERROR_REASONS` and
 friends); instance names and DP ranks are the only open label values, bounded by the cluster
 (§8 ``max_streams``). A per-stream or per-instance series disappears with its stream/instance.
 
@@ -172,7 +172,7 @@ def blueprint() -> flask.Blueprint:
 
 
 def _counters(service: Service) -> dict:
-    """stream id -> :class:`~kvsvc.streams.subscriber.StreamCounters` (empty without a
+    """stream id -> :class:`~kvsvc.streams.counters.StreamCounters` (empty without a
     directory)."""
     directory = service.directory
     return {} if directory is None else directory.counters()

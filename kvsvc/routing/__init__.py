@@ -1,1 +1,8 @@
-"""routing"""
+"""Routing (§11): pick the prefill and decode instances of a request and forward it there.
+
+- :mod:`~kvsvc.routing.policy`: the policies (RR, CAR) over in-process state.
+- :mod:`~kvsvc.routing.in_flight`: the router's own ledger of requests sent and not finished.
+- :mod:`~kvsvc.routing.prompt`: prompt -> token ids (tokenizer and chat template).
+- :mod:`~kvsvc.routing.proxy`: upstream forwarding; :mod:`~kvsvc.routing.router`: the router that
+  ties them together. Nothing here imports Flask or the HTTP layer.
+"""

@@ -17,12 +17,8 @@ import pytest
 import zmq
 
 import kvsvc.streams.snapshot_client as snapshot_module
-from kvsvc.config import (
-    DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
-    ServiceSettings,
-    load_service_settings,
-    parse_kv_events_config,
-)
+from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, parse_kv_events_config
+from kvsvc.settings import ServiceSettings, load_service_settings
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, DecodeError
 from kvsvc.index.tier_index import TierIndex
