@@ -201,8 +201,7 @@ class Directory:
         for sid in view.ordered:
             try:
                 view.subscribers[sid].close(timeout_s=timeout_s)
-            except LifecycleError as exc:
-                log.error("stream %s did not stop within %.1f s", sid, timeout_s)
+            except LifecycleError as exc:  # logged by the stream's close()
                 failure = failure or exc
         self._stop()
         log.info("directory closed: %d streams", len(view.ordered))
@@ -233,7 +232,7 @@ class Directory:
         try:
             sub.close(timeout_s=timeout_s)
         except LifecycleError:
-            log.error("stream %s did not stop within %.1f s", sub.stream_id, timeout_s)
+            pass  # logged by the stream's close(); the stream is being dropped anyway
 
     # -- run-time changes (discovery, §9) --------------------------------------------------------
 

@@ -41,7 +41,12 @@ class BackgroundThread:
     :meth:`_wake`. They read :attr:`stopping` or call :meth:`_sleep` to notice :meth:`close`.
 
     :param name: the thread's name (``kvsvc-...``), used in every lifecycle message.
+    :cvar restartable: whether :meth:`start` may be called again after :meth:`close`. False for
+        owners whose state outlives the thread and would be stale on a second run (a stream's
+        serving index and sequence bookkeeping): :meth:`start` then raises.
     """
+
+    restartable: bool = True
 
     def __init__(self, name: str) -> None:
         self.thread_name = name
@@ -49,6 +54,7 @@ class BackgroundThread:
         self._started = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._setup_error: Optional[BaseException] = None
+        self._ran = False
 
     # -- the contract ---------------------------------------------------------------------
 
@@ -56,11 +62,13 @@ class BackgroundThread:
         """Start the thread; return once its :meth:`_setup` has returned.
 
         :param timeout_s: how long to wait for the thread to run, seconds.
-        :raises LifecycleError: already started, setup raised, or not running within
-            ``timeout_s`` (the thread is then signalled and joined).
+        :raises LifecycleError: already started (or started once and not
+            :attr:`restartable`), setup raised, or not running within ``timeout_s`` (the
+            thread is then signalled and joined).
         """
-        if self._thread is not None:
+        if self._thread is not None or (self._ran and not self.restartable):
             raise LifecycleError(f"{self.thread_name}: already started")
+        self._ran = True
         self._stop_event.clear()
         self._started.clear()
         self._setup_error = None
@@ -75,7 +83,8 @@ class BackgroundThread:
             raise LifecycleError(f"{self.thread_name}: not running after {timeout_s:g} s")
         if self._setup_error is not None:
             thread.join(timeout_s)
-            self._thread = None
+            if not thread.is_alive():  # a hung teardown keeps the thread: no second one
+                self._thread = None
             raise LifecycleError(f"{self.thread_name}: could not start: "
                                  f"{self._setup_error}") from self._setup_error
 

@@ -11,21 +11,15 @@ and ``seed`` is the stream's ``hash_seed``. In memory a key is a Python ``int``,
 cross-checks against an engine, is ``key.to_bytes(16, "little")`` (:func:`key_to_bytes`). This is
 byte-for-byte the block key of xLLM's prefix cache (§4).
 
-This module is on the hot path of ingest and query. Measured on the dev box (CPython 3.11,
-2048 tokens = 16 blocks of 128):
+This module is on the hot path of ingest and query, so each step uses the cheapest form:
 
-* packing a list, with the range check: ``array("I").fromlist(ids)`` + ``tobytes()`` 6.6 us
-  (136k instructions under callgrind), a compiled ``struct.Struct("<2048I").pack(*ids)`` 7.9 us
-  (179k: it first builds a 2048-argument tuple), ``array("I", ids)`` 8.1-9.2 us (193k), so
-  :func:`pack_tokens` uses ``fromlist`` on little-endian hosts (``array`` uses the host's byte
-  order; the ``struct`` path with ``<`` stays for the others);
-* chaining 16 blocks, input: concatenating ``prev + packed[i:j]`` (4.2 us) beat ``memoryview``
-  slices (4.6 us), a streaming ``xxh3_128`` object per block (5.4 us) and one reused
-  ``bytearray`` (7.2 us);
-* chaining, output: ``xxh3_128_digest()[::-1]`` (the little-endian byte form, reused as the next
-  block's prefix) + ``int.from_bytes`` takes 3.6 us against 3.9 us for ``xxh3_128_intdigest`` +
-  ``to_bytes``, and yields compact ints (44 bytes against 48, which matters at a million
-  resident keys).
+* token ids are packed by ``array("I").fromlist(ids)`` + ``tobytes()`` on little-endian hosts
+  (``array`` uses the host's byte order; a compiled ``struct.Struct("<...I")`` stays for the
+  others): it checks the range itself and builds no argument tuple;
+* a block's hash input is ``prev + packed[i:j]`` (plain ``bytes`` concatenation);
+* a digest is taken as ``xxh3_128_digest()[::-1]`` (the little-endian byte form, reused as the
+  next block's prefix) and converted once with ``int.from_bytes``, which also yields the most
+  compact ints (they are the index's keys, a million of them per large stream).
 
 A ``memoryview`` input works too (``bytes + memoryview`` yields ``bytes``).
 """
@@ -55,7 +49,7 @@ ARRAY_IS_WIRE_FORM = sys.byteorder == "little" and array("I").itemsize == 4
 @functools.lru_cache(maxsize=256)
 def _token_struct(n: int) -> struct.Struct:
     """Compiled ``<nI`` packer. A bounded, thread-safe memo of a pure function (not shared
-    state): ``Struct.pack`` is ~1.7 us faster per 2048 tokens than ``struct.pack(fmt, ...)``,
+    state): a compiled ``Struct.pack`` skips parsing the format on every call,
     and ingest sees the same few event sizes over and over."""
     return struct.Struct("<%dI" % n)
 
@@ -93,7 +87,7 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
         tokens = array("I")
         try:
             # fromlist converts in one C loop without the argument tuple struct.pack(*ids)
-            # needs: 6.6 us per 2048 ids against 7.9 (module docstring).
+            # needs (module docstring).
             tokens.fromlist(token_ids if type(token_ids) is list else list(token_ids))
         except (TypeError, OverflowError) as exc:
             raise ValueError(_describe_bad_token(token_ids)) from exc

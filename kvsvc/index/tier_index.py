@@ -5,13 +5,9 @@ holds the stream lock around :meth:`TierIndex.apply` and :meth:`TierIndex.match`
 itself takes no lock.
 
 Representation (chosen for memory and ingest speed; no per-block Python object besides the
-key ints themselves). Measured with tracemalloc over 1,000,000 Device blocks
-(``bench/bench_index_micro.py``): 128 bytes per block for the index (two dict slots of ~42 bytes
-at that size, one 44-byte content-key int) plus the 36-byte engine-hash int the decoder created
-and the engine map keeps alive, 164 bytes in all. ``apply`` of a 16-block x 128-token event takes
-~20 us (~770,000 blocks/s), three quarters of it packing and hashing tokens (§4); ``ormsgpack``
-decodes the same event in ~40 us, so decode + apply runs at 0.66x the decode rate (0.56x when
-token ids are >= 2**30, which CPython stores as two-digit ints and packs more slowly):
+key ints themselves; ``bench/bench_index_micro.py`` and benchmark 5 measure it): two dict slots
+and one content-key int per block, plus the engine-hash int the decoder created, which the
+engine map keeps alive:
 
 * ``_flags``: ``content key -> tier flags`` (``DEVICE | HOST``, never 0). Content keys are the
   128-bit ints of :mod:`kvsvc.index.keys`; flag values are small cached ints.

@@ -43,8 +43,8 @@ END_MARKER: tuple[bytes, bytes, bytes] = (b"", _U64.pack(NO_WATERMARK), b"")
 
 @dataclass(slots=True)
 class LiveFrame:
-    """One well-formed live message (§1). Not ``frozen`` (one per live message: a frozen
-    dataclass costs ~0.5 us more to build); treat it as read-only.
+    """One well-formed live message (§1). Not ``frozen`` (one per live message, and a frozen
+    dataclass costs several times more to build); treat it as read-only.
 
     :param topic: the topic frame, exactly as received (may be empty).
     :param seq: the publisher's sequence number, unsigned 64-bit.

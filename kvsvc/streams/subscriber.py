@@ -106,6 +106,10 @@ class StreamSubscriber(BackgroundThread):
         block the stream does not hold).
     """
 
+    #: A stream's serving state and recovery bookkeeping outlive its thread: a second run would
+    #: start from them stale, so a closed subscriber is replaced, never restarted.
+    restartable = False
+
     match: Callable[[Sequence[int]], StreamMatch]
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,

@@ -168,6 +168,26 @@ def test_start_twice_raises_close_before_start_and_twice_are_no_ops():
     assert not probe.running
 
 
+class OneShot(Probe):
+    restartable = False
+
+
+def test_restart_after_close_only_when_restartable():
+    probe = Probe()
+    probe.start()
+    probe.close()
+    probe.loop_entered.clear()
+    probe.start()                    # restartable by default: a second run
+    assert probe.loop_entered.wait(5)
+    probe.close()
+    once = OneShot("kvsvc-test-once")
+    once.start()
+    once.close()
+    with pytest.raises(LifecycleError, match=r"^kvsvc-test-once: already started$"):
+        once.start()
+    assert not once.running
+
+
 def test_a_loop_that_raises_is_logged_and_torn_down(caplog):
     class Crashing(Probe):
         def _loop(self) -> None:
