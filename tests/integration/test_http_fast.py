@@ -18,7 +18,7 @@ from kvsvc.http.errors import status_of
 from kvsvc.http.internal import QUERY_PATH
 from kvsvc.index.keys import pack_tokens
 from tests.publisher import ProtocolPublisher, stored
-from tests.unit.test_app import HEADERS, INSTANCE, one_stream_config, post, running_app
+from tests.integration.test_app import HEADERS, INSTANCE, one_stream_config, post, running_app
 from tests.fuzz.test_fuzz_http import TOKEN, raw_request, real_service
 from tests.util import free_ports, wait_for
 
