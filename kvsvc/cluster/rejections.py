@@ -6,18 +6,18 @@ registry, so the instance is judged on no load (or none at all). Without this le
 operator sees only a counter move. :class:`HeartbeatRejections` turns the refusals into
 episodes, one per sender:
 
-- the first refusal of a sender (or a refusal for another reason than its current one) logs
-  one WARNING naming the sender and the likely cause (:data:`CAUSES`);
+- the first refusal of a sender for a reason logs one WARNING naming the sender and the likely
+  cause (:data:`CAUSES`); an episode is one sender and one reason;
 - while refusals go on, at most one reminder WARNING per ``reminder_interval_s`` (60 s), with
   the count since the first;
-- the first accepted heartbeat of that name ends the episode with one INFO;
+- the first accepted heartbeat of that name ends its episodes with one INFO;
 - a sender refused no more for ``forget_after_s`` (300 s: it stopped sending, e.g. the engine
   is gone) is forgotten with one INFO.
 
 A sender is its instance ``host:port``. For a 401 the body is not trusted, but its ``name``
 (when it parses) identifies the sender in the log, as one that "claims to be" that instance;
-without one the sender is its remote address. At most ``max_senders`` (256) senders are kept,
-the one refused longest ago dropped first, so refusals from anywhere cannot grow it (each new
+without one the sender is its remote address. At most ``max_senders`` (256) episodes are
+kept, the one refused longest ago dropped first, so refusals from anywhere cannot grow it (each new
 sender still logs one WARNING: a flood of invented names shows in the log as such).
 
 The ledger is the service's (:attr:`kvsvc.service.Service.heartbeat_rejections`); the HTTP
@@ -112,7 +112,8 @@ class HeartbeatRejections:
     :param clock: monotonic seconds (``time.monotonic``; tests pass their own).
     :param reminder_interval_s: least time between two WARNINGs of one episode, seconds.
     :param forget_after_s: an episode without a refusal for this long is dropped, seconds.
-    :param max_senders: most episodes kept; the one refused longest ago goes first.
+    :param max_senders: most episodes (sender and reason) kept; the one refused longest ago
+        goes first.
     :raises ValueError: a non-positive interval or bound.
     """
 
@@ -127,12 +128,15 @@ class HeartbeatRejections:
         self._forget_s = forget_after_s
         self._max = max_senders
         self._lock = threading.Lock()
-        # sender -> episode, least recently refused first.
-        self._episodes: "OrderedDict[str, _Episode]" = OrderedDict()
+        # (sender, reason) -> episode, least recently refused first.
+        self._episodes: "OrderedDict[tuple[str, RejectionReason], _Episode]" = OrderedDict()
 
     def rejected(self, sender: str, reason: RejectionReason, *, claimed: bool = False,
                  detail: str = "") -> None:
         """Record one refused heartbeat of ``sender`` (logs as the module docstring says).
+
+        An episode is one sender and one reason: a sender refused for two reasons in turn
+        (a token that sometimes is missing) has two, each warned once, not a line each time.
 
         :param sender: instance ``host:port``, or the description of an unidentified sender.
         :param reason: why it was refused.
@@ -141,26 +145,24 @@ class HeartbeatRejections:
         """
         now = self._clock()
         who = _describe(sender, claimed)
+        key = (sender, reason)
         with self._lock:
             self._forget_idle(now)
-            ep = self._episodes.get(sender)
-            if ep is None or ep.reason is not reason:
-                previous = ("" if ep is None
-                            else f" (until now: {_short(ep.reason)}, {ep.count} refused)")
-                self._episodes[sender] = _Episode(reason, now, now, 1, claimed, detail, now, 1)
-                self._episodes.move_to_end(sender)
-                log.warning("heartbeats from %s refused: %s%s%s; its load is not recorded",
-                            who, CAUSES[reason], f" [{detail}]" if detail else "", previous)
+            ep = self._episodes.get(key)
+            if ep is None:
+                self._episodes[key] = _Episode(reason, now, now, 1, claimed, detail, now, 1)
+                log.warning("heartbeats from %s refused: %s%s; its load is not recorded",
+                            who, CAUSES[reason], f" [{detail}]" if detail else "")
                 while len(self._episodes) > self._max:
-                    dropped, _ = self._episodes.popitem(last=False)
-                    log.debug("heartbeat rejections: %s dropped (more than %d senders)",
-                              dropped, self._max)
+                    (dropped, why), _ = self._episodes.popitem(last=False)
+                    log.debug("heartbeat rejections: %s (%s) dropped (more than %d kept)",
+                              dropped, why.value, self._max)
                 return
             ep.count += 1
             ep.last_at = now
             ep.claimed = claimed
             ep.detail = detail
-            self._episodes.move_to_end(sender)
+            self._episodes.move_to_end(key)
             if now - ep.reminded_at >= self._reminder_s:
                 log.warning("heartbeats from %s still refused: %s; %d refused since the first "
                             "%.0f s ago (%d since the last reminder)", who, CAUSES[reason],
@@ -169,24 +171,31 @@ class HeartbeatRejections:
                 ep.reminded_count = ep.count
 
     def accepted(self, name: str) -> None:
-        """A heartbeat of ``name`` was accepted: its episode, if any, ends (one INFO)."""
+        """A heartbeat of ``name`` was accepted: its episodes, if any, end (one INFO)."""
         if not self._episodes:   # the usual case, without the lock (a racy read only skips)
             return
         now = self._clock()
         with self._lock:
-            ep = self._episodes.pop(name, None)
-            if ep is not None:
+            ended = [(key, self._episodes.pop(key)) for key in
+                     [k for k in self._episodes if k[0] == name]]
+            if ended:
+                first = min(ep.first_at for _, ep in ended)
                 log.info("heartbeats from %s accepted again, after %d refused over %.1f s (%s)",
-                         name, ep.count, now - ep.first_at, _short(ep.reason))
+                         name, sum(ep.count for _, ep in ended), now - first,
+                         ", ".join(_short(ep.reason) for _, ep in ended))
             self._forget_idle(now)
 
     def current(self) -> dict[str, Rejection]:
-        """sender -> its current :class:`Rejection`, in sender order."""
+        """sender -> its current :class:`Rejection` (of the reason it was refused for last),
+        in sender order."""
         now = self._clock()
         with self._lock:
             self._forget_idle(now)
+            latest: dict[str, _Episode] = {}
+            for (sender, _), ep in self._episodes.items():   # least recently refused first
+                latest[sender] = ep
             return {s: Rejection(s, e.reason, e.first_at, e.last_at, e.count, e.claimed, e.detail)
-                    for s, e in sorted(self._episodes.items())}
+                    for s, e in sorted(latest.items())}
 
     def to_json(self) -> dict[str, dict[str, Any]]:
         """``{sender: Rejection.to_json}`` (the ``heartbeat_rejections`` field of ``/ready``
@@ -195,19 +204,19 @@ class HeartbeatRejections:
         return {s: r.to_json(now) for s, r in self.current().items()}
 
     def __len__(self) -> int:
+        """Episodes kept (sender and reason pairs)."""
         with self._lock:
             return len(self._episodes)
 
     def _forget_idle(self, now: float) -> None:
         """Drop the episodes refused no more for ``forget_after_s`` (under _lock)."""
         while self._episodes:
-            sender, ep = next(iter(self._episodes.items()))
+            (sender, reason), ep = next(iter(self._episodes.items()))
             if now - ep.last_at < self._forget_s:
                 return
-            del self._episodes[sender]
+            del self._episodes[(sender, reason)]
             log.info("heartbeats from %s: none refused for %.0f s (%d refused, %s); forgotten",
-                     _describe(sender, ep.claimed), now - ep.last_at, ep.count,
-                     _short(ep.reason))
+                     _describe(sender, ep.claimed), now - ep.last_at, ep.count, _short(reason))
 
 
 def unidentified_sender(remote_addr: Optional[str]) -> str:

@@ -25,23 +25,35 @@ def lines(caplog, level: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelname == level]
 
 
-def test_a_new_reason_is_a_new_episode_with_its_own_warning(caplog):
+def test_an_episode_is_a_sender_and_a_reason_each_warned_once(caplog):
+    """A sender whose token is sometimes missing, sometimes wrong: two WARNINGs, not one per
+    refusal; the listing shows the reason it was refused for last; acceptance ends both."""
     caplog.set_level("INFO", logger=LOGGER)
     clock = Clock()
     ledger = HeartbeatRejections(clock=clock)
-    ledger.rejected("a:1", RejectionReason.MISSING_TOKEN, claimed=True)
-    ledger.rejected("a:1", RejectionReason.MISSING_TOKEN, claimed=True)
+    for _ in range(3):
+        ledger.rejected("a:1", RejectionReason.MISSING_TOKEN, claimed=True)
+        clock.now += 1
+        ledger.rejected("a:1", RejectionReason.TOKEN_MISMATCH, claimed=True)
+        clock.now += 1
     clock.now += 5
     ledger.rejected("a:1", RejectionReason.UNKNOWN_INSTANCE)
     assert lines(caplog, "WARNING") == [
         "heartbeats from a sender that claims to be a:1 refused: missing X-Internal-Token: the "
         "sender sends no token but --internal_api_token is set; its load is not recorded",
+        "heartbeats from a sender that claims to be a:1 refused: token mismatch: the sender's "
+        "X-Internal-Token differs from --internal_api_token; its load is not recorded",
         "heartbeats from a:1 refused: unknown instance: registered under another "
-        "--etcd_namespace, or not registered yet? (until now: missing X-Internal-Token, "
-        "2 refused); its load is not recorded"]
+        "--etcd_namespace, or not registered yet?; its load is not recorded"]
     (entry,) = ledger.current().values()
     assert (entry.reason, entry.count, entry.first_at, entry.claimed) == (
-        RejectionReason.UNKNOWN_INSTANCE, 1, 55.0, False)
+        RejectionReason.UNKNOWN_INSTANCE, 1, 61.0, False)
+    assert len(ledger) == 3
+    ledger.accepted("a:1")
+    assert lines(caplog, "INFO") == [
+        "heartbeats from a:1 accepted again, after 7 refused over 11.0 s (missing "
+        "X-Internal-Token, token mismatch, unknown instance)"]
+    assert len(ledger) == 0
 
 
 def test_bounded_the_sender_refused_longest_ago_goes_first():
