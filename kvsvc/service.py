@@ -28,6 +28,7 @@ from typing import Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
 from kvsvc.settings import ServiceSettings
@@ -103,8 +104,9 @@ class Service:
     :ivar registry: the registry, ``None`` without ``--etcd_addr``.
     :ivar discovery: discovery, ``None`` unless enabled (it needs a registry and a directory).
     :ivar router: the §11 router (always present).
-    :ivar static_streams: the §8 config lists streams, so readiness does not need a fresh
-        registry.
+    :ivar static_streams: the §8 config lists streams.
+    :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
+        layer, shown in ``/ready`` and ``/v1/internal/route``.
     """
 
     def __init__(self, settings: ServiceSettings,
@@ -127,6 +129,7 @@ class Service:
                                        kv_config)
         self.router = build_router(settings, self.registry, self.directory)
         self.static_streams = bool(kv_config is not None and kv_config.streams)
+        self.heartbeat_rejections = HeartbeatRejections()
         self._lock = threading.Lock()
         self._running = False
 

@@ -44,7 +44,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Protocol
+from typing import Mapping, Optional, Protocol
 
 from kvsvc.address import MAX_PORT, check_tcp_endpoint, parse_host_port, tcp_endpoint
 from kvsvc.cluster.model import (
@@ -277,6 +277,8 @@ class Discovery(BackgroundThread):
         # Discovery thread only (and refresh() callers while the thread is not running).
         self._applied: dict[StreamId, PlannedStream] = {}
         self._excluded: Mapping[str, str] = MappingProxyType({})
+        # The streams of the first plan made from a fresh snapshot (readiness' warm-up set).
+        self._first_plan: Optional[frozenset[StreamId]] = None
         self._refresh_lock = threading.Lock()
         self._refreshes = 0
         # Metrics counters (kvsvc.http.metrics), under _counter_lock (never held across a refresh,
@@ -295,6 +297,12 @@ class Discovery(BackgroundThread):
     def excluded(self) -> Mapping[str, str]:
         """The last plan's excluded instances: name -> reason (read-only)."""
         return self._excluded
+
+    def first_plan(self) -> Optional[frozenset[StreamId]]:
+        """The streams of the first plan made from a ``fresh`` registry snapshot (one taken
+        after a successful etcd list), ``None`` before one: the streams ``/ready`` waits for
+        to synchronize once (§10)."""
+        return self._first_plan
 
     def counters(self) -> tuple[dict[str, int], dict[str, int]]:
         """Copies of (stream changes by :data:`CHANGE_KINDS`, exclusions started by
@@ -347,8 +355,11 @@ class Discovery(BackgroundThread):
         :returns: what changed.
         """
         with self._refresh_lock:
-            plan = plan_streams(self._registry.snapshot(), self._cfg, self._limits)
+            snapshot = self._registry.snapshot()
+            plan = plan_streams(snapshot, self._cfg, self._limits)
             result = self._apply(plan)
+            if self._first_plan is None and snapshot.fresh:
+                self._first_plan = frozenset(plan.streams)
             self._log_exclusions(plan.excluded)
             self._refreshes += 1
             with self._counter_lock:

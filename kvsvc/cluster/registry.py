@@ -201,6 +201,13 @@ class Registry:
         """``host:port`` of the master service as last read from etcd, or None."""
         return self._election.master_address
 
+    def last_listed_at(self) -> Optional[float]:
+        """Monotonic time (s) of the last successful etcd list, ``None`` before the first
+        (readiness: nothing to route on until one; its age says how stale a not ``fresh``
+        snapshot is). Lock-free: one float read."""
+        listed = self._last_list_ok
+        return listed if listed > 0.0 else None
+
     def wait_for(self, predicate: Callable[[RegistrySnapshot], bool],
                  timeout_s: float) -> RegistrySnapshot:
         """Block until ``predicate(snapshot)`` is true (checked on every change), return that

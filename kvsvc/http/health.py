@@ -2,30 +2,115 @@
 
 - ``GET /health``: liveness, always 200 ``{"status": "ok"}``; touches nothing (no etcd, no
   upstream, no stream lock).
-- ``GET /ready``: 200 once the service runs, the registry (when configured) is fresh or static
-  streams are configured, and every stream has been synchronized at least once; else 503. The
-  body shows every stream's state, error, sequence, resident block counts, completed recoveries
-  and periodic-resync differences (§6); with a registry also ``registry`` (``fresh``,
-  ``is_master``, ``generation``, ``instances``), with discovery also ``discovery.excluded``
-  (instance -> reason) and each stream's ``identity`` (the incarnation it was added for). etcd
-  unreachable keeps the last registry snapshot (streams go on) and only degrades readiness.
+- ``GET /ready``: "this replica should receive traffic". 200 once (a) the service runs, (b) the
+  registry, when configured, has been listed successfully once (before that there is nothing to
+  route on: etcd down at boot means 503 until the first list), and (c) the replica has warmed
+  up: every configured stream synchronized once (the static streams of the §8 config, or, with
+  discovery, the streams of its first plan made from a listed registry; a stream removed
+  meanwhile is no longer waited for). Warm-up is kept once reached (:class:`Readiness`), so
+  after it ``/ready`` stays 200 while the service runs: through an etcd outage, routing on the
+  last registry snapshot (``registry.routing_on_last_snapshot``, ``stale_for_s``), and through
+  later stream losses (each stream's state says those). Load balancers take readiness
+  replica by replica: a cause shared by every replica (etcd, an engine) must not drain them all
+  while completions still work. 503 before, with ``waiting_for`` naming what is missing
+  (``"service start"``, ``"registry first list"``, ``"discovery first plan"``,
+  ``"stream <instance>/dp<rank> first synchronization"``).
+
+  The body: ``ready``, ``running``, ``index_enabled``, ``warmed_up``, ``waiting_for``,
+  ``heartbeat_rejections`` (sender -> reason, since_s, count; see
+  :class:`~kvsvc.cluster.rejections.HeartbeatRejections`), with a registry also ``registry``
+  (``fresh``, ``is_master``, ``generation``, ``instances``, ``listed_once``,
+  ``routing_on_last_snapshot``, ``stale_for_s``: seconds since the last successful list while
+  not fresh, else null), with discovery also ``discovery.excluded`` (instance -> reason), and
+  ``streams``: every stream's state, error, sequence, resident block counts, completed
+  recoveries and periodic-resync differences (§6), with discovery each stream's ``identity``
+  (the incarnation it was added for).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import threading
+import time
+from typing import Any, Optional
 
 import flask
+from flask import current_app
 
 from kvsvc.http.extensions import service
+from kvsvc.service import Service
+from kvsvc.streams.state import StreamId, StreamStatus
+
+log = logging.getLogger(__name__)
+
+#: ``app.extensions`` key of the app's :class:`Readiness`.
+READINESS_EXTENSION = "kvsvc.readiness"
 
 
 def blueprint() -> flask.Blueprint:
-    """``/health`` and ``/ready``."""
+    """``/health`` and ``/ready``; registering it gives the app its :class:`Readiness`."""
     bp = flask.Blueprint("kvsvc_health", __name__)
+    bp.record_once(lambda state: state.app.extensions.setdefault(READINESS_EXTENSION,
+                                                                 Readiness()))
     bp.add_url_rule("/health", "health", _health, methods=["GET"])
     bp.add_url_rule("/ready", "ready", _ready, methods=["GET"])
     return bp
+
+
+class Readiness:
+    """The warm-up latch of one app (see the module docstring): once every configured stream
+    was synchronized and the registry listed, it stays warm. Thread-safe (request threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._warmed_up = False
+
+    def evaluate(self, svc: Service, statuses: list[StreamStatus]) -> list[str]:
+        """What ``svc`` still needs before it should receive traffic, ``[]`` when ready.
+        Reaching warm-up is logged once (INFO).
+
+        :param svc: the app's service.
+        :param statuses: the directory's stream statuses (as shown in the body).
+        """
+        waiting: list[str] = []
+        if not svc.running:
+            waiting.append("service start")
+        if svc.registry is not None and svc.registry.last_listed_at() is None:
+            waiting.append("registry first list")
+        with self._lock:
+            if self._warmed_up:
+                return waiting
+        waiting.extend(_warm_up_missing(svc, statuses))
+        if waiting:
+            return waiting
+        with self._lock:
+            first = not self._warmed_up
+            self._warmed_up = True
+        if first:
+            log.info("ready: %s, %d streams synchronized once; /ready now stays 200 through "
+                     "etcd outages and stream losses", "registry listed"
+                     if svc.registry is not None else "no registry", len(statuses))
+        return waiting
+
+    @property
+    def warmed_up(self) -> bool:
+        """True once warm-up was reached."""
+        with self._lock:
+            return self._warmed_up
+
+
+def _warm_up_missing(svc: Service, statuses: list[StreamStatus]) -> list[str]:
+    """The warm-up set's streams not synchronized once yet (and discovery's missing plan)."""
+    wanted: Optional[frozenset[StreamId]]
+    if svc.discovery is not None:
+        wanted = svc.discovery.first_plan()
+        if wanted is None:
+            return ["discovery first plan"]
+    else:
+        wanted = frozenset(st.stream for st in statuses)
+    # A warm-up stream no longer in the directory (instance gone) is not waited for.
+    return [f"stream {st.stream} first synchronization" for st in statuses
+            if st.stream in wanted and not st.synchronized_once]
 
 
 def _health() -> flask.Response:
@@ -34,16 +119,11 @@ def _health() -> flask.Response:
 
 def _ready() -> tuple[flask.Response, int]:
     svc = service()
+    readiness: Readiness = current_app.extensions[READINESS_EXTENSION]
     directory = svc.directory
     statuses = directory.statuses() if directory is not None else []
-    registry: dict[str, Any] = {}
-    registry_ok = True
-    if svc.registry is not None:
-        snap = svc.registry.snapshot()
-        registry.update(fresh=snap.fresh, is_master=snap.is_master, generation=snap.generation,
-                        instances=len(snap.instances))
-        registry_ok = snap.fresh or svc.static_streams
-    ready = svc.running and registry_ok and all(st.synchronized_once for st in statuses)
+    waiting = readiness.evaluate(svc, statuses)
+    ready = not waiting
     streams = [{
             "instance_name": st.stream.instance_name,
             "dp_rank": st.stream.dp_rank,
@@ -60,11 +140,22 @@ def _ready() -> tuple[flask.Response, int]:
         "ready": ready,
         "running": svc.running,
         "index_enabled": directory is not None,
+        "warmed_up": readiness.warmed_up,
+        "waiting_for": waiting,
+        "heartbeat_rejections": svc.heartbeat_rejections.to_json(),
     }
-    # The registry and discovery parts appear only when configured (the body of a static
-    # service is unchanged).
+    # The registry and discovery parts appear only when configured.
     if svc.registry is not None:
-        body["registry"] = registry
+        snap = svc.registry.snapshot()
+        listed_at = svc.registry.last_listed_at()
+        stale_for: Optional[float] = None
+        if not snap.fresh and listed_at is not None:
+            stale_for = round(max(0.0, time.monotonic() - listed_at), 3)
+        body["registry"] = {
+            "fresh": snap.fresh, "is_master": snap.is_master, "generation": snap.generation,
+            "instances": len(snap.instances), "listed_once": listed_at is not None,
+            "routing_on_last_snapshot": not snap.fresh and listed_at is not None,
+            "stale_for_s": stale_for}
     if svc.discovery is not None and directory is not None:
         body["discovery"] = {"excluded": dict(svc.discovery.excluded())}
         for entry, st in zip(streams, statuses):

@@ -14,9 +14,13 @@ token is configured (:mod:`kvsvc.http.auth`). Errors answer ``{"error": "..."}``
   (``malformed``) or a load out of range (``invalid_load``, the registry's message), 401 bad
   token, 409 unknown instance or stale incarnation, 503 no registry (``--etcd_addr`` empty).
   Each answer counts once in ``kvsvc_heartbeats_total`` by :data:`~kvsvc.http.metrics.HEARTBEAT_OUTCOMES`.
+  A 401 or 409 is also reported to the service's
+  :class:`~kvsvc.cluster.rejections.HeartbeatRejections` (one WARNING per instance and reason,
+  a reminder at most once a minute); a 200 ends the instance's episode there (one INFO).
 - ``POST /v1/internal/route`` ``{"token_ids": [...]}`` or a completion/chat body -> the decision
   (chosen P/D and every candidate's per-rank hit tokens, hit ratio, queue cost, score, tie, in
-  flight) plus ``tokenized``, without sending anything (§11). Bodies up to
+  flight) plus ``tokenized`` and ``heartbeat_rejections`` (the instances whose heartbeats are
+  refused, as in ``/ready``), without sending anything (§11). Bodies up to
   ``--max_request_bytes``.
 """
 
@@ -29,6 +33,7 @@ import flask
 import orjson
 from flask import current_app, request
 
+from kvsvc.cluster.rejections import RejectionReason
 from kvsvc.errors import (
     BadRequest,
     InvalidHeartbeat,
@@ -102,11 +107,20 @@ def _heartbeat() -> flask.Response:
         raise
     except UnknownInstance:
         counter.labels("unknown_instance").inc()
+        namespace = svc.settings.etcd_namespace
+        svc.heartbeat_rejections.rejected(
+            hb.name, RejectionReason.UNKNOWN_INSTANCE,
+            detail=(f"this kvsvc reads --etcd_namespace {namespace!r}" if namespace
+                    else "this kvsvc reads no --etcd_namespace"))
         raise
-    except StaleIncarnation:
+    except StaleIncarnation as exc:
         counter.labels("stale_incarnation").inc()
+        svc.heartbeat_rejections.rejected(
+            hb.name, RejectionReason.STALE_INCARNATION,
+            detail=f"incarnation {exc.got!r}, registered {exc.registered!r}")
         raise
     counter.labels("ok").inc()
+    svc.heartbeat_rejections.accepted(hb.name)
     return flask.jsonify(ok=True)
 
 
@@ -137,4 +151,5 @@ def _route() -> flask.Response:
         raise BadRequest("body needs token_ids, prompt or messages")
     out = metrics().decide(routing, token_ids).to_json()
     out["tokenized"] = tokenized
+    out["heartbeat_rejections"] = svc.heartbeat_rejections.to_json()
     return flask.jsonify(out)

@@ -144,7 +144,9 @@ def test_join_refresh_keeps_index_replacement_starts_empty(etcd_server):
         assert directory.stream_ids() == [s0, s1]
 
 
-def test_deregistration_removes_streams_and_etcd_outage_degrades_readiness(etcd_server):
+def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_server):
+    """Issue 13: an etcd outage no longer drains the replica (main answered 503 here): /ready
+    stays 200 routing on the last snapshot and says so; streams go on serving."""
     port = free_instance_port(1, 10000, 30000)
     name = f"127.0.0.1:{port}"
     with service(etcd_server.addr) as app:
@@ -161,22 +163,65 @@ def test_deregistration_removes_streams_and_etcd_outage_degrades_readiness(etcd_
             assert [(s["instance_name"], s["identity"], s["state"]) for s in body["streams"]] == [
                 (name, reg.incarnation_id, "synchronized")]
 
-            # etcd down: the last snapshot is kept, streams go on serving, readiness degrades.
+            # etcd down: the last snapshot is kept, streams go on serving, the replica stays
+            # ready (every replica shares etcd: 503 would drain them all at once).
             etcd_server.stop()
-            wait_for(lambda: client.get("/ready").status_code == 503, timeout_s=15.0,
-                     what="readiness degraded")
-            body = client.get("/ready").get_json()
-            assert (body["ready"], body["registry"]["fresh"], body["registry"]["instances"]) == (
-                False, False, 1)
+            wait_for(lambda: not client.get("/ready").get_json()["registry"]["fresh"],
+                     timeout_s=15.0, what="registry not fresh")
+            r = client.get("/ready")
+            body = r.get_json()
+            assert (r.status_code, body["ready"], body["registry"]["fresh"],
+                    body["registry"]["routing_on_last_snapshot"], body["registry"]["instances"],
+                    body["waiting_for"]) == (200, True, False, True, 1, [])
+            assert body["registry"]["stale_for_s"] > 0
             assert answers(app)[(name, 0)] == (True, 0, 8)
             etcd_server.start()
-            wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=15.0,
-                     what="registry fresh again")
+            wait_for(lambda: client.get("/ready").get_json()["registry"]["fresh"],
+                     timeout_s=15.0, what="registry fresh again")
+            body = client.get("/ready").get_json()
+            assert (body["ready"], body["registry"]["routing_on_last_snapshot"],
+                    body["registry"]["stale_for_s"]) == (True, False, None)
             assert answers(app)[(name, 0)] == (True, 0, 8)
         # Clean stop revokes the lease: the key goes at once, /health fails -> SUSPECT ->
         # streams removed.
         wait_for(lambda: answers(app) == {}, timeout_s=10.0, what="streams removed")
         assert app.extensions[EXTENSION].directory.identity(StreamId(name, 0)) is None
+
+
+def test_ready_waits_for_the_first_plans_streams_then_stays_through_a_replacement(etcd_server):
+    """Issue 13: warm-up is the streams of discovery's first plan synchronized once (main
+    answered 200 with them unsynchronized, as soon as the registry was fresh); after it a
+    replaced stream that has not synchronized yet does not make the replica unready (main:
+    503)."""
+    port = free_instance_port(1, 10000, 30000)
+    name = f"127.0.0.1:{port}"
+    with registered_sim(etcd_server.addr, port) as (eng, reg):
+        reg.wait_registered()
+        eng.delay_snapshots(0, 1.0)
+        with service(etcd_server.addr) as app:
+            client = app.test_client()
+            directory = app.extensions[EXTENSION].directory
+            wait_for(lambda: directory.stream_ids() == [StreamId(name, 0)], timeout_s=10.0,
+                     what="stream discovered")
+            r = client.get("/ready")
+            body = r.get_json()
+            assert (r.status_code, body["ready"], body["warmed_up"], body["waiting_for"]) == (
+                503, False, False, [f"stream {name}/dp0 first synchronization"])
+            wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=10.0,
+                     what="ready after the first synchronization")
+            assert answers(app)[(name, 0)][0] is True
+
+            eng.restart()
+            eng.delay_snapshots(0, 1.0, count=20)
+            new_identity = reg.reincarnate()
+            wait_for(lambda: directory.identity(StreamId(name, 0)) == new_identity,
+                     what="stream replaced")
+            r = client.get("/ready")
+            body = r.get_json()
+            assert answers(app)[(name, 0)][0] is False
+            assert (r.status_code, body["ready"], body["warmed_up"]) == (200, True, True)
+            assert [(s["identity"], s["synchronized_once"]) for s in body["streams"]] == [
+                (new_identity, False)]
 
 
 def sim_process(etcd_addr: str, port: int, log_path: Path) -> subprocess.Popen:

@@ -227,7 +227,9 @@ def test_ready_503_before_start_lists_streams():
         r = app.test_client().get("/ready")
         assert r.status_code == 503
         assert r.get_json() == {
-            "ready": False, "running": False, "index_enabled": True,
+            "ready": False, "running": False, "index_enabled": True, "warmed_up": False,
+            "waiting_for": ["service start", f"stream {INSTANCE}/dp0 first synchronization"],
+            "heartbeat_rejections": {},
             "streams": [{"instance_name": INSTANCE, "dp_rank": 0, "state": "unsynchronized",
                          "synchronized_once": False, "sequence": None,
                          "error": "not started", "device_blocks": 0, "host_blocks": 0,
@@ -242,7 +244,8 @@ def test_index_disabled_answers_no_matches_and_is_ready(caplog):
             assert (r.status_code, r.get_json()) == (200, {"matches": []})
             r = client.get("/ready")
             assert (r.status_code, r.get_json()) == (200, {
-                "ready": True, "running": True, "index_enabled": False, "streams": []})
+                "ready": True, "running": True, "index_enabled": False, "warmed_up": True,
+                "waiting_for": [], "heartbeat_rejections": {}, "streams": []})
             # Validation still applies with the index disabled.
             assert post(client, {"token_ids": [-5]}).status_code == 400
     disabled = [r for r in caplog.records if "index disabled" in r.getMessage()]

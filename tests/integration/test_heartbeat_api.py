@@ -16,10 +16,11 @@ from kvsvc.http.app import create_app
 from kvsvc.http.body import parse_heartbeat
 from kvsvc.http.errors import status_of
 from kvsvc.http.extensions import EXTENSION
-from kvsvc.http.internal import HEARTBEAT_PATH
+from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
 from kvsvc.settings import load_service_settings
 from kvsvc.errors import BadRequest, InvalidHeartbeat
 from kvsvc.cluster.etcd import EtcdClient
+from kvsvc.cluster.rejections import HeartbeatRejections
 from tests.integration.test_metrics import scrape
 
 TOKEN = "hb-token"
@@ -202,3 +203,127 @@ def test_parse_heartbeat_checks_the_shape_only():
         parse_heartbeat(b'{"name": "a:1", "load_metrics": {"waiting_requests_num": 0, '
                         b'"gpu_cache_usage_perc": "NaN"}}')
     assert (status_of(info.value), info.value.message) == (400, USAGE_ERROR)
+
+
+# -- refused heartbeats are said (issue 13: silent rejections) ---------------------------------
+
+class FakeClock:
+    """The ledger's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+REJECTION_LOGGER = "kvsvc.cluster.rejections"
+UNKNOWN = "127.0.0.1:9999"
+
+#: case -> (headers, body, status, who the log names, reason, the likely cause's words).
+REFUSALS = {
+    "wrong token": ({"X-Internal-Token": "not-the-token"}, body(), 401,
+                    f"a sender that claims to be {NAME}", "token_mismatch",
+                    "token mismatch: the sender's X-Internal-Token differs from "
+                    "--internal_api_token"),
+    "missing token": ({}, body(), 401, f"a sender that claims to be {NAME}", "missing_token",
+                      "missing X-Internal-Token"),
+    "unknown instance": (HEADERS, body(name=UNKNOWN), 409, UNKNOWN, "unknown_instance",
+                         "unknown instance: registered under another --etcd_namespace, or not "
+                         "registered yet?"),
+    "stale incarnation": (HEADERS, body(incarnation="inc-old"), 409, NAME, "stale_incarnation",
+                          "stale incarnation: a replaced engine process is still sending"),
+}
+
+
+def rejection_lines(caplog, level: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == REJECTION_LOGGER and r.levelname == level]
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_heartbeats_log_one_warning_a_reminder_a_minute_and_info_when_accepted(
+        case, registered, etcd_server, caplog):
+    """One WARNING naming the sender and the likely cause when refusals start, none more
+    within the minute (the injected clock), a reminder with the count after it, one INFO when
+    accepted again; ``/ready`` and ``/v1/internal/route`` list the refused sender meanwhile."""
+    headers, doc, status, who, reason, cause = REFUSALS[case]
+    name = doc["name"]
+    svc = registered.extensions[EXTENSION]
+    clock = FakeClock()
+    svc.heartbeat_rejections = HeartbeatRejections(clock=clock)
+    client = registered.test_client()
+    caplog.set_level("INFO", logger=REJECTION_LOGGER)
+
+    for _ in range(3):
+        assert post(client, doc, headers).status_code == status
+        clock.now += 10.0
+    warnings = rejection_lines(caplog, "WARNING")
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"heartbeats from {who} refused: {cause}")
+
+    for answer in (client.get("/ready"),
+                   client.post(ROUTE_PATH, headers=HEADERS, json={"token_ids": [1, 2, 3]})):
+        assert answer.status_code == 200, answer.get_json()
+        listed = answer.get_json()["heartbeat_rejections"]
+        assert list(listed) == [name]
+        assert (listed[name]["reason"], listed[name]["count"], listed[name]["since_s"],
+                listed[name]["claimed"]) == (reason, 3, 30.0, status == 401)
+        assert listed[name]["cause"].startswith(cause)
+
+    clock.now += 31.0   # 61 s after the first refusal
+    assert post(client, doc, headers).status_code == status
+    warnings = rejection_lines(caplog, "WARNING")
+    assert len(warnings) == 2, warnings
+    assert warnings[1].startswith(f"heartbeats from {who} still refused: {cause}")
+    assert "4 refused since the first 61 s ago" in warnings[1]
+    assert post(client, doc, headers).status_code == status
+    assert len(rejection_lines(caplog, "WARNING")) == 2
+
+    if case == "unknown instance":   # it registers (as it would under the right namespace)
+        etcd = EtcdClient(etcd_server.addr)
+        try:
+            etcd.put(f"XLLM:PREFILL:{UNKNOWN}", json.dumps({
+                "name": UNKNOWN, "type": 1, "incarnation_id": INCARNATION,
+                "register_ts_ms": 3000}), lease_id=etcd.grant_lease(60))
+        finally:
+            etcd.close()
+        svc.registry.wait_for(lambda s: UNKNOWN in s.instances, timeout_s=10.0)
+    assert rejection_lines(caplog, "INFO") == []
+    assert post(client, body(name=name)).status_code == 200
+    infos = rejection_lines(caplog, "INFO")
+    assert infos == [f"heartbeats from {name} accepted again, after 5 refused over 61.0 s "
+                     f"({cause.split(':')[0]})"]
+    assert client.get("/ready").get_json()["heartbeat_rejections"] == {}
+    assert post(client, body(name=name)).status_code == 200
+    assert len(rejection_lines(caplog, "INFO")) == 1
+
+
+def test_refused_heartbeat_without_a_readable_name_is_its_remote_address(registered, caplog):
+    caplog.set_level("WARNING", logger=REJECTION_LOGGER)
+    client = registered.test_client()
+    assert post(client, b"{not json", {"X-Internal-Token": "nope"}).status_code == 401
+    # A name that could forge log lines is not shown either.
+    assert post(client, body(name="x\nFAKE LINE"), {"X-Internal-Token": "nope"}).status_code == 401
+    (line,) = rejection_lines(caplog, "WARNING")
+    assert line.startswith("heartbeats from unidentified sender 127.0.0.1 refused: token mismatch")
+    listed = client.get("/ready").get_json()["heartbeat_rejections"]
+    assert listed["unidentified sender 127.0.0.1"]["count"] == 2
+
+
+def test_unknown_instance_warning_names_this_kvsvcs_namespace(etcd_server, caplog):
+    """The likely cause with the namespace this kvsvc reads, for the operator to compare."""
+    caplog.set_level("WARNING", logger=REJECTION_LOGGER)
+    settings = load_service_settings(internal_api_token=TOKEN, etcd_addr=etcd_server.addr,
+                                     etcd_namespace="team-a", host="127.0.0.1", port=18888)
+    app = create_app(settings, None)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    try:
+        assert post(app.test_client(), body()).status_code == 409
+    finally:
+        svc.close(timeout_s=10.0)
+    (line,) = rejection_lines(caplog, "WARNING")
+    assert line == (f"heartbeats from {NAME} refused: unknown instance: registered under another "
+                    "--etcd_namespace, or not registered yet? [this kvsvc reads --etcd_namespace "
+                    "'team-a']; its load is not recorded")

@@ -324,9 +324,10 @@ def test_health_touches_neither_registry_nor_directory(monkeypatch):
         svc.close(timeout_s=5.0)
 
 
-def test_ready_static_streams_ignore_registry_freshness_but_need_a_first_sync(raw_engine):
-    """Static streams + unreachable etcd: 503 until the stream synchronized once, then 200
-    with the registry reported not fresh."""
+def test_ready_static_streams_need_a_first_sync_and_a_first_registry_list(raw_engine):
+    """Static streams + unreachable etcd: 503 until the stream synchronized once, and still 503
+    after it while the registry never listed (issue 13: nothing to route on; it used to be
+    200 here), naming what it waits for."""
     dead_etcd = f"127.0.0.1:{free_port()}"
     raw_engine.hold_replies()
     app = running({"etcd_addr": dead_etcd}, stream_config(raw_engine.event_port, raw_engine.replay_port))
@@ -337,10 +338,15 @@ def test_ready_static_streams_ignore_registry_freshness_but_need_a_first_sync(ra
         first = client.get("/ready")
         assert first.status_code == 503
         assert first.get_json()["streams"][0]["synchronized_once"] is False
+        assert first.get_json()["waiting_for"] == [
+            "registry first list", f"stream {INSTANCE}/dp0 first synchronization"]
         raw_engine.release_replies()
-        wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=10, what="ready")
-        body = client.get("/ready").get_json()
-        assert (body["ready"], body["registry"]["fresh"], body["streams"][0]["state"],
-                body["streams"][0]["synchronized_once"]) == (True, False, "synchronized", True)
+        wait_for(lambda: status(app).synchronized_once, timeout_s=10, what="synchronized")
+        r = client.get("/ready")
+        body = r.get_json()
+        assert (r.status_code, body["ready"], body["registry"]["fresh"],
+                body["streams"][0]["state"], body["streams"][0]["synchronized_once"],
+                body["waiting_for"]) == (503, False, False, "synchronized", True,
+                                         ["registry first list"])
     finally:
         svc.close(timeout_s=5.0)

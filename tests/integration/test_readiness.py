@@ -1,0 +1,105 @@
+"""``GET /ready`` as "this replica should receive traffic" (§10, issue 13), with a real etcd and
+a real stream (tests/publisher.py engine): 503 before the registry's first list (etcd down at
+boot: nothing to route on) and before warm-up (every configured stream synchronized once), each
+missing piece named in ``waiting_for``; after warm-up 200 through an etcd outage (paused etcd:
+every request hangs), routing on the last snapshot and saying so, and while a stream is out of
+synchronization."""
+
+from __future__ import annotations
+
+import flask
+
+from kvsvc.config import parse_kv_events_config
+from kvsvc.http.app import create_app
+from kvsvc.http.extensions import EXTENSION
+from kvsvc.settings import load_service_settings
+from tests.publisher import stored
+from tests.util import wait_for
+
+INSTANCE = "127.0.0.1:9400"
+STREAM = f"stream {INSTANCE}/dp0 first synchronization"
+
+
+def started(etcd_addr: str, raw_engine=None) -> flask.Flask:
+    kv_config = None if raw_engine is None else parse_kv_events_config({
+        "streams": [{"instance_name": INSTANCE, "block_size": 4,
+                     "endpoint": f"tcp://127.0.0.1:{raw_engine.event_port}",
+                     "replay_endpoint": f"tcp://127.0.0.1:{raw_engine.replay_port}"}],
+        "replay_timeout_ms": 500})
+    app = create_app(load_service_settings(etcd_addr=etcd_addr), kv_config)
+    app.extensions[EXTENSION].start(timeout_s=10.0)
+    return app
+
+
+def ready(client) -> tuple[int, dict]:
+    r = client.get("/ready")
+    return r.status_code, r.get_json()
+
+
+def test_503_until_the_registry_listed_once_even_with_synchronized_static_streams(
+        etcd_server, raw_engine):
+    """etcd down at boot: the stream synchronizes (main answered 200 then), but with nothing
+    listed there is nothing to route on: 503 naming the registry's first list, until it lists."""
+    etcd_server.stop()
+    app = started(etcd_server.addr, raw_engine)
+    svc = app.extensions[EXTENSION]
+    try:
+        client = app.test_client()
+        wait_for(lambda: svc.directory.ready(), timeout_s=10.0, what="stream synchronized")
+        status, body = ready(client)
+        assert (status, body["ready"], body["waiting_for"], body["registry"]["listed_once"],
+                body["registry"]["routing_on_last_snapshot"], body["registry"]["stale_for_s"]) == (
+            503, False, ["registry first list"], False, False, None)
+        assert body["streams"][0]["synchronized_once"] is True
+        etcd_server.start()
+        wait_for(lambda: ready(client)[0] == 200, timeout_s=20.0, what="ready after the list")
+        status, body = ready(client)
+        assert (body["waiting_for"], body["warmed_up"], body["registry"]["fresh"],
+                body["registry"]["listed_once"]) == ([], True, True, True)
+    finally:
+        svc.close(timeout_s=10.0)
+
+
+def test_ready_stays_200_through_an_etcd_outage_and_a_stream_loss_after_warm_up(
+        etcd_server, raw_engine):
+    """503 naming the stream until its first synchronization; then 200 all through a paused
+    etcd (the body: not fresh, routing on the last snapshot, stale for seconds) and while the
+    stream recovers from a lost batch with its snapshot held back."""
+    raw_engine.hold_replies()
+    app = started(etcd_server.addr, raw_engine)
+    svc = app.extensions[EXTENSION]
+    try:
+        client = app.test_client()
+        wait_for(lambda: raw_engine.requests, timeout_s=10.0, what="snapshot request")
+        status, body = ready(client)
+        assert (status, body["ready"], body["warmed_up"], body["waiting_for"]) == (
+            503, False, False, [STREAM])
+        assert body["registry"]["fresh"] is True
+        raw_engine.release_replies()
+        wait_for(lambda: ready(client)[0] == 200, timeout_s=10.0, what="warmed up")
+
+        statuses: list[int] = []
+
+        def stale() -> bool:
+            status, body = ready(client)
+            statuses.append(status)
+            return not body["registry"]["fresh"]
+
+        with etcd_server.paused():
+            wait_for(stale, timeout_s=30.0, interval_s=0.1, what="registry not fresh")
+            # The stream loses a batch and cannot get its snapshot: out of synchronization.
+            raw_engine.hold_replies()
+            raw_engine.wait_subscribed()
+            raw_engine.skip()
+            raw_engine.publish([stored([11], None, [1, 2, 3, 4], 4)])
+            wait_for(lambda: svc.directory.statuses()[0].state.value != "synchronized",
+                     timeout_s=10.0, what="stream out of synchronization")
+            status, body = ready(client)
+        assert set(statuses) == {200}, statuses
+        assert (status, body["ready"], body["waiting_for"], body["registry"]["fresh"],
+                body["registry"]["routing_on_last_snapshot"]) == (200, True, [], False, True)
+        assert body["registry"]["stale_for_s"] >= 1.0
+        assert body["streams"][0]["state"] != "synchronized"
+    finally:
+        raw_engine.release_replies()
+        svc.close(timeout_s=10.0)
