@@ -9,18 +9,22 @@ Subcommands:
   validation (:func:`validate_service`: settings, the §8 file, the token source, the etcd and
   discovery rules, the routing flags and tokenizer), then a summary; nothing is started. Meant
   as systemd's ``ExecStartPre=`` (``config/kvsvc.service``).
-- ``sim``, ``demo``, ``soak``: the engine simulator, the demo and the chaos soak, imported
+- ``up``, ``sim``, ``demo``, ``soak``, ``bench-routing``: the local cluster, the engine
+  simulator, the demo, the chaos soak and the routing benchmark (``kvsvc.testbed``), imported
   only when used.
 
-Exit codes: 0 success, 2 invalid configuration or usage (the offending field named on stderr).
+Exit codes: 0 success, 2 invalid configuration or usage (the offending field named on stderr;
+for ``serve`` also a listen address that cannot be bound, checked before gunicorn starts).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -49,6 +53,8 @@ GUNICORN_CONF = PROJECT_ROOT / "config" / "gunicorn.conf.py"
 
 #: Subcommands implemented elsewhere, imported on use: name -> (module, help).
 _LAZY_COMMANDS = {
+    "up": ("kvsvc.testbed.up", "run a whole local cluster in the foreground (etcd, simulated "
+                               "engines, the router) until Ctrl-C"),
     "sim": ("kvsvc.testbed.sim.cli", "run a simulated engine publishing KV events"),
     "demo": ("kvsvc.testbed.demo", "run the end-to-end demo"),
     "soak": ("kvsvc.testbed.soak", "run the chaos soak audited against ground truth"),
@@ -144,14 +150,47 @@ def serve_environment(settings: ServiceSettings, base: dict[str, str]) -> dict[s
     return export_environment(settings, base)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """``kvsvc serve``: validate, then exec gunicorn in the foreground (does not return on
-    success).
+def check_bind(host: str, port: int, field: str = "--port") -> None:
+    """Refuse a listen address that cannot be bound now (taken, not local, privileged), the
+    way gunicorn will bind it: the first address ``host`` resolves to, with ``SO_REUSEADDR``
+    (gunicorn sets it, so a port whose old connections are in TIME_WAIT is accepted; one with
+    a listener is not). Probing before gunicorn starts turns its five bind retries and exit 1
+    after about 8 s (which systemd restarts) into an immediate configuration error. The
+    socket is closed at once; another process may still take the port before gunicorn binds.
 
-    :returns: ``EXIT_CONFIG`` on invalid configuration or a missing gunicorn config.
+    :param field: the flag or variable named in the error.
+    :raises ConfigError: naming ``field``, the address and the reason.
+    """
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(field, f"cannot listen on {shown}: {exc}") from exc
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            reason = ("already in use (another process listens there; `ss -ltnp "
+                      f"'sport = :{port}'` names it)" if exc.errno == errno.EADDRINUSE
+                      else exc.strerror or str(exc))
+            raise ConfigError(field, f"cannot listen on {shown}: {reason}") from exc
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvsvc serve``: validate, check that the listen address can be bound
+    (:func:`check_bind`), then exec gunicorn in the foreground (does not return on success).
+
+    :returns: ``EXIT_CONFIG`` on invalid configuration, a listen address that cannot be bound
+        or a missing gunicorn config.
     """
     try:
         settings = resolve_serve_settings(args)
+        given = flag_values(args)
+        check_bind(settings.host, settings.port,
+                   "--port" if given.get("port") is not None or "KVSVC_PORT" not in os.environ
+                   else "KVSVC_PORT")
     except ConfigError as exc:
         return _config_error(exc)
     if not GUNICORN_CONF.is_file() or not (PROJECT_ROOT / "wsgi.py").is_file():

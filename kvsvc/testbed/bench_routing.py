@@ -393,7 +393,7 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
                                  etcd_addr=etcd_addr, extra_args=args,
                                  extra_env={"GUNICORN_CMD_ARGS": f"--threads {opts.service_threads}"})
         service.start(opts.ready_timeout_s, {(name, 0) for name in engines.names})
-        _wait_routable(service, len(engines.names), opts.ready_timeout_s)
+        service.wait_routable(set(engines.names), opts.ready_timeout_s)
         client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s)
         result.per_engine = {name: 0 for name in engines.names}
         futures = _replay(client, reqs, bodies, opts.time_scale, result, opts.arrivals)
@@ -421,31 +421,6 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             finally:
                 engines.close()
     return result
-
-
-def _wait_routable(service: ServiceProcess, n: int, timeout_s: float) -> None:
-    """Wait until the router has load reports of all ``n`` engines (a candidate needs one,
-    §11), asking ``POST /v1/internal/route`` which sends nothing.
-
-    :raises LifecycleError: not within ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            r = service.session.post(service.base_url + "/v1/internal/route",
-                                     json={"token_ids": [1]}, timeout=5.0)
-            if r.status_code == 200:
-                cands = r.json().get("candidates", r.json().get("prefill_candidates", []))
-                if len(cands) == n:
-                    return
-                last = f"{len(cands)} candidates"
-            else:
-                last = f"{r.status_code} {r.text[:200]}"
-        except (requests.RequestException, ValueError) as exc:
-            last = type(exc).__name__
-        time.sleep(0.1)  # polling another process: bounded by the deadline
-    raise LifecycleError(f"router never saw {n} candidates within {timeout_s:.0f} s ({last})")
 
 
 def arrival_ms(reqs: Sequence[TraceRequest], mode: str = "spread") -> list[float]:

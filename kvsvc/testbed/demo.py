@@ -46,10 +46,8 @@ import functools
 import json
 import logging
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +60,9 @@ import requests
 
 from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
 from kvsvc.testbed.etcd_launcher import LocalEtcd
+# Re-exported: the soak, the benchmarks and the tests take them from here.
+from kvsvc.testbed.ports import free_instance_port as free_instance_port
+from kvsvc.testbed.ports import free_port_run as free_port_run
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.testbed.traces import load_trace, request_tokens
@@ -212,73 +213,7 @@ class DemoReport:
         return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
-# ---- ports -------------------------------------------------------------------------------------
-
-def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A base port ``p`` such that ``p .. p + n - 1`` are free on ``host`` right now.
-
-    :raises LifecycleError: none found in ``attempts`` tries.
-    """
-    for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n - 1 > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise LifecycleError(f"no run of {n} free ports on {host}")
-
-
-def free_instance_port(dp_size: int, event_port_offset: int, replay_port_offset: int,
-                       host: str = "127.0.0.1", attempts: int = 500,
-                       rng: Optional[random.Random] = None,
-                       avoid: Optional[set[int]] = None) -> int:
-    """An instance HTTP port ``p`` for the §9 port rule: ``p``, ``p + event_port_offset + r``
-    and ``p + replay_port_offset + r`` for every rank ``r < dp_size`` are free on ``host``
-    right now and all within 65535.
-
-    :param avoid: ports already promised to other instances; none of ``p``'s ports is one of
-        them, and the chosen ones are added to it (so instances never collide, §9).
-    :raises LifecycleError: none found in ``attempts`` tries.
-    """
-    rng = rng or random.Random()
-    top = 65535 - max(event_port_offset, replay_port_offset) - (dp_size - 1)
-    low = 10000
-    if top < low:
-        raise LifecycleError(f"offsets {event_port_offset}/{replay_port_offset} leave no port")
-    for _ in range(attempts):
-        p = rng.randint(low, top)
-        wanted = {p} | {p + off + r for off in (event_port_offset, replay_port_offset)
-                        for r in range(dp_size)}
-        if avoid is not None and wanted & avoid:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in sorted(wanted):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-            if avoid is not None:
-                avoid.update(wanted)
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise LifecycleError(f"no free instance port for dp_size {dp_size} on {host}")
-
+# ---- ports: kvsvc.testbed.ports (re-exported here, where the other tools import them) -------
 
 # ---- the service subprocess ---------------------------------------------------------------------
 
@@ -330,8 +265,10 @@ class ServiceProcess:
         if self.etcd_addr:
             argv += ["--etcd_addr", self.etcd_addr]
         argv += self.extra_args
+        # Its own session: a terminal's Ctrl-C reaches only the parent, which stops the
+        # service in its order (router first, then what it talks to) instead of all at once.
         self._proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("demo: service started (pid %d) on %s", self._proc.pid, self.base_url)
         deadline = time.monotonic() + ready_timeout_s
         last = "no answer"
@@ -353,6 +290,40 @@ class ServiceProcess:
             time.sleep(0.1)
         raise LifecycleError(f"service not ready within {ready_timeout_s:.0f} s ({last}):\n"
                              f"{self.log_tail()}")
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The service's pid (gunicorn's arbiter: ``serve`` execs it) while started."""
+        return self._proc.pid if self._proc is not None else None
+
+    def wait_routable(self, names: set[str], timeout_s: float) -> None:
+        """Wait until every instance of ``names`` is a routing candidate: the router holds a
+        load report of each (a candidate needs one, §11). Asks ``POST /v1/internal/route``,
+        which sends nothing.
+
+        :raises LifecycleError: not within ``timeout_s`` (the last answer in the message).
+        """
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise LifecycleError(f"service exited with {self._proc.returncode}:\n"
+                                     f"{self.log_tail()}")
+            try:
+                r = self.session.post(self.base_url + "/v1/internal/route",
+                                      json={"token_ids": [1]}, timeout=5.0)
+                if r.status_code == 200:
+                    found = {c["name"] for c in r.json().get("candidates", [])}
+                    if names <= found:
+                        return
+                    last = f"candidates {sorted(found)}"
+                else:
+                    last = f"{r.status_code} {r.text[:200]}"
+            except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+                last = type(exc).__name__
+            time.sleep(0.1)  # polling another process: bounded by the deadline
+        raise LifecycleError(f"router never had {sorted(names)} as candidates within "
+                             f"{timeout_s:.0f} s ({last})")
 
     def query(self, token_ids: list[int]) -> list[dict]:
         """``POST /v1/internal/kv-cache/query``; returns ``matches`` (§10).

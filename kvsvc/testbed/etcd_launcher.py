@@ -1,5 +1,6 @@
 """A local single-member etcd for ``kvsvc demo`` and the tests (Debian's ``etcd-server``
-package, ``/usr/bin/etcd``): free loopback client and peer ports, a temporary data directory,
+package, ``/usr/bin/etcd``): free loopback client and peer ports outside the ephemeral range
+(:mod:`kvsvc.testbed.ports`), a temporary data directory,
 a health-checked start, stop/restart on the same ports and data, full cleanup.
 
 Errors: :class:`~kvsvc.errors.LifecycleError` when the binary is missing, the process exits
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +20,7 @@ from typing import Optional
 import requests
 
 from kvsvc.errors import LifecycleError
+from kvsvc.testbed.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,6 @@ def etcd_binary() -> Optional[str]:
     if found:
         return found
     return DEBIAN_ETCD if os.access(DEBIAN_ETCD, os.X_OK) else None
-
-
-def _free_loopback_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class LocalEtcd:
@@ -64,7 +52,8 @@ class LocalEtcd:
             raise LifecycleError(f"etcd not found; install it: {INSTALL_HINT}")
         self.binary = binary
         self.name = name
-        self.client_port, self.peer_port = _free_loopback_ports(2)
+        # Outside the ephemeral range: a restart re-binds them while clients reconnect.
+        self.client_port, self.peer_port = free_ports(2)
         self.addr = f"127.0.0.1:{self.client_port}"
         self.data_dir = tempfile.mkdtemp(prefix="kvsvc-etcd-")
         self.log_path = os.path.join(self.data_dir, "etcd.log")
@@ -74,6 +63,11 @@ class LocalEtcd:
     def running(self) -> bool:
         """True while the etcd process is alive."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The etcd process's pid while started."""
+        return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = 15.0) -> None:
         """Start etcd and return once ``GET /health`` says healthy.
@@ -94,7 +88,10 @@ class LocalEtcd:
                  "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                  "--initial-cluster", f"{self.name}={peer_url}",
                  "--log-level", "error", "--logger", "zap"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                # Its own session: a terminal's Ctrl-C reaches only the parent, which stops
+                # etcd last (engines revoke their leases first).
+                start_new_session=True)
         deadline = time.monotonic() + timeout_s
         with requests.Session() as http:
             while True:

@@ -14,6 +14,11 @@ built-in byte scheme), and its waiting queue is the heartbeated ``waiting_reques
 ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms`` apart;
 otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
 
+Ports: ``--port 0`` (the default) picks a free instance port whose derived ports are all outside
+the host's ephemeral range (:mod:`kvsvc.testbed.ports`); an explicit port with a derived port in
+that range is warned about at start (with the ``sysctl`` that reserves it), since an outgoing
+connection may hold it.
+
 Exit codes: 0 clean stop, 2 bad arguments, 1 start-up failure (ports taken).
 """
 
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvsvc.errors import ConfigError, LifecycleError
+from kvsvc.testbed.ports import ephemeral_ports, free_instance_port, instance_ports
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
@@ -44,8 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvsvc sim`` flags to ``parser``."""
     parser.add_argument("--name", default="", help="instance name for logs (default host:port)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000,
-                        help="the instance's (nominal) HTTP port the other ports derive from")
+    parser.add_argument("--port", type=int, default=0,
+                        help="the instance's (nominal) HTTP port the other ports derive from; "
+                             "0 (default): a free one whose derived ports are all outside the "
+                             "ephemeral range (kvsvc.testbed.ports)")
     parser.add_argument("--dp", type=int, default=1, help="DP ranks (default 1)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
     parser.add_argument("--device-blocks", type=int, default=4096, help="Device pool per rank")
@@ -99,6 +107,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("debug", "info", "warning", "error"))
 
 
+def ephemeral_hint(port: int, dp_size: int, event_port_offset: int,
+                   replay_port_offset: int) -> str:
+    """What to do when a port of instance ``port`` (§9 rule) is in the host's ephemeral range,
+    where an outgoing connection may hold it (``Address already in use``); empty when none is.
+    """
+    eph = ephemeral_ports()
+    hit = sorted(p for p in instance_ports(port, dp_size, event_port_offset, replay_port_offset)
+                 if eph.collides(p))
+    if not hit:
+        return ""
+    listed = ",".join(str(p) for p in hit)
+    return (f"port(s) {listed} in the ephemeral range {eph.describe()} "
+            f"(net.ipv4.ip_local_port_range): an outgoing connection can hold them; reserve "
+            f"them (sysctl -w net.ipv4.ip_local_reserved_ports={listed}) or pick a --port "
+            f"whose derived ports are outside it (--port 0 does)")
+
+
 def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int:
     """Run the engine until SIGINT/SIGTERM (or ``stop`` is set, for embedding and tests).
 
@@ -109,11 +134,21 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
     """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.port == 0 and args.dp >= 1:
+        try:
+            args.port = free_instance_port(args.dp, args.event_port_offset,
+                                           args.replay_port_offset, host=args.host)
+        except (LifecycleError, OSError) as exc:
+            log.error("--port 0: %s", exc)
+            return EXIT_USAGE
     event_port = args.port + args.event_port_offset
     replay_port = args.port + args.replay_port_offset
     if args.dp < 1 or args.port < 1 or max(event_port, replay_port) + args.dp - 1 > 65535:
         log.error("bad --port/--dp/offsets: ports out of range")
         return EXIT_USAGE
+    hint = ephemeral_hint(args.port, args.dp, args.event_port_offset, args.replay_port_offset)
+    if hint:
+        log.warning("sim %s:%d: %s", args.host, args.port, hint)
     token = os.environ.get("KVSVC_INTERNAL_API_TOKEN") or None
     if args.etcd:
         if args.host in ("0.0.0.0", "::", "*"):
@@ -177,11 +212,13 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 engine.serving.add_load_listener(registration.load_changed)
             registration.start()
     except (LifecycleError, ConfigError) as exc:
-        log.error("%s", exc)
+        log.error("%s%s", exc, f" ({hint})" if hint else "")
         engine.close()
         return EXIT_FAILED
     try:
-        log.info("sim %s: %d rank(s) running; Ctrl-C to stop", engine.name, args.dp)
+        log.info("sim %s: %d rank(s) running: HTTP port %d, events tcp://%s:%d, snapshots "
+                 "tcp://%s:%d (+ rank); Ctrl-C to stop", engine.name, args.dp, args.port,
+                 args.host, event_port, args.host, replay_port)
         for i, req in enumerate(requests):
             if stop.is_set():
                 break

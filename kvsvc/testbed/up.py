@@ -1,0 +1,443 @@
+"""``kvsvc up``: a whole local cluster in the foreground until Ctrl-C, like ``docker compose up``.
+
+What runs, each a child process in its own session (a terminal's Ctrl-C reaches only this
+process, which then stops them in order):
+
+1. etcd, the instance registry of §9: a local member on free loopback ports with a temporary
+   data directory (:class:`~kvsvc.testbed.etcd_launcher.LocalEtcd`, Debian's ``etcd-server``),
+   or the one given by ``--etcd``.
+2. ``--engines`` simulated engines, each exactly ``kvsvc sim --serve --etcd E --port P``
+   (:mod:`kvsvc.testbed.sim.cli`): it serves ``/health``, ``/v1/completions`` and
+   ``/v1/chat/completions`` on ``P``, publishes its KV events on the §9 ports
+   ``P + 10000 + r`` / ``P + 30000 + r``, registers in etcd and heartbeats its load to the
+   master. ``P`` is picked so that all of its ports are free and outside the ephemeral range
+   (:func:`~kvsvc.testbed.ports.free_instance_port`), unless ``--engine-port`` says.
+3. The router: ``kvsvc serve`` on ``127.0.0.1:--port`` (default ``$KVSVC_PORT``, else 8888)
+   with a §8 *discovery* config (:func:`~kvsvc.testbed.demo.discovery_config`) on that etcd
+   and the internal token of ``--token-file`` (:class:`~kvsvc.testbed.demo.ServiceProcess`).
+   The token file is created (mode 0600, a random token) when missing, and kept on exit so
+   that the README's later commands (and the next ``kvsvc up``) use the same token.
+
+Once ``/ready`` answers 200 listing every engine's streams and every engine is a routing
+candidate (its first load report arrived, §11), it prints ``kvsvc up: ready``, the URLs and
+the curl lines to try, then waits. SIGINT or SIGTERM stops the router, then the engines (a
+clean stop revokes their leases while etcd still runs), then etcd, and removes the temporary
+directory (logs, config, etcd data); further signals are ignored while that runs (every stop
+is bounded). Exit codes: 0 after Ctrl-C / SIGTERM, 1 when a part did not start (its log tail
+on stderr), 2 bad options or a router port that cannot be bound (nothing started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Optional, TextIO
+
+import requests
+
+from kvsvc.cli import check_bind
+from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
+from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config
+from kvsvc.testbed.etcd_launcher import LocalEtcd
+from kvsvc.testbed.ports import free_instance_port, instance_ports
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+#: The line printed once everything answers (tests and scripts wait for it).
+READY_LINE = "kvsvc up: ready"
+DEFAULT_PORT = 8888
+MODEL = "sim"
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """What ``kvsvc up`` starts.
+
+    :param engines: simulated engines (>= 1).
+    :param dp: DP ranks per engine (>= 1): streams = ``engines * dp``.
+    :param port: the router's HTTP port on 127.0.0.1.
+    :param engine_port: first engine's port, the next ones ``dp`` apart; 0 picks free ones
+        outside the ephemeral range.
+    :param token_file: the internal token's file (created when missing, kept on exit).
+    :param etcd: an etcd ``host:port`` to use instead of starting one.
+    :param ready_timeout_s: bound of each start-up wait, seconds.
+    :param refresh_interval_ms: the router's discovery refresh (§8), ms.
+    :param resync_interval_ms: the router's periodic snapshot (§8), ms.
+    """
+
+    engines: int = 2
+    dp: int = 1
+    port: int = DEFAULT_PORT
+    engine_port: int = 0
+    token_file: str = "kvsvc.token"
+    etcd: str = ""
+    ready_timeout_s: float = 60.0
+    refresh_interval_ms: int = 200
+    resync_interval_ms: int = 30000
+
+    def check(self) -> None:
+        """:raises ConfigError: a value out of range (naming the flag)."""
+        if self.engines < 1:
+            raise ConfigError("--engines", "must be >= 1")
+        if self.dp < 1:
+            raise ConfigError("--dp", "must be >= 1")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError("--port", "must be in 1-65535")
+        if self.engine_port and not 1024 <= self.engine_port <= 65535:
+            raise ConfigError("--engine-port", "must be 0 (pick) or in 1024-65535")
+        if self.ready_timeout_s <= 0:
+            raise ConfigError("--ready-timeout-s", "must be > 0")
+
+
+def read_or_create_token(path: Path) -> str:
+    """The token in ``path`` (first line), or a new random one written there with mode 0600.
+
+    :raises ConfigError: the file cannot be read or created, or is empty.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            token = path.read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            raise ConfigError("--token-file", f"cannot read {path}: {exc}") from exc
+        if not token:
+            raise ConfigError("--token-file", f"{path} is empty")
+        return token
+    except OSError as exc:
+        raise ConfigError("--token-file", f"cannot create {path}: {exc.strerror}") from exc
+    token = secrets.token_hex(32)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(token + "\n")
+    return token
+
+
+class SimProcess:
+    """One ``kvsvc sim --serve`` child registered in etcd, output to ``log_path``.
+
+    :param port: its instance port (the §9 name is ``127.0.0.1:port``).
+    :param dp: its DP ranks.
+    :param etcd_addr: the registry.
+    :param token: the router's internal token (heartbeats), passed in the environment.
+    """
+
+    def __init__(self, port: int, dp: int, etcd_addr: str, token: str, log_path: Path) -> None:
+        self.port = port
+        self.dp = dp
+        self.name = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        self._argv = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
+                      "--port", str(port), "--dp", str(dp), "--etcd", etcd_addr,
+                      "--model", MODEL, "--log-level", "warning"]
+        self._env = dict(os.environ, KVSVC_INTERNAL_API_TOKEN=token)
+        self._proc: Optional[subprocess.Popen[bytes]] = None
+        self._log: Optional[TextIO] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The child's pid while started."""
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> str:
+        """The equivalent shell command (without the token, which travels in the env)."""
+        return shlex.join(["kvsvc", *self._argv[3:]])
+
+    def start(self) -> None:
+        """Start the child (returns at once; :meth:`wait_serving` waits for it)."""
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        self._proc = subprocess.Popen(self._argv, env=self._env, stdout=self._log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
+
+    def wait_serving(self, deadline: float, http: requests.Session) -> None:
+        """Return once ``GET /health`` answers 200.
+
+        :param deadline: ``time.monotonic()`` bound.
+        :raises LifecycleError: the child exited or did not answer in time (log tail).
+        """
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise LifecycleError(f"engine {self.name} exited with {code}:\n{self.log_tail()}")
+            try:
+                if http.get(f"http://{self.name}/health", timeout=1.0).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() >= deadline:
+                raise LifecycleError(f"engine {self.name} not serving in time:\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.05)  # polling a child process: bounded by the deadline
+
+    def log_tail(self, n_bytes: int = 2000) -> str:
+        """The end of the child's output."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-n_bytes:]
+        except OSError:
+            return "(no log)"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """SIGINT (a clean stop revokes the lease), SIGKILL after ``timeout_s``. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.error("up: engine %s did not stop within %.0f s; killing it", self.name,
+                          timeout_s)
+                proc.kill()
+                proc.wait(5.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class LocalCluster:
+    """etcd, the engines and the router of :class:`UpOptions`, started by :meth:`start` and
+    stopped by :meth:`close` (see the module docstring).
+
+    :ivar router_url: ``http://127.0.0.1:<port>``.
+    :ivar etcd_addr: the registry's ``host:port`` (after :meth:`start`).
+    :ivar engines: the engine processes.
+    :ivar tmp: the temporary directory (removed by :meth:`close`).
+    """
+
+    def __init__(self, opts: UpOptions) -> None:
+        self.opts = opts
+        self.router_url = f"http://127.0.0.1:{opts.port}"
+        self.etcd_addr = opts.etcd
+        self.engines: list[SimProcess] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvsvc-up-"))
+        self.token_file = Path(opts.token_file)
+        self.service: Optional[ServiceProcess] = None
+        self._etcd: Optional[LocalEtcd] = None
+
+    def _engine_ports(self) -> list[int]:
+        o = self.opts
+        offsets = (DemoOptions.event_port_offset, DemoOptions.replay_port_offset)
+        taken = {o.port}
+        if not o.engine_port:
+            return [free_instance_port(o.dp, *offsets, avoid=taken) for _ in range(o.engines)]
+        ports = [o.engine_port + i * o.dp for i in range(o.engines)]
+        for p in ports:
+            for q in sorted(instance_ports(p, o.dp, *offsets)):
+                if q > 65535 or q in taken:
+                    raise ConfigError("--engine-port", f"engine port {q} out of range or "
+                                                       "taken by the router")
+                check_bind("127.0.0.1", q, "--engine-port")
+        return ports
+
+    def start(self) -> None:
+        """Start everything and return once it answers (see the module docstring).
+
+        :raises ConfigError: the router port or an ``--engine-port`` cannot be bound, or the
+            token file cannot be used (nothing is left running).
+        :raises LifecycleError: a part did not start (log tail in the message).
+        """
+        o = self.opts
+        check_bind("127.0.0.1", o.port, "--port")
+        token = read_or_create_token(self.token_file)
+        ports = self._engine_ports()
+        if not self.etcd_addr:
+            self._etcd = LocalEtcd(name="kvsvc-up")
+            self._etcd.start(o.ready_timeout_s)
+            self.etcd_addr = self._etcd.addr
+        deadline = time.monotonic() + o.ready_timeout_s
+        for i, port in enumerate(ports):
+            eng = SimProcess(port, o.dp, self.etcd_addr, token, self.tmp / f"engine-{i}.log")
+            self.engines.append(eng)
+            eng.start()
+        with requests.Session() as http:
+            http.trust_env = False  # loopback: never through a proxy of the environment
+            for eng in self.engines:
+                eng.wait_serving(deadline, http)
+        demo_opts = DemoOptions(refresh_interval_ms=o.refresh_interval_ms,
+                                resync_interval_ms=o.resync_interval_ms)
+        cfg = self.tmp / "kv_events.json"
+        cfg.write_text(json.dumps(discovery_config(demo_opts), indent=2), encoding="utf-8")
+        self.service = ServiceProcess(cfg, o.port, token, self.tmp / "router.log",
+                                      etcd_addr=self.etcd_addr,
+                                      extra_args=["--log_format", "text"])
+        self.service.session.trust_env = False
+        self.service.start(o.ready_timeout_s,
+                           {(e.name, r) for e in self.engines for r in range(e.dp)})
+        self.service.wait_routable({e.name for e in self.engines}, o.ready_timeout_s)
+
+    def pids(self) -> list[int]:
+        """Pids of every child process started (router, engines, etcd) still tracked."""
+        out = [e.pid for e in self.engines if e.pid is not None]
+        if self.service is not None and self.service.pid is not None:
+            out.append(self.service.pid)
+        if self._etcd is not None and self._etcd.pid is not None:
+            out.append(self._etcd.pid)
+        return out
+
+    def close(self) -> None:
+        """Stop the router, then the engines, then etcd; remove the temporary directory.
+        Idempotent; each stop is bounded."""
+        try:
+            if self.service is not None:
+                self.service.close()
+        finally:
+            try:
+                for eng in self.engines:
+                    eng.close()
+            finally:
+                try:
+                    if self._etcd is not None:
+                        self._etcd.cleanup()
+                finally:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def banner(self) -> str:
+        """What ``kvsvc up`` prints once ready: the parts, their URLs and the lines to try."""
+        o = self.opts
+        auth = f'"X-Internal-Token: $(cat {shlex.quote(str(self.token_file))})"'
+        lines = [f"{READY_LINE}: router {self.router_url}, {len(self.engines)} engines, etcd "
+                 f"{self.etcd_addr}{' (local)' if self._etcd is not None else ''}. "
+                 "Ctrl-C stops everything.",
+                 f"  router   {self.router_url}  (kvsvc serve, discovery; log "
+                 f"{self.tmp / 'router.log'})"]
+        for eng in self.engines:
+            lines.append(f"  engine   http://{eng.name}  events tcp://127.0.0.1:"
+                         f"{eng.port + DemoOptions.event_port_offset}, snapshots "
+                         f"tcp://127.0.0.1:{eng.port + DemoOptions.replay_port_offset}"
+                         f"{' (+ rank)' if o.dp > 1 else ''}  ({eng.command()})")
+        lines += [f"  etcd     {self.etcd_addr}",
+                  f"  token    {self.token_file} (X-Internal-Token of /v1/internal/*; kept on exit)",
+                  "",
+                  "Try, in another terminal in this directory:",
+                  f"  URL={self.router_url}; AUTH={auth}; PROMPT=$(seq -s, 1 1024)",
+                  "  curl -s $URL/health",
+                  "  curl -s $URL/ready",
+                  "  curl -s $URL/metrics | grep ^kvsvc_instance_state",
+                  "  curl -s $URL/v1/completions -H 'Content-Type: application/json' "
+                  f"-d \"{{\\\"model\\\": \\\"{MODEL}\\\", \\\"prompt\\\": [$PROMPT], "
+                  "\\\"max_tokens\\\": 8}\"",
+                  "  curl -sN $URL/v1/completions -H 'Content-Type: application/json' "
+                  f"-d \"{{\\\"model\\\": \\\"{MODEL}\\\", \\\"prompt\\\": [$PROMPT], "
+                  "\\\"max_tokens\\\": 4, \\\"stream\\\": true}\"",
+                  "  curl -s $URL/v1/chat/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", "
+                  "\"content\": \"Hello!\"}], \"max_tokens\": 8}'",
+                  "  curl -sN $URL/v1/chat/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", "
+                  "\"content\": \"Hello!\"}], \"max_tokens\": 4, \"stream\": true}'",
+                  "  curl -s -X POST $URL/v1/internal/kv-cache/query -H \"$AUTH\" "
+                  "-H 'Content-Type: application/json' -d \"{\\\"token_ids\\\": [$PROMPT]}\"",
+                  "  curl -s -X POST $URL/v1/internal/route -H \"$AUTH\" "
+                  "-H 'Content-Type: application/json' -d \"{\\\"token_ids\\\": [$PROMPT]}\"",
+                  "",
+                  "Add your own engine to this cluster:",
+                  f"  kvsvc sim --serve --etcd {self.etcd_addr} "
+                  f"--internal-api-token-file {shlex.quote(str(self.token_file))}"]
+        return "\n".join(lines)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kvsvc up`` flags to ``parser``."""
+    d = UpOptions()
+    env_port = os.environ.get("KVSVC_PORT", "")
+    parser.add_argument("--engines", type=int, default=d.engines,
+                        help="simulated engines (default %(default)s)")
+    parser.add_argument("--dp", type=int, default=d.dp,
+                        help="DP ranks per engine (default %(default)s)")
+    parser.add_argument("--port", type=int,
+                        default=int(env_port) if env_port.isdigit() else d.port,
+                        help="the router's port on 127.0.0.1 (default: $KVSVC_PORT, else "
+                             f"{DEFAULT_PORT})")
+    parser.add_argument("--engine-port", type=int, default=d.engine_port,
+                        help="first engine's port, the others --dp apart (default 0: free "
+                             "ports whose derived ports are outside the ephemeral range)")
+    parser.add_argument("--token-file", default=d.token_file,
+                        help="internal token file, created (0600) when missing and kept on "
+                             "exit (default %(default)s)")
+    parser.add_argument("--etcd", default=d.etcd,
+                        help="etcd host:port to use (default: start a local one; needs "
+                             "`apt-get install etcd-server`)")
+    parser.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s,
+                        help="bound of each start-up wait, seconds (default %(default)s)")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace, stop: Optional[threading.Event] = None,
+        out: Optional[TextIO] = None) -> int:
+    """``kvsvc up``: start, print :meth:`LocalCluster.banner`, wait for SIGINT/SIGTERM (or
+    ``stop``, for embedding), stop everything.
+
+    :returns: the exit code (see the module docstring).
+    """
+    out = out or sys.stdout
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = UpOptions(engines=args.engines, dp=args.dp, port=args.port,
+                     engine_port=args.engine_port, token_file=args.token_file, etcd=args.etcd,
+                     ready_timeout_s=args.ready_timeout_s)
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        # SIGTERM as Ctrl-C: either ends the start-up waits or the idle wait alike.
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+    code = EXIT_OK
+    cluster: Optional[LocalCluster] = None
+    try:
+        opts.check()
+        cluster = LocalCluster(opts)
+        print(f"kvsvc up: starting etcd, {opts.engines} engines and the router on "
+              f"{cluster.router_url} ...", file=out, flush=True)
+        cluster.start()
+        print(cluster.banner(), file=out, flush=True)
+        if stop is not None:
+            stop.wait()
+        else:
+            while True:
+                signal.pause()
+    except KeyboardInterrupt:
+        print("kvsvc up: stopping ...", file=out, flush=True)
+    except ConfigError as exc:
+        print(f"kvsvc up: {exc.field}: {exc.message}", file=sys.stderr)
+        code = EXIT_USAGE
+    except KvsvcError as exc:
+        print(f"kvsvc up: failed: {exc}", file=sys.stderr)
+        code = EXIT_FAILED
+    finally:
+        if main:
+            # Every stop below is bounded; a second Ctrl-C must not leave children behind.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if cluster is not None:
+                cluster.close()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if code == EXIT_OK:
+        print("kvsvc up: stopped; everything it started is gone", file=out, flush=True)
+    return code

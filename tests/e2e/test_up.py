@@ -1,0 +1,133 @@
+"""``kvsvc up``: a whole local cluster in the foreground; it serves completions through the
+router, answers the KV-cache query with a hit, exits 0 on SIGINT and on SIGTERM with every
+child process and its temporary directory gone, and refuses a router port in use at once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from kvsvc.testbed.etcd_launcher import etcd_binary
+from kvsvc.testbed.ports import ephemeral_ports, free_port_run, instance_ports
+from tests.util import wait_for
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed")
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_up(tmp_path, port: int, *args: str) -> tuple[subprocess.Popen, list[str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvsvc", "up", "--port", str(port), *args],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Add your own engine" in line:
+            lines.append(proc.stdout.readline())
+            return proc, lines
+    proc.kill()
+    raise AssertionError("kvsvc up not ready:\n" + "".join(lines))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_serves_and_stops_cleanly(tmp_path, sig):
+    port = free_port_run(1)
+    proc, lines = _start_up(tmp_path, port, "--engines", "2")
+    try:
+        text = "".join(lines)
+        assert f"kvsvc up: ready: router http://127.0.0.1:{port}, 2 engines" in text
+        for needed in ("curl -s $URL/health", "/v1/internal/kv-cache/query",
+                       "/v1/internal/route", "/v1/chat/completions", '"stream": true'):
+            assert needed in text
+        engines = re.findall(r"engine   http://127\.0\.0\.1:(\d+)", text)
+        assert len(engines) == 2
+        eph = ephemeral_ports()
+        for p in engines:  # every derived port outside the ephemeral range (§9 rule)
+            assert not any(eph.collides(q) for q in instance_ports(int(p), 1, 10000, 30000))
+        tmp_dir = re.search(r"(/tmp/kvsvc-up-\w+)/router\.log", text).group(1)
+        token = (tmp_path / "kvsvc.token").read_text().strip()
+        assert oct((tmp_path / "kvsvc.token").stat().st_mode & 0o777) == "0o600"
+        url = f"http://127.0.0.1:{port}"
+        prompt = list(range(1, 1025))
+        with requests.Session() as http:
+            http.trust_env = False
+            r = http.post(url + "/v1/completions", json={"model": "sim", "prompt": prompt,
+                                                         "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1024
+            served = r.headers["x-kvsvc-prefill"]
+            r = http.post(url + "/v1/chat/completions", json={
+                "model": "sim", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "stream": True}, timeout=30)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            http.headers["X-Internal-Token"] = token
+
+            def hit() -> bool:
+                ms = http.post(url + "/v1/internal/kv-cache/query", json={"token_ids": prompt},
+                               timeout=10).json()["matches"]
+                return any(m["instance_name"] == served and m["device_hit_tokens"] == 1024
+                           for m in ms)
+
+            wait_for(hit, 10, what="the served prompt indexed")
+        kids = _children(proc.pid)
+        assert len(kids) == 4, kids  # etcd, two engines, the router (gunicorn's arbiter)
+        grandkids = set().union(*(_children(k) for k in kids))  # gunicorn's worker
+        proc.send_signal(sig)
+        assert proc.wait(40) == 0
+        rest = proc.stdout.read()
+        assert "everything it started is gone" in rest
+        wait_for(lambda: not [p for p in kids | grandkids if _alive(p)], 10,
+                 what="every child gone")
+        assert not os.path.exists(tmp_dir)
+        assert (tmp_path / "kvsvc.token").read_text().strip() == token  # kept
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_up_refuses_a_router_port_in_use_at_once(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "kvsvc", "up", "--port", str(port)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--port: cannot listen on 127.0.0.1:{port}: already in use" in proc.stderr
+    assert time.monotonic() - t0 < 10
+    assert not (tmp_path / "kvsvc.token").exists()  # nothing started, nothing written
