@@ -13,8 +13,15 @@ Subcommands:
   simulator, the demo, the chaos soak and the routing benchmark (``kvsvc.testbed``), imported
   only when used.
 
-Exit codes: 0 success, 2 invalid configuration or usage (the offending field named on stderr;
-for ``serve`` also a listen address that cannot be bound, checked before gunicorn starts).
+Flags: every flag of every subcommand is accepted in both spellings, ``--etcd_addr`` (xllm-service's)
+and ``--etcd-addr`` (:func:`kvsvc.settings.add_flag`); the same thing has the same name in every
+subcommand (``sim``/``demo`` take ``--etcd_addr`` too); log levels in any case; every ``--help``
+shows the defaults; ``kvsvc --version`` prints the version.
+
+Exit codes: 0 success, 2 invalid configuration or usage: every problem found is printed on
+stderr, one line each, naming the field and the bad value (``kvsvc: invalid configuration:
+streams[0].endpoint: ...``); for ``serve`` also a listen address that cannot be bound,
+checked before gunicorn starts.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from kvsvc import __version__
 from kvsvc.config import KvEventsConfig
 from kvsvc.errors import ConfigError
 from kvsvc.settings import (
+    DefaultsHelpFormatter,
+    HelpFormatter,
     SettingRow,
     ServiceSettings,
     add_arguments,
@@ -64,7 +74,8 @@ _LAZY_COMMANDS = {
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the HTTP service under gunicorn (foreground)",
-                       description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.")
+                       description="Run kvsvc under gunicorn. Flags override KVSVC_* env vars.",
+                       formatter_class=HelpFormatter)
     add_arguments(p)  # one flag per row of the settings table
     p.set_defaults(func=cmd_serve)
 
@@ -74,7 +85,8 @@ def _add_check_config(sub: Any) -> None:
         "check-config", help="validate what `serve` would run with (same flags and env)",
         description="Validate exactly what `kvsvc serve` validates with the same flags and "
                     "KVSVC_* variables (settings, §8 file, token source, etcd/discovery "
-                    "rules, routing); print a summary. Starts nothing. Exit 0 or 2.")
+                    "rules, routing); print a summary. Starts nothing. Exit 0 or 2.",
+        formatter_class=HelpFormatter)
     add_arguments(p)  # the same flags as serve: it validates the same things
     p.set_defaults(func=cmd_check_config)
 
@@ -83,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (``sim``/``demo`` are listed; their own flags load on use)."""
     parser = argparse.ArgumentParser(
         prog="kvsvc", description="kvsvc: KV-cache-aware router and KV-event directory.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_check_config(sub)
@@ -92,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_error(exc: ConfigError) -> int:
-    print(f"kvsvc: invalid configuration: {exc.field or 'config'}: {exc.message}",
-          file=sys.stderr)
+    """Print every problem of ``exc``, one line each, on stderr; the configuration exit code."""
+    for problem in exc.problems:
+        print(f"kvsvc: invalid configuration: {problem.field or 'config'}: {problem.message}",
+              file=sys.stderr)
     return EXIT_CONFIG
 
 
@@ -114,7 +129,7 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         if exc.field.startswith("--") and name in given and given[name] is None:
             env = setting(name).env
             if os.environ.get(env):
-                raise ConfigError(env, exc.message) from exc
+                raise ConfigError(env, exc.message, more=exc.problems[1:]) from exc
         raise
     return settings
 
@@ -264,14 +279,21 @@ def summarize(path: str, config: KvEventsConfig) -> list[str]:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """``kvsvc check-config``: 0 and a summary on stdout, or 2 and the field on stderr.
-    Validates exactly what ``serve`` does (:func:`resolve_serve_settings`)."""
+    """``kvsvc check-config``: 0 and a summary on stdout, or 2 and every problem on stderr.
+    Validates exactly what ``serve`` does (:func:`resolve_serve_settings`); only a valid
+    configuration's warnings (:func:`kvsvc.service.startup_warnings`, what the worker logs at
+    start) follow, on stderr, so that no warning comes before an error."""
+    from kvsvc.service import startup_warnings  # as validate_service: the service on use only
+
     try:
         settings = resolve_serve_settings(args)
         config = settings.kv_events_config()
     except ConfigError as exc:
         return _config_error(exc)
     print("\n".join(summarize_service(settings, config, _source_of(args))))
+    sys.stdout.flush()
+    for line in startup_warnings(settings, config):
+        print(f"kvsvc: warning: {line}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -287,16 +309,28 @@ def _source_of(args: argparse.Namespace) -> Callable[[SettingRow], str]:
     return source
 
 
-def _run_lazy(name: str, argv: Sequence[str]) -> int:
+def lazy_parser(name: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of a subcommand implemented elsewhere (``sim``, ``demo``, ...), with the
+    module that implements it: its ``add_arguments`` flags (declared with
+    :func:`kvsvc.settings.add_flag`: both spellings), help with every default.
+
+    :raises ImportError: the module is not available in this build.
+    """
     module_name, help_text = _LAZY_COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvsvc {name}", description=help_text,
+                                     formatter_class=DefaultsHelpFormatter)
+    add_module_arguments: Callable[[argparse.ArgumentParser], None] = module.add_arguments
+    add_module_arguments(parser)
+    return parser, module
+
+
+def _run_lazy(name: str, argv: Sequence[str]) -> int:
     try:
-        module = importlib.import_module(module_name)
+        parser, module = lazy_parser(name)
     except ImportError as exc:
         print(f"kvsvc {name}: not available in this build ({exc})", file=sys.stderr)
         return EXIT_CONFIG
-    parser = argparse.ArgumentParser(prog=f"kvsvc {name}", description=help_text)
-    add_arguments: Callable[[argparse.ArgumentParser], None] = module.add_arguments
-    add_arguments(parser)
     return int(module.run(parser.parse_args(list(argv))))
 
 

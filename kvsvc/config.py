@@ -1,10 +1,13 @@
 """Validated configuration: the ``kv_events_config_file`` JSON (§8).
 
-Checked before any thread starts; every failure raises :class:`~kvsvc.errors.ConfigError`
-naming the field (``streams[2].endpoint``, ``max_streams``). Unknown keys, wrong types (no
-string-to-number coercion) and out-of-range values are rejected. The service settings (flags,
-``KVSVC_*`` variables) are :mod:`kvsvc.settings`, which uses :func:`translate_validation_error`
-and :func:`check_discovery_needs_etcd` from here.
+Checked before any thread starts; a failure raises one :class:`~kvsvc.errors.ConfigError`
+listing every problem of the document at once (``problems``), each naming the field
+(``streams[2].endpoint``, ``max_streams``) and the bad value, so an operator fixes the file in one
+go. Unknown keys, wrong types (no string-to-number coercion), out-of-range values, an
+``instance_name`` that is not ``host:port`` and a file that configures no stream are rejected.
+Rules between fields (duplicates, streams beside discovery) are checked once every field is
+valid. The service settings (flags, ``KVSVC_*`` variables) are :mod:`kvsvc.settings`, which
+uses :func:`translate_validation_error` and :func:`check_discovery_needs_etcd` from here.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvsvc.address import check_tcp_endpoint, endpoint_key
-from kvsvc.errors import ConfigError
+from kvsvc.address import check_tcp_endpoint, endpoint_key, parse_host_port
+from kvsvc.errors import ConfigError, ConfigProblem
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,8 @@ class StreamConfig(_Strict):
     """One static stream: one (instance, DP rank) KV-event channel (§8 ``streams[]``)."""
 
     instance_name: Annotated[StrictStr, Field(min_length=1)]
-    """Instance identity, normally its HTTP ``host:port`` as registered."""
+    """Instance identity: its HTTP ``host:port`` as registered (§9), the name routing and the
+    registry know it by."""
     dp_rank: Annotated[StrictInt, Field(ge=0, le=65535)] = 0
     """DP rank of this stream; must equal the rank carried by its batches (§2)."""
     block_size: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 128
@@ -61,6 +65,18 @@ class StreamConfig(_Strict):
     """XXH3 seed of the content keys (§4); internal to kvsvc."""
 
     _endpoint_rule = field_validator("endpoint", "replay_endpoint")(check_tcp_endpoint)
+
+    @field_validator("instance_name")
+    @classmethod
+    def _instance_name_form(cls, value: str) -> str:
+        # The same rule as registered names (§9): a stream named otherwise could never be
+        # matched with the instance the router picks.
+        try:
+            parse_host_port(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the instance's HTTP address as it registers itself, "
+                             "e.g. 10.0.0.5:9000)") from None
+        return value
 
 
 class DiscoveryConfig(_Strict):
@@ -95,8 +111,10 @@ class KvEventsConfig(_Strict):
 
     @model_validator(mode="after")
     def _sources_and_uniqueness(self) -> "KvEventsConfig":
+        problems: list[ConfigProblem] = []
         if self.streams and self.discovery is not None and self.discovery.enabled:
-            raise ValueError("streams: non-empty streams and enabled discovery are mutually exclusive")
+            problems.append(ConfigProblem(
+                "streams", "non-empty streams and enabled discovery are mutually exclusive"))
         seen_pairs: dict[tuple[str, int], int] = {}
         # Compared as (normalised host, port): "tcp://127.0.0.1:018100" is "tcp://127.0.0.1:18100".
         # Names are not resolved (no DNS at start-up), so "localhost" and "127.0.0.1" differ.
@@ -104,20 +122,27 @@ class KvEventsConfig(_Strict):
         for i, s in enumerate(self.streams):
             pair = (s.instance_name, s.dp_rank)
             if pair in seen_pairs:
-                raise ValueError(
-                    f"streams[{i}]: duplicate instance_name/dp_rank {pair[0]!r}/{pair[1]} "
-                    f"(also streams[{seen_pairs[pair]}])"
-                )
-            seen_pairs[pair] = i
+                problems.append(ConfigProblem(
+                    f"streams[{i}]", f"duplicate instance_name/dp_rank {pair[0]!r}/{pair[1]} "
+                                     f"(also streams[{seen_pairs[pair]}])"))
+            else:
+                seen_pairs[pair] = i
             for name in ("endpoint", "replay_endpoint"):
                 ep = getattr(s, name)
                 key = endpoint_key(ep)
                 if key in seen_endpoints:
-                    raise ValueError(
-                        f"streams[{i}].{name}: endpoint {ep} already used by {seen_endpoints[key]}"
-                    )
-                seen_endpoints[key] = f"streams[{i}].{name}"
+                    problems.append(ConfigProblem(
+                        f"streams[{i}].{name}",
+                        f"endpoint {ep} already used by {seen_endpoints[key]}"))
+                else:
+                    seen_endpoints[key] = f"streams[{i}].{name}"
+        if problems:
+            raise _Problems(problems)
         return self
+
+    def configures_streams(self) -> bool:
+        """True when the document yields streams: static ones, or enabled discovery (§8)."""
+        return bool(self.streams) or (self.discovery is not None and self.discovery.enabled)
 
     def kept_streams(self) -> List[StreamConfig]:
         """Static streams after ``max_streams`` (§8): whole instances in name order, never part of
@@ -148,28 +173,78 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def translate_validation_error(exc: ValidationError, prefix: str = "") -> ConfigError:
-    """Turn the first pydantic error into a :class:`ConfigError` naming the field."""
-    err = exc.errors(include_url=False)[0]
-    msg = str(err.get("msg", "invalid"))
-    field = _field_path(tuple(err.get("loc", ())))
-    # Model-level validators put the field in the message ("streams[1].endpoint: ...").
-    if not field and ": " in msg:
-        head, _, rest = msg.removeprefix("Value error, ").partition(": ")
-        field, msg = head, rest
-    msg = msg.removeprefix("Value error, ")
-    if err.get("type") == "extra_forbidden":
-        msg = "unknown key"
-    if prefix:
-        field = f"{prefix}{field}"
-    return ConfigError(field, msg)
+class _Problems(ValueError):
+    """Several problems found by one model validator. pydantic reports a validator's
+    ``ValueError`` as one error and keeps the exception in its context, from which
+    :func:`validation_problems` takes them all back."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        super().__init__("; ".join(str(p) for p in problems))
+        self.problems = problems
+
+
+#: Longest rendering of a bad value in a message: a 10,000-element list must not flood stderr.
+_VALUE_CHARS = 80
+#: pydantic error types that carry no value worth showing (a missing key has none; an unknown
+#: key is named by its path).
+_NO_VALUE = frozenset({"missing", "extra_forbidden"})
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _VALUE_CHARS else f"{text[:_VALUE_CHARS - 3]}..."
+
+
+def validation_problems(exc: ValidationError, prefix: str = "",
+                        hidden: frozenset[str] = frozenset()) -> list[ConfigProblem]:
+    """Every pydantic error of ``exc`` as a :class:`ConfigProblem`, in document order: the
+    field path (``streams[1].endpoint``) and the message with the bad value (``..., got 0``)
+    unless the message already shows it.
+
+    :param prefix: put before every field path.
+    :param hidden: top-level field names whose values are never shown (a token).
+    """
+    problems: list[ConfigProblem] = []
+    for err in exc.errors(include_url=False):
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, _Problems):
+            problems.extend(ConfigProblem(f"{prefix}{p.field}", p.message)
+                            for p in inner.problems)
+            continue
+        loc = tuple(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid"))
+        field = _field_path(loc)
+        kind = err.get("type")
+        # Model-level validators put the field in the message ("streams[1].endpoint: ...").
+        if not field and ": " in msg:
+            head, _, rest = msg.removeprefix("Value error, ").partition(": ")
+            field, msg = head, rest
+        msg = msg.removeprefix("Value error, ")
+        if kind == "extra_forbidden":
+            msg = "unknown key"
+        elif (loc and kind not in _NO_VALUE and "input" in err
+              and str(loc[0]) not in hidden and not (
+                  # A validator's own message usually names the value already.
+                  kind == "value_error" and str(err["input"]) in msg)):
+            msg = f"{msg}, got {_shown(err['input'])}"
+        problems.append(ConfigProblem(f"{prefix}{field}", msg))
+    return problems
+
+
+def translate_validation_error(exc: ValidationError, prefix: str = "",
+                               hidden: frozenset[str] = frozenset()) -> ConfigError:
+    """Every pydantic error of ``exc`` in one :class:`ConfigError` (:func:`validation_problems`;
+    ``field``/``message`` are the first)."""
+    return ConfigError.of(validation_problems(exc, prefix, hidden))
 
 
 def parse_kv_events_config(data: Any) -> KvEventsConfig:
-    """Validate a decoded ``kv_events_config_file`` document (§8).
+    """Validate a decoded ``kv_events_config_file`` document (§8). A document with no stream is
+    accepted here (the limits alone, for streams added later); a file must configure some
+    (:func:`load_kv_events_config`).
 
     :param data: the JSON value (must be an object).
-    :raises ConfigError: naming the first offending field.
+    :raises ConfigError: listing every offending field.
     """
     if not isinstance(data, dict):
         raise ConfigError("kv_events_config_file", "top level must be a JSON object")
@@ -180,9 +255,13 @@ def parse_kv_events_config(data: Any) -> KvEventsConfig:
 
 
 def load_kv_events_config(path: str | os.PathLike[str]) -> KvEventsConfig:
-    """Read and validate the ``kv_events_config_file`` (§8).
+    """Read and validate the ``kv_events_config_file`` (§8): :func:`parse_kv_events_config`,
+    and the file must configure streams (static ones or enabled discovery): one that configures
+    none would run an index of nothing, which is what an empty ``kv_events_config_file`` says
+    on purpose.
 
-    :raises ConfigError: unreadable file, invalid JSON, or an invalid field.
+    :raises ConfigError: unreadable file, invalid JSON, a file that configures no stream, or
+        invalid fields (all of them).
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -199,7 +278,14 @@ def load_kv_events_config(path: str | os.PathLike[str]) -> KvEventsConfig:
         raise ConfigError("kv_events_config_file", f"{path} is nested too deeply") from exc
     except _DuplicateKey as exc:
         raise ConfigError(exc.key, "key given twice in one JSON object") from exc
-    return parse_kv_events_config(data)
+    config = parse_kv_events_config(data)
+    if not config.configures_streams():
+        disabled = " (discovery is disabled)" if config.discovery is not None else ""
+        raise ConfigError("streams", f"empty and no enabled discovery{disabled}: {path} "
+                                     "configures no stream. List the engines' streams, enable "
+                                     "\"discovery\" (needs --etcd_addr, §9), or set "
+                                     "kv_events_config_file empty to run without a KV index")
+    return config
 
 
 class _DuplicateKey(ValueError):

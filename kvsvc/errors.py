@@ -8,7 +8,8 @@ translated into these once, at the module boundary where they occur (``raise ...
     │   ├── SimServingClosed       the simulated engine is closing: a served request is abandoned
     │   ├── SimClientDisconnected  the client of a simulated request closed its connection
     │   └── SimBadRequest          a malformed OpenAI body sent to the simulated engine
-    ├── ConfigError            bad configuration; ``field`` names the offending key (§8)
+    ├── ConfigError            bad configuration; ``field`` names the offending key (§8),
+    │                          ``problems`` lists every one found in the same source
     ├── StreamError            something that invalidates one stream and triggers recovery (§6)
     │   ├── DecodeError        malformed frame, batch or event (§1, §2), rank/block-size mismatch
     │   ├── IndexUpdateError   an event that cannot be applied to the index (§5)
@@ -44,22 +45,52 @@ No class here carries an HTTP status: :mod:`kvsvc.http.errors` maps each kind to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 
 class KvsvcError(Exception):
     """Root of every error kvsvc raises on purpose."""
 
 
-class ConfigError(KvsvcError):
-    """Invalid configuration; refuses start-up.
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a configuration.
 
-    :param field: dotted path of the offending key, e.g. ``streams[2].endpoint``.
-    :param message: what is wrong with it.
+    :param field: dotted path of the offending key, e.g. ``streams[2].endpoint``, or the flag
+        or variable it came from (``--port``, ``KVSVC_PORT``).
+    :param message: what is wrong with it, with the bad value where there is one.
     """
 
-    def __init__(self, field: str, message: str) -> None:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class ConfigError(KvsvcError):
+    """Invalid configuration; refuses start-up. Carries every problem found in one source
+    (one ``kv_events_config_file``, one set of settings), so an operator fixes them in one go.
+
+    :param field: dotted path of the (first) offending key, e.g. ``streams[2].endpoint``.
+    :param message: what is wrong with it.
+    :param more: the other problems found in the same source, in document order.
+
+    :ivar problems: every problem, the first being ``(field, message)``.
+    """
+
+    def __init__(self, field: str, message: str, *, more: Sequence[ConfigProblem] = ()) -> None:
         self.field = field
         self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+        self.problems: tuple[ConfigProblem, ...] = (ConfigProblem(field, message), *more)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+    @classmethod
+    def of(cls, problems: Sequence[ConfigProblem]) -> "ConfigError":
+        """The error listing ``problems`` (at least one), the first as ``field``/``message``."""
+        first, *rest = problems
+        return cls(first.field, first.message, more=rest)
 
 
 class StreamError(KvsvcError):

@@ -75,7 +75,7 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
     policy = make_policy(settings.load_balance_policy, settings.car_prefill_lambda,
-                         settings.car_host_hit_weight, index_enabled=directory is not None)
+                         settings.car_host_hit_weight)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
@@ -86,6 +86,25 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                                 pool_maxsize=settings.worker_threads), in_flight)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
+
+
+def startup_warnings(settings: ServiceSettings,
+                     kv_config: Optional[KvEventsConfig]) -> list[str]:
+    """What a valid configuration does that an operator may not mean, one line each. Logged
+    once by :meth:`Service.start` and printed by ``kvsvc check-config`` after its validation
+    passed: never while building (``serve`` builds a service to validate, then the worker
+    builds its own), so a line is neither repeated nor printed before a configuration error.
+
+    :param settings: validated settings.
+    :param kv_config: the §8 config, ``None`` with the index disabled.
+    """
+    if kv_config is not None:
+        return []
+    line = ("kv_events_config_file is empty: KV index disabled, every query answers no "
+            "matches (hit ratio 0)")
+    if settings.load_balance_policy == "CAR":
+        line += "; routing policy CAR routes on queue costs only"
+    return [line]
 
 
 class Service:
@@ -154,9 +173,8 @@ class Service:
         with self._lock:
             if self._running:
                 raise LifecycleError("service already started")
-        if self.directory is None:
-            log.warning("kv_events_config_file is empty: KV index disabled, every query "
-                        "answers no matches (hit ratio 0)")
+        for line in startup_warnings(self.settings, self.kv_config):
+            log.warning("%s", line)
         started: list[_Component] = []
         try:
             for part in self._threads():

@@ -6,7 +6,8 @@ marker with its section, help text, unit and accepted values. The model is gunic
 ``Setting`` class per option (``benoitc/gunicorn:gunicorn/config.py``). Everything else is
 derived from the declaration, through :data:`SETTINGS` (one :class:`SettingRow` per field):
 
-- the flag ``--<name>`` and the environment variable ``KVSVC_<NAME>``;
+- the flag ``--<name>`` (xllm-service's spelling; ``--na-me`` is accepted too) and the
+  environment variable ``KVSVC_<NAME>``;
 - the argparse arguments of ``kvsvc serve`` and ``kvsvc check-config``
   (:func:`add_arguments`), whose help shows the variable, default, unit and range;
 - the ``KVSVC_*`` export that hands the resolved settings to the gunicorn worker
@@ -14,6 +15,12 @@ derived from the declaration, through :data:`SETTINGS` (one :class:`SettingRow` 
 - the settings lines of ``check-config`` (:func:`describe_settings`);
 - the README settings table (:func:`markdown_table`, ``python -m kvsvc.settings --markdown``;
   ``tests/unit/test_settings.py`` fails when the README and this table differ).
+
+The flag spelling rule of every ``kvsvc`` subcommand lives here too (:func:`add_flag`, used by
+the testbed's parsers as well): each flag is declared once in one spelling, and the other
+spelling (``_`` for ``-`` or back) is generated, so ``--etcd_addr`` and ``--etcd-addr`` are the
+same flag everywhere; :class:`HelpFormatter` lists both, :class:`DefaultsHelpFormatter` also
+shows each default.
 
 Sources, highest first: command-line flags (keyword arguments of
 :func:`load_service_settings`), ``KVSVC_<NAME>`` environment variables, defaults. Every
@@ -47,9 +54,9 @@ from kvsvc.config import (
     KvEventsConfig,
     check_discovery_needs_etcd,
     load_kv_events_config,
-    translate_validation_error,
+    validation_problems,
 )
-from kvsvc.errors import ConfigError
+from kvsvc.errors import ConfigError, ConfigProblem
 
 #: Prefix of every setting's environment variable.
 ENV_PREFIX = "KVSVC_"
@@ -99,6 +106,8 @@ class Setting:
     :param path: a file path: exported to the worker as an absolute path (gunicorn runs in the
         project root).
     :param export_empty: exported to the worker even when empty.
+    :param fold_case: the flag takes the value in any case (``INFO`` is ``info``), as the
+        variable's validator does.
     """
 
     section: str
@@ -108,6 +117,7 @@ class Setting:
     flag_checks_choices: bool = True
     path: bool = False
     export_empty: bool = True
+    fold_case: bool = False
 
 
 class ServiceSettings(BaseSettings):
@@ -140,7 +150,7 @@ class ServiceSettings(BaseSettings):
         unit="tokens")] = 1 << 20
     log_level: Annotated[str, Setting(
         SECTION_LOGS, "level of kvsvc's and gunicorn's error logs",
-        choices=LOG_LEVELS)] = "info"
+        choices=LOG_LEVELS, fold_case=True)] = "info"
     log_format: Annotated[str, Setting(
         SECTION_LOGS, "`json`: one JSON object per line (for journald and log shippers); "
         "`text`: plain lines for a terminal (see \"Logs\")", choices=LOG_FORMATS)] = "json"
@@ -480,6 +490,10 @@ def by_section() -> list[tuple[str, list[SettingRow]]]:
 
 # -- sources ---------------------------------------------------------------------------------------
 
+#: Settings whose value no message shows.
+_SECRET_SETTINGS = frozenset(row.name for row in SETTINGS if row.kind is SecretStr)
+
+
 def load_service_settings(**overrides: Any) -> ServiceSettings:
     """Build :class:`ServiceSettings` from flags (``overrides``, ``None`` values ignored) and env.
 
@@ -490,11 +504,14 @@ def load_service_settings(**overrides: Any) -> ServiceSettings:
     try:
         return ServiceSettings(**kwargs)
     except ValidationError as exc:
-        err = translate_validation_error(exc)
-        name = err.field.partition(".")[0]
-        if name in _BY_NAME and name not in kwargs:
-            raise ConfigError(_BY_NAME[name].env, err.message) from exc
-        raise ConfigError(f"--{err.field}", err.message) from exc
+        problems = []
+        # Every problem at once, each under the name it was given by (the token never shown).
+        for problem in validation_problems(exc, hidden=_SECRET_SETTINGS):
+            name = problem.field.partition(".")[0]
+            given = (_BY_NAME[name].env if name in _BY_NAME and name not in kwargs
+                     else f"--{problem.field}")
+            problems.append(ConfigProblem(given, problem.message))
+        raise ConfigError.of(problems) from exc
 
 
 def parse_bool(value: str) -> bool:
@@ -516,23 +533,96 @@ def flag_help(row: SettingRow) -> str:
     facts = [row.env, f"default {row.default_text()}"]
     if row.range_text() and not (row.meta.choices and row.meta.flag_checks_choices):
         facts.append(row.range_text())  # argparse lists enforced choices itself
+    if row.meta.fold_case:
+        facts.append("any case")
     return f"{text} ({'; '.join(facts)})".replace("%", "%%")
 
 
+def flag_spellings(flag: str) -> tuple[str, ...]:
+    """Both spellings of a long flag, the given one first: ``--etcd_addr`` ->
+    ``("--etcd_addr", "--etcd-addr")``, ``--log-level`` -> ``("--log-level", "--log_level")``;
+    a flag with neither character (``--port``) or a short one (``-h``) has one."""
+    if not flag.startswith("--"):
+        return (flag,)
+    name = flag[2:]
+    other = name.replace("_", "-") if "_" in name else name.replace("-", "_")
+    return (flag,) if other == name else (flag, f"--{other}")
+
+
+def add_flag(container: Any, *flags: str, **kwargs: Any) -> argparse.Action:
+    """``container.add_argument`` with both spellings of every flag in ``flags``
+    (:func:`flag_spellings`): the one declaration of a flag, its alias generated. ``dest`` is
+    the first flag's name with ``_`` (``--block-size`` -> ``block_size``) unless given.
+
+    :param container: an ``argparse.ArgumentParser`` or argument group.
+    :param flags: the flag, then other names of the same thing (``"--etcd", "--etcd_addr"``).
+    :param kwargs: passed to ``add_argument``.
+    """
+    names: list[str] = []
+    for flag in flags:
+        names.extend(s for s in flag_spellings(flag) if s not in names)
+    kwargs.setdefault("dest", flags[0].lstrip("-").replace("-", "_"))
+    action: argparse.Action = container.add_argument(*names, **kwargs)
+    return action
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--log-level`` (and ``--log_level``) of a testbed command: one of :data:`LOG_LEVELS` in
+    any case, as ``serve``'s."""
+    add_flag(parser, "--log-level", default=default, type=str.lower, choices=LOG_LEVELS,
+             help="log level (any case)")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` listing a flag's spellings once with its value: ``--etcd_addr, --etcd-addr
+    ETCD_ADDR`` (argparse would repeat the value after each spelling)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {value}"
+
+
+class DefaultsHelpFormatter(HelpFormatter):
+    """:class:`HelpFormatter` that also ends every flag's help with its default, as
+    ``argparse.ArgumentDefaultsHelpFormatter`` does but for every flag (one without help
+    too) and in words for the ones it would print blank (``empty``, ``none``, ``off``): the
+    testbed commands. ``serve``'s help states its defaults from the settings table."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS
+                or "%(default)" in text):
+            return text
+        if action.default is None:
+            shown = "none"
+        elif action.default == "":
+            shown = "empty"
+        elif action.default is False and action.nargs == 0:
+            shown = "off"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting to ``parser``, grouped by section. Every flag defaults to
-    ``None`` (not given), so that the ``KVSVC_*`` variable or the default applies."""
+    """Add one flag per setting to ``parser``, grouped by section, each in both spellings
+    (``--etcd_addr``, ``--etcd-addr``: :func:`add_flag`). Every flag defaults to ``None`` (not
+    given), so that the ``KVSVC_*`` variable or the default applies."""
     for section, rows in by_section():
         group = parser.add_argument_group(section)
         for row in rows:
-            kwargs: dict[str, Any] = {"default": None, "help": flag_help(row)}
+            kwargs: dict[str, Any] = {"default": None, "help": flag_help(row), "dest": row.name}
             if row.kind is bool:
                 kwargs.update(type=parse_bool, nargs="?", const=True)
             elif row.kind in (int, float):
                 kwargs["type"] = row.kind
+            elif row.meta.fold_case:
+                kwargs["type"] = str.lower
             if row.meta.choices and row.meta.flag_checks_choices:
                 kwargs["choices"] = row.meta.choices
-            group.add_argument(row.flag, **kwargs)
+            add_flag(group, row.flag, **kwargs)
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:

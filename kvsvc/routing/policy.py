@@ -436,14 +436,12 @@ def _queue_costs(pool: Sequence[Instance], in_flight: InFlightSnapshot) -> list[
     return [w / top for w in waits]
 
 
-def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
-                index_enabled: bool = True) -> Policy:
+def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5) -> Policy:
     """The policy selected by ``--load_balance_policy`` (xllm-service's names).
 
     :param name: ``RR`` or ``CAR`` (``SLO_AWARE`` is refused with its own message).
     :param prefill_lambda: ``--car_prefill_lambda``, CAR only.
     :param host_hit_weight: ``--car_host_hit_weight``, CAR only.
-    :param index_enabled: False logs, once here at start-up, that CAR routes with hit ratio 0.
     :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
     """
     if name in UNSUPPORTED_POLICIES:
@@ -455,10 +453,8 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
         policy = CacheAware(prefill_lambda, host_hit_weight)
         log.info("routing policy CAR (lambda %.3f, host hit weight %.3f)",
                  policy.prefill_lambda, policy.host_hit_weight)
-        if not index_enabled:
-            # Worded without "index disabled": the service logs that line once already.
-            log.warning("routing policy CAR without a KV index (no kv_events_config_file): "
-                        "every hit ratio is 0, routing follows queue costs only")
+        # CAR without a KV index is warned about by the service once, at start (it is built
+        # twice under `serve`: to validate, then in the worker).
         return policy
     raise ConfigError("--load_balance_policy",
                       f"must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

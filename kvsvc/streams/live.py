@@ -13,7 +13,9 @@ replaced at once; after one that ended sooner (or before its handshake) the ``SU
 once and reopened after a delay doubling from :data:`LIVE_REOPEN_MIN_S` to
 :data:`LIVE_REOPEN_MAX_S`: a wrong endpoint (say the engine's ``ROUTER``) would otherwise be
 reconnected thousands of times a second, since each reopened socket connects at once. After
-:data:`LIVE_FLAP_HINT` such connections in a row the disconnect reason says so.
+:data:`LIVE_FLAP_HINT` such connections in a row the disconnect reason (the stream's error in
+``/ready``) says so, asking whether the endpoint is the engine's ``PUB``, and one WARNING per
+streak logs the same.
 
 Not thread-safe: created, used and closed on the stream's thread only.
 """
@@ -43,7 +45,8 @@ LIVE_RECONNECT_IVL_MAX_MS = 500
 LIVE_STABLE_S = 1.0
 LIVE_REOPEN_MIN_S = 0.01
 LIVE_REOPEN_MAX_S = 5.0
-#: After this many failed live connections in a row, the stream's error says so.
+#: After this many failed live connections in a row, the stream's error says so (and the log,
+#: once per streak).
 LIVE_FLAP_HINT = 3
 
 #: Monitor events the owner acts on.
@@ -166,14 +169,14 @@ class LiveConnection:
         self.close()
         if self.failures < LIVE_FLAP_HINT:
             return "disconnected"
+        hint = (f"{self.failures} live connections in a row ended within {LIVE_STABLE_S:g} s "
+                f"(is {self._stream.endpoint} the engine's PUB event socket?)")
         if self.failures == LIVE_FLAP_HINT:
-            log.warning("stream %s: %d live connections in a row to %s ended within %.0f s; "
-                        "reconnecting with backoff up to %.0f s", self._name,
-                        self.failures, self._stream.endpoint, LIVE_STABLE_S,
+            # Once per streak, with the same hint as /ready: swapped event and replay
+            # endpoints look exactly like this, and the log is where an operator looks first.
+            log.warning("stream %s: %s; reconnecting with backoff up to %g s", self._name, hint,
                         LIVE_REOPEN_MAX_S)
-        return (f"disconnected: {self.failures} live connections in a row ended within "
-                f"{LIVE_STABLE_S:g} s (is {self._stream.endpoint} the engine's PUB event "
-                f"socket?)")
+        return f"disconnected: {hint}"
 
     def recv(self) -> Optional[list[memoryview]]:
         """One live message without blocking: its frames as ``memoryview``s of the received

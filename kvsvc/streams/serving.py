@@ -12,6 +12,10 @@ Rules it keeps:
   discarded under the same hold that saw an apply error, so a query never sees a partial
   batch, a stale index or a half-built one (§6). A snapshot index is built privately and swapped
   in one assignment.
+- A live message dropped for its topic (§1: equal exactly, while a ``SUB`` receives every topic
+  that *starts* with its own) is counted, and the first :data:`OTHER_TOPICS_MAX` distinct
+  topics are kept. While no message with the stream's own topic has arrived, the error in
+  ``status()`` (``/ready``) names them: the engine publishes, just under another topic.
 - :meth:`ServingState.match` has a lock-free fast path: ``_quick`` is a pair (resident keys,
   zero-hit answer) replaced in one assignment whenever the serving state changes; a prompt
   whose first key is not resident gets the shared zero-hit answer without the lock.
@@ -41,6 +45,21 @@ from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
 
 #: ``error`` of a stream that has not been synchronized yet.
 NOT_YET = "not synchronized yet: waiting for the first snapshot"
+#: Distinct other topics kept per stream (a bound: an engine may publish many).
+OTHER_TOPICS_MAX = 5
+#: Longest topic shown, bytes (the rest is cut as ``...``).
+TOPIC_SHOWN_BYTES = 64
+
+
+def shown_topic(topic: bytes) -> str:
+    """A topic frame for a log line or an error: quoted, non-UTF-8 bytes and control characters
+    escaped (``'kv\\x00'``), cut after :data:`TOPIC_SHOWN_BYTES` bytes."""
+    text = topic[:TOPIC_SHOWN_BYTES].decode("utf-8", "backslashreplace")
+    # Control characters as Python writes them (\x00, \n): a log line stays one line.
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return f"'{text}'..." if len(topic) > TOPIC_SHOWN_BYTES else f"'{text}'"
+
+
 #: Resident keys of a stream that serves no hits (the fast path's "nothing here").
 _NO_KEYS: frozenset[int] = frozenset()
 _ZERO_STATS = (0,) * len(NOT_INDEXED)
@@ -51,16 +70,20 @@ class ServingState:
 
     :param stream_id: the stream's (instance, DP rank), copied into every answer.
     :param block_size: tokens per block: hits are reported in tokens (blocks * block_size).
+    :param topic: the stream's configured topic, named in the wrong-topic hint.
 
     :ivar live_messages: live messages received with the exact topic (valid or not); written
         by the stream thread only (a plain int read is safe anywhere).
     :ivar topic_mismatches: live messages dropped for a topic not exactly equal (§1).
+    :ivar other_topics: the first :data:`OTHER_TOPICS_MAX` distinct topics of those messages,
+        as :func:`shown_topic` (replaced in one assignment: read anywhere).
     :ivar duplicates_dropped: batches covered by a swapped-in snapshot, dropped (§6).
     :ivar last_event_at: monotonic time of the last live batch decoded; ``None`` before one.
     """
 
-    def __init__(self, stream_id: StreamId, block_size: int) -> None:
+    def __init__(self, stream_id: StreamId, block_size: int, topic: str = "") -> None:
         self.stream_id = stream_id
+        self._topic = topic
         self._instance = stream_id.instance_name
         self._rank = stream_id.dp_rank
         self._block_size = block_size
@@ -76,6 +99,8 @@ class ServingState:
         # Plain ints written by the stream thread only.
         self.live_messages = 0
         self.topic_mismatches = 0
+        self.other_topics: tuple[str, ...] = ()
+        self._other_topic_frames: frozenset[bytes] = frozenset()
         self.duplicates_dropped = 0
         self.last_event_at: Optional[float] = None
         # Metrics dicts: written by the stream thread under _lock, copied under it.
@@ -122,11 +147,17 @@ class ServingState:
             return self._quick[1]
 
     def status(self) -> StreamStatus:
-        """The stream's state and counts (read under the lock)."""
+        """The stream's state and counts (read under the lock). While live messages arrived
+        only under other topics, ``error`` says which (:meth:`topic_hint`), even on a
+        synchronized stream: its index is then a snapshot that no live batch updates."""
         with self._lock:
             index = self._index
+            error = self._error
+            hint = self.topic_hint()
+            if hint is not None:
+                error = f"{error}; {hint}" if error else hint
             return StreamStatus(
-                stream=self.stream_id, state=self._state, error=self._error,
+                stream=self.stream_id, state=self._state, error=error,
                 sequence=self._sequence,
                 device_blocks=index.device_blocks if index is not None else 0,
                 host_blocks=index.host_blocks if index is not None else 0,
@@ -163,7 +194,33 @@ class ServingState:
                 topic_mismatches=self.topic_mismatches,
                 duplicates_dropped=self.duplicates_dropped)
 
+    def topic_hint(self) -> Optional[str]:
+        """``None``, or, while no live message had the stream's topic and some had another:
+        which topics the engine sends (``"no live message with topic 'kv' arrived; the engine
+        sends topic 'kv-events' (dropped: a topic must equal the engine's exactly, §1)"``)."""
+        others = self.other_topics
+        if not others or self.live_messages:
+            return None
+        more = "" if len(others) < OTHER_TOPICS_MAX else ", ..."
+        return (f"no live message with topic {self._topic!r} arrived; the engine sends "
+                f"topic{'s' if len(others) > 1 else ''} {', '.join(others)}{more} (dropped: a "
+                "topic must equal the engine's exactly, §1)")
+
     # ------------------------------------------------------------------ stream thread
+
+    def topic_mismatch(self, topic: bytes) -> bool:
+        """Count a live message dropped for its topic frame (§1) and keep the topic if it is
+        one of the first :data:`OTHER_TOPICS_MAX` distinct ones (stream thread only).
+
+        :param topic: the message's topic frame.
+        :returns: True for the stream's first such message (the caller logs it once).
+        """
+        self.topic_mismatches += 1
+        frames = self._other_topic_frames
+        if len(frames) < OTHER_TOPICS_MAX and topic not in frames:
+            self._other_topic_frames = frames | {topic}
+            self.other_topics = (*self.other_topics, shown_topic(topic))
+        return self.topic_mismatches == 1
 
     @property
     def index(self) -> Optional[TierIndex]:

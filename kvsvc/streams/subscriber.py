@@ -53,7 +53,7 @@ from kvsvc.streams.recovery import (
     RequestSnapshot,
     SnapshotRecovery,
 )
-from kvsvc.streams.serving import ServingState
+from kvsvc.streams.serving import ServingState, shown_topic
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import SnapshotResult, StreamId, StreamMatch, StreamStatus
 
@@ -126,7 +126,7 @@ class StreamSubscriber(BackgroundThread):
         self._gate = gate
         self._live_turns = live_turns if live_turns is not None else threading.Lock()
         self._topic = stream.topic.encode("utf-8")
-        self._serving = ServingState(self.stream_id, stream.block_size)
+        self._serving = ServingState(self.stream_id, stream.block_size, stream.topic)
         self.match = self._serving.match
         # The §7 rules (snapshot mode); a history-mode stream (§7h) gets its own rule set.
         self._recovery: RecoveryRules = SnapshotRecovery(stream, limits, self._serving)
@@ -375,8 +375,16 @@ class StreamSubscriber(BackgroundThread):
         """One live message (§1): topic, frames and payload checked here, the rest is the
         machine's (§6)."""
         if frames[0] != self._topic:
-            # ZMQ subscriptions match prefixes; the topic must be equal exactly (§1).
-            self._serving.topic_mismatches += 1
+            # ZMQ subscriptions match prefixes; the topic must be equal exactly (§1). What
+            # arrives is all the SUB can learn of the engine's topics (it is not subscribed to
+            # others: no extra traffic on the hot path), and /ready lists them.
+            topic = bytes(frames[0])
+            if self._serving.topic_mismatch(topic):
+                (log.warning if self._serving.live_messages == 0 else log.info)(
+                    "stream %s: the engine sends topic %s, not the stream's topic %r: its "
+                    "live messages are dropped (a topic must equal the engine's exactly, §1; "
+                    "further ones counted in topic_mismatches, their topics listed in /ready)",
+                    self._name, shown_topic(topic), self.stream.topic)
             return
         try:
             # (parse_live takes any bytes-like frames; memoryviews are read in place.)

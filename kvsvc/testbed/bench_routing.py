@@ -68,6 +68,7 @@ from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config, fr
 from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
 from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
+from kvsvc.settings import add_flag, add_log_level
 
 log = logging.getLogger(__name__)
 
@@ -622,44 +623,49 @@ def write_section(text: str, path: Path) -> None:
 # ---- CLI ------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``kvsvc bench-routing`` flags to ``parser``."""
+    """Add the ``kvsvc bench-routing`` flags to ``parser``, each in both spellings
+    (:func:`kvsvc.settings.add_flag`); ``--etcd`` is also ``serve``'s ``--etcd_addr``. The
+    formatter shows the defaults."""
     d = BenchOptions()
-    parser.add_argument("--traces", default=",".join(d.traces),
-                        help="comma-separated trace names or paths, e.g. conversation,synthetic "
-                             "(default conversation)")
-    parser.add_argument("--window-s", type=float, default=d.window_s,
-                        help=f"trace seconds replayed from the start, 0 = all (default {d.window_s:g})")
-    parser.add_argument("--requests", type=int, default=d.max_requests,
-                        help="at most this many requests per trace (0: no limit)")
-    parser.add_argument("--time-scale", type=float, default=d.time_scale,
-                        help=f"time compression factor (default {d.time_scale:g})")
-    parser.add_argument("--policies", default="RR,CAR:0.5,CAR:1.0",
-                        help="comma-separated RR or CAR:<lambda> (default RR,CAR:0.5,CAR:1.0)")
-    parser.add_argument("--engines", type=int, default=d.engines)
-    parser.add_argument("--device-blocks", type=int, default=d.device_blocks)
-    parser.add_argument("--host-blocks", type=int, default=d.host_blocks)
-    parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token)
-    parser.add_argument("--decode-us-per-token", type=float, default=d.decode_us_per_token)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
-                        help="engines' heartbeat period, simulated seconds (default %(default)s)")
-    parser.add_argument("--heartbeat-gap-s", type=float, default=d.heartbeat_gap_s,
-                        help="early heartbeat on a queue change at most every this many "
-                             "simulated s; 0: periodic only (default %(default)s)")
-    parser.add_argument("--etcd", default=d.etcd, help="etcd host:port (default: a local one)")
-    parser.add_argument("--arrivals", default=d.arrivals, choices=("spread", "trace"),
-                        help="spread: same-timestamp requests spread over the gap to the next "
-                             "timestamp; trace: as recorded (bursts) (default %(default)s)")
-    parser.add_argument("--log-dir", default="", help="keep the service logs here")
-    parser.add_argument("--results-file", default=str(DEFAULT_RESULTS_FILE), metavar="PATH",
-                        help="file whose routing section (between the routing:begin/end "
-                             "markers) is rewritten; the rest of it is kept; its directory "
-                             "must exist (default %(default)s, relative to the current "
-                             "directory)")
-    parser.add_argument("--no-write", action="store_true",
-                        help="write no results file (leave --results-file alone)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
+    add_flag(parser, "--traces", default=",".join(d.traces),
+             help="comma-separated trace names or paths, e.g. conversation,synthetic")
+    add_flag(parser, "--window-s", type=float, default=d.window_s,
+             help="trace seconds replayed from the start, 0 = all")
+    add_flag(parser, "--requests", type=int, default=d.max_requests,
+             help="at most this many requests per trace (0: no limit)")
+    add_flag(parser, "--time-scale", type=float, default=d.time_scale,
+             help="time compression factor")
+    add_flag(parser, "--policies", default="RR,CAR:0.5,CAR:1.0",
+             help="comma-separated RR or CAR:<lambda>")
+    add_flag(parser, "--engines", type=int, default=d.engines, help="simulated engines")
+    add_flag(parser, "--device-blocks", type=int, default=d.device_blocks,
+             help="Device pool per rank, blocks")
+    add_flag(parser, "--host-blocks", type=int, default=d.host_blocks,
+             help="Host pool per rank, blocks")
+    add_flag(parser, "--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
+             help="simulated us per uncached prompt token")
+    add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
+             help="simulated us per output token")
+    add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
+             help="running requests per rank; the rest wait")
+    add_flag(parser, "--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
+             help="engines' heartbeat period, simulated seconds")
+    add_flag(parser, "--heartbeat-gap-s", type=float, default=d.heartbeat_gap_s,
+             help="early heartbeat on a queue change at most every this many simulated s; "
+                  "0: periodic only")
+    add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default=d.etcd,
+             help="etcd host:port (empty: a local one)")
+    add_flag(parser, "--arrivals", default=d.arrivals, choices=("spread", "trace"),
+             help="spread: same-timestamp requests spread over the gap to the next "
+                  "timestamp; trace: as recorded (bursts)")
+    add_flag(parser, "--log-dir", default="", help="keep the service logs here")
+    add_flag(parser, "--results-file", default=str(DEFAULT_RESULTS_FILE), metavar="PATH",
+             help="file whose routing section (between the routing:begin/end markers) is "
+                  "rewritten; the rest of it is kept; its directory must exist (relative to "
+                  "the current directory)")
+    add_flag(parser, "--no-write", action="store_true",
+             help="write no results file (leave --results-file alone)")
+    add_log_level(parser, "warning")
 
 
 def parse_policies(text: str) -> tuple[tuple[str, Optional[float]], ...]:

@@ -66,6 +66,7 @@ from kvsvc.testbed.ports import free_port_run as free_port_run
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.testbed.traces import load_trace, request_tokens
+from kvsvc.settings import add_flag, add_log_level
 
 log = logging.getLogger(__name__)
 
@@ -621,28 +622,28 @@ def _compare(matches: list[dict], ranks: list[tuple[SimEngine, int]], tokens: li
 # ---- CLI ---------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``kvsvc demo`` flags to ``parser``."""
+    """Add the ``kvsvc demo`` flags to ``parser``, each in both spellings
+    (:func:`kvsvc.settings.add_flag`); ``--etcd`` is also ``serve``'s ``--etcd_addr``. The
+    formatter shows the defaults."""
     d = DemoOptions()
-    parser.add_argument("--requests", type=int, default=d.requests,
-                        help=f"trace requests replayed (default {d.requests})")
-    parser.add_argument("--engines", type=int, default=d.engines,
-                        help=f"simulated engines, one with 2 DP ranks (default {d.engines})")
-    parser.add_argument("--chaos", action="store_true",
-                        help="drop 1%% of live messages and restart one engine mid-run")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the chaos faults")
-    parser.add_argument("--trace", default=d.trace,
-                        help="conversation, synthetic or a JSONL path (default conversation)")
-    parser.add_argument("--device-blocks", type=int, default=d.device_blocks,
-                        help=f"Device pool per rank, blocks (default {d.device_blocks})")
-    parser.add_argument("--host-blocks", type=int, default=d.host_blocks,
-                        help=f"Host pool per rank, blocks (default {d.host_blocks})")
-    parser.add_argument("--wait-timeout-s", type=float, default=d.wait_timeout_s,
-                        help="bound of the catch-up wait before each request, seconds")
-    parser.add_argument("--etcd", default=d.etcd,
-                        help="etcd host:port to register the engines in (default: start a "
-                             "local etcd; needs `apt-get install etcd-server`)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
+    add_flag(parser, "--requests", type=int, default=d.requests, help="trace requests replayed")
+    add_flag(parser, "--engines", type=int, default=d.engines,
+             help="simulated engines, one with 2 DP ranks")
+    add_flag(parser, "--chaos", action="store_true",
+             help="drop 1%% of live messages and restart one engine mid-run")
+    add_flag(parser, "--seed", type=int, default=d.seed, help="seed of the chaos faults")
+    add_flag(parser, "--trace", default=d.trace,
+             help="conversation, synthetic or a JSONL path")
+    add_flag(parser, "--device-blocks", type=int, default=d.device_blocks,
+             help="Device pool per rank, blocks")
+    add_flag(parser, "--host-blocks", type=int, default=d.host_blocks,
+             help="Host pool per rank, blocks")
+    add_flag(parser, "--wait-timeout-s", type=float, default=d.wait_timeout_s,
+             help="bound of the catch-up wait before each request, seconds")
+    add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default=d.etcd,
+             help="etcd host:port to register the engines in (empty: start a local etcd; "
+                  "needs `apt-get install etcd-server`)")
+    add_log_level(parser, "warning")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -70,6 +70,7 @@ from kvsvc.events import DEVICE
 from kvsvc.testbed.sim.block_manager import chain_hash
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.traces import TraceRequest, load_trace, request_tokens
+from kvsvc.settings import add_flag, add_log_level
 
 log = logging.getLogger(__name__)
 
@@ -715,21 +716,20 @@ def run_soak(opts: SoakOptions, out: Optional[TextIO] = None) -> SoakReport:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``kvsvc soak`` flags to ``parser``."""
+    """Add the ``kvsvc soak`` flags to ``parser``, each in both spellings
+    (:func:`kvsvc.settings.add_flag`). The formatter shows the defaults."""
     d = SoakOptions()
-    parser.add_argument("--minutes", type=float, default=d.minutes,
-                        help=f"replay duration, minutes (default {d.minutes:g})")
-    parser.add_argument("--engines", type=int, default=d.engines,
-                        help=f"simulated engines, one with 2 DP ranks (default {d.engines})")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the fault schedule")
-    parser.add_argument("--trace", default=d.trace,
-                        help="conversation, synthetic or a JSONL path (default conversation)")
-    parser.add_argument("--fault-interval-s", type=float, default=d.fault_interval_s,
-                        help=f"seconds between faults (default {d.fault_interval_s:g})")
-    parser.add_argument("--service-log", default="",
-                        help="keep the service's output in this file (default: discarded)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
+    add_flag(parser, "--minutes", type=float, default=d.minutes, help="replay duration, minutes")
+    add_flag(parser, "--engines", type=int, default=d.engines,
+             help="simulated engines, one with 2 DP ranks")
+    add_flag(parser, "--seed", type=int, default=d.seed, help="seed of the fault schedule")
+    add_flag(parser, "--trace", default=d.trace,
+             help="conversation, synthetic or a JSONL path")
+    add_flag(parser, "--fault-interval-s", type=float, default=d.fault_interval_s,
+             help="seconds between faults")
+    add_flag(parser, "--service-log", default="",
+             help="keep the service's output in this file (empty: discarded)")
+    add_log_level(parser, "warning")
 
 
 def run(args: argparse.Namespace) -> int:

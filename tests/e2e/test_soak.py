@@ -154,7 +154,7 @@ def test_publisher_restart_after_reconnect_is_noticed(zmq_ctx):
     eng = SimEngine("e", ev, rp, block_size=BS, device_blocks=4, context=zmq_ctx)
     eng.start()
     e0, r0 = eng.endpoints(0)
-    sub = StreamSubscriber(StreamConfig(instance_name="e", block_size=BS, endpoint=e0,
+    sub = StreamSubscriber(StreamConfig(instance_name="e:1", block_size=BS, endpoint=e0,
                                         replay_endpoint=r0), KvEventsConfig(), zmq_ctx)
     try:
         sub.start()

@@ -406,8 +406,11 @@ def test_discovery_without_etcd_addr_refuses_start_up(tmp_path, monkeypatch):
             env["KVSVC_DETECT_DISCONNECTED_INSTANCE_INTERVAL"], env["KVSVC_SELF_ADDRESS"]) == (
         "127.0.0.1:2379", "prod", "7.5", "")
     assert settings.advertised_address() == "127.0.0.1:9100"
-    # A disabled discovery block needs no registry.
-    path.write_text(json.dumps({"discovery": {"enabled": False}}), encoding="utf-8")
+    # A disabled discovery block needs no registry (beside static streams: alone it would
+    # configure nothing, which the file check refuses).
+    path.write_text(json.dumps({"discovery": {"enabled": False}, "streams": [{
+        "instance_name": "127.0.0.1:9", "endpoint": "tcp://127.0.0.1:10009",
+        "replay_endpoint": "tcp://127.0.0.1:30009"}]}), encoding="utf-8")
     app = create_app(load_service_settings(kv_events_config_file=str(path)))
     assert app.extensions["kvsvc"].discovery is None
     with pytest.raises(ConfigError) as info:

@@ -4,6 +4,7 @@ integers (:func:`blk`), engine hashes are arbitrary integers chosen per test."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import pytest
@@ -791,6 +792,63 @@ def test_topic_must_match_exactly(h):
     assert (hits(sub, 1), hits(sub, 3)) == ((True, 0, 0), (True, 4, 0))
 
 
+def test_a_wrong_topic_names_the_topics_the_engine_sends(h, caplog):
+    """The stream subscribes to "kv", the engine publishes "kv-events" (a prefix match: the
+    SUB receives it and drops it, §1): /ready's error says which topics the engine sends (at
+    most OTHER_TOPICS_MAX distinct, escaped), one WARNING says so once; the hint goes away
+    once a message with the stream's own topic arrives."""
+    from kvsvc.streams.serving import OTHER_TOPICS_MAX
+
+    caplog.set_level(logging.INFO, logger="kvsvc.streams.subscriber")
+    pub = h.publisher(topic=b"kv-events")
+    pub.set_snapshot([], watermark=None)
+    sub = h.subscriber(pub, topic="kv")
+    pub.wait_subscribed()
+    synced_at(sub, None)
+    pub.publish([stored([1], None, blk(1), BS)], seq=0)
+    st = error_or_hint(sub, "the engine sends topic")
+    assert st.error == ("no live message with topic 'kv' arrived; the engine sends topic "
+                        "'kv-events' (dropped: a topic must equal the engine's exactly, §1)")
+    assert st.state is SYNC     # still the snapshot's index: the hint is why it goes stale
+    for i, topic in enumerate([b"kv-events", b"kv\x00\xff", b"kv2", b"kv3", b"kv4", b"kv5"]):
+        pub.publish([stored([1], None, blk(1), BS)], seq=i + 1, topic=topic)
+    wait_for(lambda: sub.topic_mismatches == 7, 5.0, what="7 mismatches")
+    assert sub.status().error == (
+        "no live message with topic 'kv' arrived; the engine sends topics 'kv-events', "
+        "'kv\\x00\\xff', 'kv2', 'kv3', 'kv4', ... (dropped: a topic must equal the engine's "
+        "exactly, §1)")
+    assert len(sub._serving.other_topics) == OTHER_TOPICS_MAX
+    logged = [r for r in caplog.records if "the engine sends topic" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in logged] == [(
+        logging.WARNING, "stream 10.0.0.1:8000/dp0: the engine sends topic 'kv-events', not "
+        "the stream's topic 'kv': its live messages are dropped (a topic must equal the "
+        "engine's exactly, §1; further ones counted in topic_mismatches, their topics listed "
+        "in /ready)")]
+    pub.publish([stored([3], None, blk(3), BS)], seq=0, topic=b"kv")
+    wait_for(lambda: sub.live_messages == 1, 5.0, what="a message with the stream's topic")
+    assert sub.status().error is None
+
+
+def test_an_empty_topic_sees_and_names_every_topic(h):
+    """The default topic "" subscribes to every topic: an engine publishing "xllm-kv" (the
+    discovery default) shows up in the error at once."""
+    pub = h.publisher(topic=b"xllm-kv")
+    pub.set_snapshot([], watermark=None)
+    sub = h.subscriber(pub, topic="")
+    pub.wait_subscribed()
+    synced_at(sub, None)
+    pub.publish([stored([1], None, blk(1), BS)], seq=0)
+    st = error_or_hint(sub, "the engine sends topic 'xllm-kv'")
+    assert st.error.startswith("no live message with topic '' arrived")
+
+
+def error_or_hint(sub: StreamSubscriber, text: str, timeout_s: float = 5.0):
+    def check():
+        st = sub.status()
+        return st if text in (st.error or "") else None
+    return wait_for(check, timeout_s, what=f"error containing {text!r}")
+
+
 def test_lifecycle(h, zmq_ctx):
     pub = h.publisher()
     sub = h.subscriber(pub, start=False)
@@ -864,7 +922,7 @@ def raw_replay(zmq_ctx):
 
 
 def open_attempt(zmq_ctx, raw_replay, start_seq=7, **limits):
-    cfg = StreamConfig(instance_name="e", block_size=BS, endpoint="tcp://127.0.0.1:1",
+    cfg = StreamConfig(instance_name="e:1", block_size=BS, endpoint="tcp://127.0.0.1:1",
                        replay_endpoint=f"tcp://127.0.0.1:{raw_replay.port}", hash_seed=SEED)
     attempt = SnapshotAttempt.open(zmq_ctx, cfg, KvEventsConfig(**limits), start_seq)
     ident, got = raw_replay.request()
@@ -977,18 +1035,19 @@ def test_internal_error_in_apply_recovers_instead_of_killing_the_stream(h, monke
     assert calls["n"] == 1
 
 
-def test_live_reopen_backoff(zmq_ctx):
+def test_live_reopen_backoff(zmq_ctx, caplog):
     """The live connection's reopen schedule (kvsvc.streams.live): connections that end within
     LIVE_STABLE_S of their handshake (or before one) are reopened after 10 ms doubling to 5 s,
     with the flapping hint from the third; a stable one is reopened at once and resets it."""
     from kvsvc.streams.live import LiveConnection
 
     port = free_ports(1)[0]
-    cfg = StreamConfig(instance_name="e", block_size=BS, endpoint=f"tcp://127.0.0.1:{port}",
+    cfg = StreamConfig(instance_name="e:1", block_size=BS, endpoint=f"tcp://127.0.0.1:{port}",
                        replay_endpoint=f"tcp://127.0.0.1:{port}", hash_seed=SEED)
     poller = zmq.Poller()
-    live = LiveConnection(zmq_ctx, cfg, KvEventsConfig(), poller, "e/dp0")
+    live = LiveConnection(zmq_ctx, cfg, KvEventsConfig(), poller, "e:1/dp0")
     live.open()
+    caplog.set_level(logging.WARNING, logger="kvsvc.streams.live")
     try:
         now, delays, reasons = 100.0, [], []
         for _ in range(12):
@@ -1007,5 +1066,16 @@ def test_live_reopen_backoff(zmq_ctx):
         live.handshake(now + 10.0)
         assert live.disconnected(now + 11.0) == "disconnected"   # lasted 1 s: stable
         assert (live.reopen_at, live.failures, live.sub is not None) == (now + 11.0, 0, True)
+        # The hint of /ready went to the log too: one WARNING for the streak of 13, naming
+        # the stream; a new streak gets its own.
+        hinted = [r.getMessage() for r in caplog.records if "PUB event socket" in r.getMessage()]
+        assert hinted == [f"stream e:1/dp0: 3 live connections in a row ended within 1 s (is "
+                          f"tcp://127.0.0.1:{port} the engine's PUB event socket?); "
+                          f"reconnecting with backoff up to 5 s"]
+        assert all(r.levelno == logging.WARNING for r in caplog.records)
+        for _ in range(3):
+            live.reopen()
+            live.disconnected(now + 12.0)
+        assert sum("PUB event socket" in r.getMessage() for r in caplog.records) == 2
     finally:
         live.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,86 @@ def test_duplicate_json_key_is_named(tmp_path):
         load_kv_events_config(path)
     assert (info.value.field, info.value.message) == (
         "max_streams", "key given twice in one JSON object")
+
+
+# -- every error at once; host:port names; a file that configures nothing (issue 13) ---------------
+
+def test_every_error_of_a_document_is_reported_at_once_with_field_and_value():
+    """Five problems in one document: one ConfigError lists them all in document order, each
+    naming its field and, where there is one, the bad value."""
+    err = config_error({"streams": [stream("a:1", dp_rank=-1, block_size="128"),
+                                    stream("b:1", 5010, endpoint="tcp://*:5010")],
+                        "max_streams": 0, "bogus": 1})
+    assert [(p.field, p.message) for p in err.problems] == [
+        ("streams[0].dp_rank", "Input should be greater than or equal to 0, got -1"),
+        ("streams[0].block_size", "Input should be a valid integer, got '128'"),
+        ("streams[1].endpoint", "host must be connectable, not '*', got 'tcp://*:5010'"),
+        ("max_streams", "Input should be greater than or equal to 1, got 0"),
+        ("bogus", "unknown key"),
+    ]
+    assert (err.field, err.message) == (err.problems[0].field, err.problems[0].message)
+    assert str(err).count("; ") == 4   # every problem in the one message too
+
+
+def test_a_long_bad_value_is_shown_cut():
+    err = config_error({"streams": [stream(topic=list(range(10_000)))]})
+    assert err.field == "streams[0].topic" and err.message.endswith("...")
+    assert len(err.message) < 200
+
+
+def test_every_duplicate_is_reported_at_once():
+    err = config_error({"streams": [stream("a:1", 0, 5000), stream("a:1", 0, 5010),
+                                    stream("b:1", 0, 5020, endpoint="tcp://127.0.0.1:5000")]})
+    assert [p.field for p in err.problems] == ["streams[1]", "streams[2].endpoint"]
+    assert "also streams[0]" in err.problems[0].message
+    assert "already used by streams[0].endpoint" in err.problems[1].message
+
+
+@pytest.mark.parametrize("name", ["a", "a:", ":8000", "a:0", "a:70000", "a:http", "[::1]"])
+def test_instance_name_must_be_host_port(name):
+    err = config_error({"streams": [stream(name)]})
+    assert err.field == "streams[0].instance_name"
+    assert "host:port" in err.message or "out of range" in err.message
+    assert "e.g. 10.0.0.5:9000" in err.message
+
+
+@pytest.mark.parametrize("name", ["10.0.0.5:9000", "engine-1.local:8000", "[::1]:8000"])
+def test_host_port_instance_names_are_accepted(name):
+    assert parse_kv_events_config({"streams": [stream(name)]}).streams[0].instance_name == name
+
+
+@pytest.mark.parametrize("doc", [{"streams": []}, {}, {"streams": [], "max_streams": 4},
+                                 {"discovery": {"enabled": False}}])
+def test_a_file_that_configures_no_stream_is_refused(tmp_path, doc):
+    """An empty streams list without enabled discovery builds an index of nothing: the file
+    is refused naming `streams` and saying what to do; the document alone (limits for streams
+    added later) still parses."""
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_kv_events_config(path)
+    assert info.value.field == "streams"
+    assert "configures no stream" in info.value.message
+    assert "enable \"discovery\"" in info.value.message
+    assert "kv_events_config_file empty" in info.value.message
+    assert parse_kv_events_config(doc).streams == []
+    path.write_text(json.dumps({"discovery": {}}), encoding="utf-8")
+    assert load_kv_events_config(path).discovery.enabled
+
+
+def test_check_config_prints_every_problem_one_per_line(clean_env, tmp_path, capsys):
+    from kvsvc.cli import main
+
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"streams": [stream("a", dp_rank=-1)], "max_streams": 0}),
+                    encoding="utf-8")
+    assert main(["check-config", "--kv_events_config_file", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "kvsvc: invalid configuration: streams[0].instance_name: must be host:port, got 'a' "
+        "(the instance's HTTP address as it registers itself, e.g. 10.0.0.5:9000)",
+        "kvsvc: invalid configuration: streams[0].dp_rank: Input should be greater than or "
+        "equal to 0, got -1",
+        "kvsvc: invalid configuration: max_streams: Input should be greater than or equal to "
+        "1, got 0",
+    ]

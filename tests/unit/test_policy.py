@@ -340,9 +340,9 @@ def test_make_policy_names_and_ranges(caplog):
         with pytest.raises(ConfigError) as err:
             make_policy("CAR", **kwargs)
         assert err.value.field == field
+    # Building a policy warns about nothing: CAR without a KV index is the service's one
+    # start-up line (tests/unit/test_cli_flags.py), not repeated by every build.
     with caplog.at_level(logging.WARNING, logger="kvsvc.routing.policy"):
-        make_policy("CAR", index_enabled=False)
-        make_policy("RR", index_enabled=False)
-    warned = [r for r in caplog.records if r.name == "kvsvc.routing.policy"
-              and r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "every hit ratio is 0" in warned[0].getMessage()
+        make_policy("CAR")
+        make_policy("RR")
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []

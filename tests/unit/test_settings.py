@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 from kvsvc import settings as settings_module
 from kvsvc.cli import build_parser, main, resolve_serve_settings, serve_environment
@@ -27,6 +28,7 @@ from kvsvc.settings import (
     UNSUPPORTED_POLICIES,
     ServiceSettings,
     export_environment,
+    flag_values,
     load_service_settings,
     markdown_table,
     replace_readme_table,
@@ -85,7 +87,10 @@ def test_flags_come_from_the_table(command):
     assert set(actions) - {"help"} == {row.name for row in SETTINGS}
     for row in SETTINGS:
         action = actions[row.name]
-        assert action.option_strings == [row.flag]
+        # xllm-service's spelling first, the dashed one generated beside it.
+        dashed = row.flag.replace("_", "-")
+        assert action.option_strings == ([row.flag, dashed] if dashed != row.flag
+                                         else [row.flag])
         # Not given is None, so the KVSVC_* variable or the table's default applies.
         assert action.default is None
         assert row.env in action.help and f"default {row.default_text()}" in action.help
@@ -276,7 +281,8 @@ def test_settings_bad_env_value_named(clean_env):
     with pytest.raises(ConfigError) as info:
         load_service_settings()
     assert (info.value.field, info.value.message) == (
-        "KVSVC_PORT", "Input should be a valid integer, unable to parse string as an integer")
+        "KVSVC_PORT", "Input should be a valid integer, unable to parse string as an integer, "
+                      "got 'http'")
     clean_env.setenv("KVSVC_PORT", "9000")
     clean_env.setenv("KVSVC_CAR_PREFILL_LAMBDA", "2")
     with pytest.raises(ConfigError) as info:
@@ -285,7 +291,44 @@ def test_settings_bad_env_value_named(clean_env):
     with pytest.raises(ConfigError) as info:
         load_service_settings(port=9001)
     assert (info.value.field, info.value.message) == (
-        "KVSVC_CAR_PREFILL_LAMBDA", "Input should be less than or equal to 1")
+        "KVSVC_CAR_PREFILL_LAMBDA", "Input should be less than or equal to 1, got '2'")
+
+
+def test_every_settings_error_is_reported_at_once_with_its_source_and_value(clean_env):
+    """Three bad values, two flags and a variable: one ConfigError lists all three, each under
+    the name it was given by and with the value, in declaration order."""
+    clean_env.setenv("KVSVC_CAR_HOST_HIT_WEIGHT", "1.5")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(port=0, worker_threads=2)
+    assert [(p.field, p.message) for p in info.value.problems] == [
+        ("--port", "Input should be greater than or equal to 1, got 0"),
+        ("KVSVC_CAR_HOST_HIT_WEIGHT", "Input should be less than or equal to 1, got '1.5'"),
+        ("--worker_threads", "Input should be greater than or equal to 4, got 2"),
+    ]
+    assert (info.value.field, info.value.message) == (
+        "--port", "Input should be greater than or equal to 1, got 0")
+
+
+def test_every_serve_flag_is_accepted_in_both_spellings_with_the_same_result():
+    """xllm-service's --etcd_addr and the dashed --etcd-addr, for every setting of the table:
+    the same parsed value, hence the same settings."""
+    samples = {bool: "false", int: "7", float: "0.5", str: "x", SecretStr: "tok"}
+    for row in SETTINGS:
+        value = row.meta.choices[0] if row.meta.choices else samples[row.kind]
+        dashed = row.flag.replace("_", "-")
+        parsed = [flag_values(build_parser().parse_args([command, flag, value]))
+                  for command in ("serve", "check-config") for flag in (row.flag, dashed)]
+        assert parsed[0][row.name] is not None, row.name
+        assert all(p == parsed[0] for p in parsed), row.name
+
+
+def test_log_level_in_any_case(clean_env):
+    args = build_parser().parse_args(["serve", "--log-level", "WARNING"])
+    assert resolve_serve_settings(args).log_level == "warning"
+    clean_env.setenv("KVSVC_LOG_LEVEL", "Debug")
+    assert resolve_serve_settings(build_parser().parse_args(["serve"])).log_level == "debug"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--log_level", "LOUD"])
 
 
 def test_token_from_env_and_from_file(clean_env, tmp_path):

@@ -2,7 +2,7 @@
 
 Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
 ``port + replay_port_offset + r`` (the §9 port rule, so a service configured by discovery finds
-it). With ``--etcd HOST:PORT`` it also serves ``GET /health`` on ``--host:--port`` and registers
+it). With ``--etcd HOST:PORT`` (also ``--etcd_addr``, ``serve``'s name) it also serves ``GET /health`` on ``--host:--port`` and registers
 itself in the instance registry as ``XLLM:<TYPE>:<host:port>`` under a 3 s lease, heartbeating
 its load to the master service (§9, :mod:`kvsvc.testbed.sim.registration`); the internal token of the
 heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
@@ -34,6 +34,7 @@ from typing import Optional
 
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.testbed.ports import ephemeral_ports, free_instance_port, instance_ports
+from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
@@ -47,64 +48,68 @@ EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``kvsvc sim`` flags to ``parser``."""
-    parser.add_argument("--name", default="", help="instance name for logs (default host:port)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="the instance's (nominal) HTTP port the other ports derive from; "
-                             "0 (default): a free one whose derived ports are all outside the "
-                             "ephemeral range (kvsvc.testbed.ports)")
-    parser.add_argument("--dp", type=int, default=1, help="DP ranks (default 1)")
-    parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
-    parser.add_argument("--device-blocks", type=int, default=4096, help="Device pool per rank")
-    parser.add_argument("--host-blocks", type=int, default=0, help="Host pool per rank (0: none)")
-    parser.add_argument("--topic", default="", help="ZMQ topic (default empty)")
-    parser.add_argument("--event-port-offset", type=int, default=10000)
-    parser.add_argument("--replay-port-offset", type=int, default=30000)
-    parser.add_argument("--trace", default=None,
-                        help="replay this trace (conversation, synthetic or a path) after start")
-    parser.add_argument("--requests", type=int, default=0,
-                        help="replay at most this many trace requests (0: all)")
-    parser.add_argument("--interval-ms", type=float, default=100.0,
-                        help="pause between replayed requests, ms")
-    parser.add_argument("--etcd", default="",
-                        help="etcd host:port: register in the instance registry (§9) and "
-                             "serve GET /health on --port")
-    parser.add_argument("--etcd-namespace", default="", help="registry key namespace")
-    parser.add_argument("--type", default="DEFAULT", choices=[t.name for t in RegisteredType],
-                        help="registered instance type (default DEFAULT)")
-    parser.add_argument("--internal-api-token-file", default="",
-                        help="file holding the service's X-Internal-Token for heartbeats "
-                             "(else KVSVC_INTERNAL_API_TOKEN)")
-    parser.add_argument("--heartbeat-interval-s", type=float, default=1.0,
-                        help="heartbeat period, seconds (default 1)")
+    """Add the ``kvsvc sim`` flags to ``parser``, each in both spellings (``--block-size``,
+    ``--block_size``: :func:`kvsvc.settings.add_flag`) and, where ``serve`` has the same
+    thing, under ``serve``'s name too (``--etcd_addr``, ``--etcd_namespace``,
+    ``--internal_api_token_file``, ``--log_level``, ``--tokenizer_path``). Help texts leave the
+    default to the formatter (``kvsvc sim --help`` shows every one)."""
+    add_flag(parser, "--name", default="", help="instance name for logs (empty: host:port)")
+    add_flag(parser, "--host", default="127.0.0.1", help="bind address")
+    add_flag(parser, "--port", type=int, default=0,
+             help="the instance's (nominal) HTTP port the other ports derive from; 0: a free "
+                  "one whose derived ports are all outside the ephemeral range "
+                  "(kvsvc.testbed.ports)")
+    add_flag(parser, "--dp", type=int, default=1, help="DP ranks")
+    add_flag(parser, "--block-size", type=int, default=128, help="tokens per block")
+    add_flag(parser, "--device-blocks", type=int, default=4096, help="Device pool per rank")
+    add_flag(parser, "--host-blocks", type=int, default=0, help="Host pool per rank (0: none)")
+    add_flag(parser, "--topic", default="", help="ZMQ topic of the live events")
+    add_flag(parser, "--event-port-offset", type=int, default=10000,
+             help="rank r publishes on port + this + r (§9)")
+    add_flag(parser, "--replay-port-offset", type=int, default=30000,
+             help="rank r serves snapshots on port + this + r (§9)")
+    add_flag(parser, "--trace", default=None,
+             help="replay this trace (conversation, synthetic or a path) after start")
+    add_flag(parser, "--requests", type=int, default=0,
+             help="replay at most this many trace requests (0: all)")
+    add_flag(parser, "--interval-ms", type=float, default=100.0,
+             help="pause between replayed requests, ms")
+    add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default="",
+             help="etcd host:port: register in the instance registry (§9) and serve GET "
+                  "/health on --port (empty: no registry)")
+    add_flag(parser, "--etcd-namespace", default="", help="registry key namespace")
+    add_flag(parser, "--type", default="DEFAULT", choices=[t.name for t in RegisteredType],
+             help="registered instance type")
+    add_flag(parser, "--internal-api-token-file", default="",
+             help="file holding the service's X-Internal-Token for heartbeats (empty: "
+                  "KVSVC_INTERNAL_API_TOKEN)")
+    add_flag(parser, "--heartbeat-interval-s", type=float, default=1.0,
+             help="heartbeat period, seconds")
     d = ServingConfig()
-    parser.add_argument("--serve", action="store_true",
-                        help="serve OpenAI completions on --port (kvsvc.testbed.sim.serving)")
-    parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
-                        help="simulated us per uncached prompt token (default %(default)s)")
-    parser.add_argument("--host-load-us-per-token", type=float,
-                        default=d.host_load_us_per_token,
-                        help="simulated us per Host-only hit token (default %(default)s)")
-    parser.add_argument("--decode-us-per-token", type=float, default=d.decode_us_per_token,
-                        help="simulated us per output token (default %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                        help="running requests per rank; the rest wait (default %(default)s)")
-    parser.add_argument("--time-scale", type=float, default=d.time_scale,
-                        help="time compression factor (default 1: real time)")
-    parser.add_argument("--max-connections", type=int, default=d.max_connections,
-                        help="HTTP connections served at once (default %(default)s)")
-    parser.add_argument("--model", default=d.model, help="model name of the answers")
-    parser.add_argument("--tokenizer-path", default="",
-                        help="tokenizer.json (or its directory) for text prompts; default: "
-                             "one token per UTF-8 byte")
-    parser.add_argument("--heartbeat-on-change-ms", type=float, default=0.0,
-                        help="with --serve: heartbeat early when the waiting queue changes, at "
-                             "most once per this many ms (0: only every interval)")
-    parser.add_argument("--master-refresh-s", type=float, default=0.0,
-                        help="re-read the master's address after this long (0: every heartbeat)")
-    parser.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"))
+    add_flag(parser, "--serve", action="store_true",
+             help="serve OpenAI completions on --port (kvsvc.testbed.sim.serving)")
+    add_flag(parser, "--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
+             help="simulated us per uncached prompt token")
+    add_flag(parser, "--host-load-us-per-token", type=float, default=d.host_load_us_per_token,
+             help="simulated us per Host-only hit token")
+    add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
+             help="simulated us per output token")
+    add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
+             help="running requests per rank; the rest wait")
+    add_flag(parser, "--time-scale", type=float, default=d.time_scale,
+             help="time compression factor (1: real time)")
+    add_flag(parser, "--max-connections", type=int, default=d.max_connections,
+             help="HTTP connections served at once")
+    add_flag(parser, "--model", default=d.model, help="model name of the answers")
+    add_flag(parser, "--tokenizer-path", default="",
+             help="tokenizer.json (or its directory) for text prompts; empty: one token per "
+                  "UTF-8 byte")
+    add_flag(parser, "--heartbeat-on-change-ms", type=float, default=0.0,
+             help="with --serve: heartbeat early when the waiting queue changes, at most "
+                  "once per this many ms (0: only every interval)")
+    add_flag(parser, "--master-refresh-s", type=float, default=0.0,
+             help="re-read the master's address after this long (0: every heartbeat)")
+    add_log_level(parser, "info")
 
 
 def ephemeral_hint(port: int, dp_size: int, event_port_offset: int,
