@@ -51,6 +51,7 @@ import requests
 
 from kvsvc.cli import check_bind
 from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
+from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config
 from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.ports import free_instance_port, instance_ports
@@ -359,28 +360,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvsvc up`` flags to ``parser``."""
     d = UpOptions()
     env_port = os.environ.get("KVSVC_PORT", "")
-    parser.add_argument("--engines", type=int, default=d.engines,
-                        help="simulated engines (default %(default)s)")
-    parser.add_argument("--dp", type=int, default=d.dp,
-                        help="DP ranks per engine (default %(default)s)")
-    parser.add_argument("--port", type=int,
-                        default=int(env_port) if env_port.isdigit() else d.port,
-                        help="the router's port on 127.0.0.1 (default: $KVSVC_PORT, else "
-                             f"{DEFAULT_PORT})")
-    parser.add_argument("--engine-port", type=int, default=d.engine_port,
-                        help="first engine's port, the others --dp apart (default 0: free "
-                             "ports whose derived ports are outside the ephemeral range)")
-    parser.add_argument("--token-file", default=d.token_file,
-                        help="internal token file, created (0600) when missing and kept on "
-                             "exit (default %(default)s)")
-    parser.add_argument("--etcd", default=d.etcd,
-                        help="etcd host:port to use (default: start a local one; needs "
-                             "`apt-get install etcd-server`)")
-    parser.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s,
-                        help="bound of each start-up wait, seconds (default %(default)s)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
-
+    add_flag(parser, "--engines", type=int, default=d.engines, help="simulated engines")
+    add_flag(parser, "--dp", type=int, default=d.dp, help="DP ranks per engine")
+    add_flag(parser, "--port", type=int,
+             default=int(env_port) if env_port.isdigit() else d.port,
+             help=f"the router's port on 127.0.0.1 ($KVSVC_PORT when set, else {DEFAULT_PORT})")
+    add_flag(parser, "--engine-port", type=int, default=d.engine_port,
+             help="first engine's port, the others --dp apart (0: free ports whose derived "
+                  "ports are outside the ephemeral range)")
+    add_flag(parser, "--token-file", default=d.token_file,
+             help="internal token file, created (0600) when missing and kept on exit")
+    add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default=d.etcd,
+             help="etcd host:port to use (empty: start a local one; needs Debian's "
+                  "etcd-server)")
+    add_flag(parser, "--ready-timeout-s", type=float, default=d.ready_timeout_s,
+             help="bound of each start-up wait, seconds")
+    add_log_level(parser, "warning")
 
 def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
     raise KeyboardInterrupt
