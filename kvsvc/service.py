@@ -10,11 +10,13 @@ before gunicorn forks, STYLE 8):
   manages the directory's streams from the registry (§9);
 - the :class:`~kvsvc.routing.router.Router` (§11): the policy from ``--load_balance_policy``,
   the tokenizer from ``--tokenizer_path`` (loaded now), the proxy's pooled session and the
-  in-flight ledger shared by the proxy and the policy, reading the registry and the directory.
+  in-flight ledger shared by the proxy and the policy, reading the registry and the directory;
+- with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
+  thread that keeps the instances' own model lists for ``GET /v1/models`` (§11).
 
-:meth:`Service.start` starts registry, directory and discovery, in that order (the router has no
-thread); :meth:`Service.close` closes discovery, directory, registry and the router's upstream
-connections, in that order, every one of them even when an earlier one fails.
+:meth:`Service.start` starts registry, directory, discovery and the model lister, in that order
+(the router has no thread); :meth:`Service.close` closes them in the reverse order, then the
+router's upstream connections, every one of them even when an earlier one fails.
 
 Whoever serves the service starts it after any fork and closes it at exit (gunicorn:
 ``post_worker_init`` / ``worker_exit``, :mod:`kvsvc.server`). Nothing here knows HTTP.
@@ -35,6 +37,7 @@ from kvsvc.settings import ServiceSettings
 from kvsvc.directory import Directory
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
+from kvsvc.routing.models import ModelLister
 from kvsvc.routing.policy import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
@@ -123,6 +126,8 @@ class Service:
     :ivar registry: the registry, ``None`` without ``--etcd_addr``.
     :ivar discovery: discovery, ``None`` unless enabled (it needs a registry and a directory).
     :ivar router: the §11 router (always present).
+    :ivar models: the backends' model lists, ``None`` unless a registry is configured and
+        ``--model`` is empty.
     :ivar static_streams: the §8 config lists streams.
     :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
         layer, shown in ``/ready`` and ``/v1/internal/route``.
@@ -147,6 +152,9 @@ class Service:
             self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
                                        kv_config)
         self.router = build_router(settings, self.registry, self.directory)
+        self.models: Optional[ModelLister] = (
+            ModelLister(self.registry) if self.registry is not None and not self.router.models
+            else None)
         self.static_streams = bool(kv_config is not None and kv_config.streams)
         self.heartbeat_rejections = HeartbeatRejections()
         self._lock = threading.Lock()
@@ -160,12 +168,14 @@ class Service:
 
     def _threads(self) -> list[_Component]:
         """The components with threads, in start order."""
-        parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery]
+        parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery,
+                                             self.models]
         return [p for p in parts if p is not None]
 
     def start(self, timeout_s: float = 5.0) -> None:
-        """Start the registry, the directory's stream threads (none with the index disabled)
-        and discovery, in that order (§9). On a failure what was started is closed again.
+        """Start the registry, the directory's stream threads (none with the index disabled),
+        discovery and the model lister, in that order (§9, §11). On a failure what was
+        started is closed again.
 
         :param timeout_s: bound of each component's (and each stream's) start, seconds.
         :raises LifecycleError: already running, or something did not start in time.

@@ -16,7 +16,9 @@ Two kinds of values:
   through the :class:`~kvsvc.service.Service`. The stream threads never touch a prometheus object.
 - **Observed on the request path** with prometheus_client instruments (:class:`Metrics`
   attributes): query and route latency, routing decisions, the chosen P's predicted hit ratio,
-  heartbeats by outcome, proxied requests by status. One ``observe``/``inc`` each.
+  heartbeats by outcome, proxied requests by status, the proxy's request duration and time to
+  first token (observed when the relay of an answer ends, :meth:`Metrics.relayed`). One
+  ``observe``/``inc`` each.
 
 Every name has the ``kvsvc_`` prefix, counters end in ``_total``, durations are seconds and
 sizes bytes. Label sets are fixed (:data:`~kvsvc.streams.counters.DECODE_ERROR_REASONS` and
@@ -31,6 +33,7 @@ never a token or a prompt.
 from __future__ import annotations
 
 import logging
+import platform
 import time
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -51,10 +54,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvsvc import __version__
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
 from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
 from kvsvc.routing.policy import Decision
+from kvsvc.routing.proxy import UPSTREAM_ERROR_KINDS, RelayEnd
 from kvsvc.routing.router import Router
 from kvsvc.service import Service
 from kvsvc.streams.state import StreamState
@@ -68,6 +73,10 @@ HEARTBEAT_OUTCOMES = ("ok", "malformed", "invalid_load", "unknown_instance",
 #: Latency buckets of the query and route endpoints, seconds (100 us .. 1 s).
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 1.0)
+#: Buckets of the proxy's request duration and time to first token, seconds (10 ms .. 120 s:
+#: a cached short prompt to a long generation on a queued engine).
+PROXY_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+                           60.0, 120.0)
 #: Buckets of the chosen P's predicted hit ratio, a fraction in [0, 1].
 HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 
@@ -89,7 +98,13 @@ class Metrics:
         instance could serve).
     :ivar hit_ratio: histogram of the chosen P's predicted hit ratio (CAR only; RR has none).
     :ivar heartbeats: counter of heartbeats by :data:`HEARTBEAT_OUTCOMES`.
-    :ivar proxied: counter of OpenAI requests answered, by endpoint and HTTP status.
+    :ivar proxied: counter of OpenAI requests answered, by endpoint and HTTP status
+        (``upstream_broken``: a streamed answer whose upstream body broke after the head).
+    :ivar request_seconds: histogram of answers relayed from an upstream, from the request's
+        start to the last byte relayed, seconds, by endpoint and instance (the one that
+        answered).
+    :ivar ttft_seconds: histogram of streamed answers, from the request's start to the first
+        SSE ``data:`` event relayed, seconds, by endpoint and instance.
     """
 
     def __init__(self, service: Service) -> None:
@@ -116,6 +131,16 @@ class Metrics:
             "kvsvc_proxy_requests_total",
             "OpenAI requests answered by the router, by endpoint and HTTP status.",
             ["endpoint", "status"], registry=reg)
+        self.request_seconds = Histogram(
+            "kvsvc_proxy_request_duration_seconds",
+            "OpenAI answers relayed from an instance, request start to the last byte relayed, "
+            "by endpoint and instance.",
+            ["endpoint", "instance"], buckets=PROXY_LATENCY_BUCKETS_S, registry=reg)
+        self.ttft_seconds = Histogram(
+            "kvsvc_proxy_time_to_first_token_seconds",
+            "Streamed OpenAI answers, request start to the first SSE data event relayed, by "
+            "endpoint and instance.",
+            ["endpoint", "instance"], buckets=PROXY_LATENCY_BUCKETS_S, registry=reg)
         reg.register(ServiceCollector(service))
 
     def decide(self, router: Router, token_ids: Optional[Sequence[int]]) -> Decision:
@@ -146,6 +171,22 @@ class Metrics:
                 if cand.hit_ratio is not None:
                     self.hit_ratio.observe(cand.hit_ratio)
                 return
+
+    def relayed(self, endpoint: str, status: str, started: float, end: RelayEnd) -> None:
+        """Record the end of a streamed answer's relay: one answer of ``status``, its duration
+        and, when it relayed an SSE data event, its time to first token.
+
+        :param endpoint: the endpoint label (``completions``, ``chat_completions``).
+        :param status: the status label (the HTTP status, or ``upstream_broken``).
+        :param started: ``time.monotonic()`` seconds at the request's start.
+        :param end: how the relay ended (:class:`~kvsvc.routing.proxy.RelayEnd`).
+        """
+        self.proxied.labels(endpoint, status).inc()
+        self.request_seconds.labels(endpoint, end.target).observe(
+            max(0.0, end.ended_at - started))
+        if end.first_data_at is not None:
+            self.ttft_seconds.labels(endpoint, end.target).observe(
+                max(0.0, end.first_data_at - started))
 
     def render(self) -> bytes:
         """The text exposition of every metric (what ``GET /metrics`` answers)."""
@@ -193,6 +234,11 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("kvsvc_service_running",
                                 "1 between the service's start and close.",
                                 1.0 if svc.running else 0.0)
+        build = GaugeMetricFamily("kvsvc_build_info",
+                                  "Always 1; the labels name kvsvc's version and Python's.",
+                                  labels=("version", "python"))
+        build.add_metric((__version__, platform.python_version()), 1.0)
+        yield build
         yield from self._streams(svc)
         yield from self._registry(svc)
         yield from self._discovery(svc)
@@ -200,6 +246,7 @@ class ServiceCollector(Collector):
             "kvsvc_proxy_upstream_retries_total",
             "Upstream attempts on the next-best prefill after one failed before the "
             "first byte.", svc.router.proxy.retries())
+        yield self._upstream_errors(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.
@@ -212,6 +259,23 @@ class ServiceCollector(Collector):
         for name, count in sorted(counts.items()):
             family.add_metric((name,), float(count))
         yield family
+
+    @staticmethod
+    def _upstream_errors(svc: Service) -> Metric:
+        errors = svc.router.proxy.errors()
+        if svc.registry is not None:
+            # Registered instances show 0 for every kind rather than no series.
+            zeros = {(name, kind): 0 for name in svc.registry.snapshot().instances
+                     for kind in UPSTREAM_ERROR_KINDS}
+            errors = {**zeros, **errors}
+        family = CounterMetricFamily(
+            "kvsvc_proxy_upstream_errors",
+            "Upstream errors by instance and kind (refused, reset, timeout: before the "
+            "response head or in the body; broken_body: the body broke after the head; "
+            "http_5xx: the instance answered 5xx).", labels=("instance", "kind"))
+        for (name, kind), count in sorted(errors.items()):
+            family.add_metric((name, kind), float(count))
+        return family
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -6,27 +6,45 @@
   P when it refuses before the first byte; :meth:`kvsvc.routing.router.Router.forward`). Every
   proxied response carries ``x-kvsvc-prefill`` (the P that answered) and ``x-kvsvc-decode``
   (the D, empty when none). Bodies over ``--max_request_bytes`` get 413 before they are read.
-- ``GET /v1/models``: the ``--model`` names (comma-separated flag; kvsvc does not learn names
-  from the registry, §9 carries none) as an OpenAI model list. With ``--model`` empty every
-  model name is accepted and the list is empty.
+- A streamed answer whose upstream body breaks after the head (the engine died, reset the
+  connection, or sent nothing within ``--upstream_read_timeout_s``) ends with one SSE event in
+  OpenAI's streaming error shape, ``data: {"error": {"message", "type", "param", "code":
+  "upstream_broken"}}`` and a blank line (event streams only; never ``[DONE]``), and then the
+  transfer is aborted (:class:`StreamRelay`): the connection is closed without the last chunk,
+  so a chunked HTTP/1.1 client sees an incomplete body, not a clean end. The proxy logs it once
+  (WARNING); it counts as status ``upstream_broken``. A non-streamed body that breaks is read
+  before anything is sent: 502 (504 for a timeout).
+- ``GET /v1/models``: with ``--model`` set, those names (comma-separated flag) as an OpenAI model
+  list. With ``--model`` empty every model name is accepted, and the list is the union of the
+  backends' own lists (``GET /v1/models`` of every registered schedulable instance, fetched in
+  the background by :class:`~kvsvc.routing.models.ModelLister`, never on the request path),
+  each model once, by id.
 
-Errors: ``{"error": {"message", "type", "param", "code"}}`` with the status of
+Errors: ``{"error": {"message", "type", "param", "code"}}`` (:func:`kvsvc.http.errors.openai_error`,
+every error under ``/v1/`` except ``/v1/internal/*``) with the status of
 :func:`kvsvc.http.errors.status_of`: 400 malformed (``param`` the field named by the message),
-404 unknown model, 413 too large, 503 no candidate, 502/504 no upstream answered. Every answer of
-the two proxied endpoints counts in ``kvsvc_proxy_requests_total`` by endpoint and status.
+404 unknown model, 405 wrong method, 413 too large, 503 no candidate, 502/504 no upstream
+answered.
+
+Metrics (:class:`kvsvc.http.metrics.Metrics`): every answer of the two proxied endpoints counts
+in ``kvsvc_proxy_requests_total`` by endpoint and status (a streamed one when its relay ends, as
+``upstream_broken`` when the upstream broke it); an answer relayed from an upstream is timed
+from the request's start to its last byte (``kvsvc_proxy_request_duration_seconds``), a streamed
+one also to its first SSE data event (``kvsvc_proxy_time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import flask
 from flask import request
-from werkzeug.exceptions import HTTPException
 
-from kvsvc.errors import BadRequest, RequestError, UnknownModel, UpstreamError
+from kvsvc.errors import UpstreamError
 from kvsvc.http.body import (
     check_model_and_stream,
     json_object,
@@ -34,9 +52,10 @@ from kvsvc.http.body import (
     parse_completion_prompt,
     read_body,
 )
-from kvsvc.http.errors import status_of
+from kvsvc.http.errors import OPENAI_ERRORS, status_of
 from kvsvc.http.extensions import router, service
 from kvsvc.http.metrics import metrics
+from kvsvc.routing.proxy import UpstreamBody
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +67,13 @@ DECODE_HEADER = "x-kvsvc-decode"
 
 #: Endpoint label of ``kvsvc_proxy_requests_total`` per proxied path.
 _PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
-
-#: HTTP status -> OpenAI's error ``type`` and ``code``.
-_OPENAI_ERRORS = {400: ("invalid_request_error", None), 404: ("invalid_request_error",
-                                                              "model_not_found"),
-                  413: ("invalid_request_error", "request_too_large"),
-                  502: ("upstream_error", None), 503: ("service_unavailable", None),
-                  504: ("upstream_timeout", None)}
+#: ``code`` of the SSE error event of a broken stream, and its status label in
+#: ``kvsvc_proxy_requests_total``.
+UPSTREAM_BROKEN = "upstream_broken"
+#: ``flask.g`` keys: the request's start (``time.monotonic()``), and "counted when the relay
+#: ends" (streamed answers are counted by their relay, not by ``after_request``).
+_STARTED = "kvsvc_started"
+_COUNTED_AT_END = "kvsvc_counted_at_end"
 
 
 def blueprint() -> flask.Blueprint:
@@ -64,14 +83,14 @@ def blueprint() -> flask.Blueprint:
     bp.add_url_rule(COMPLETIONS_PATH, "completions", _completions, methods=["POST"])
     bp.add_url_rule(CHAT_PATH, "chat_completions", _chat_completions, methods=["POST"])
     bp.add_url_rule(MODELS_PATH, "models", _models, methods=["GET"])
-    bp.register_error_handler(RequestError, _kvsvc_error)
-    bp.register_error_handler(UpstreamError, _kvsvc_error)
-    bp.register_error_handler(HTTPException, _http_error)
+    # Errors are answered in OpenAI's shape by the app-wide handlers (kvsvc.http.errors),
+    # which choose the shape by path: a 405 never reaches a blueprint's handler.
     bp.after_request(_count_proxied)
     return bp
 
 
 def _limit_body() -> None:
+    flask.g.setdefault(_STARTED, time.monotonic())
     # Per-request bound replacing the app-wide one (sized for token-id queries): werkzeug
     # answers 413 before reading a larger body.
     request.max_content_length = service().settings.max_request_bytes
@@ -79,11 +98,57 @@ def _limit_body() -> None:
 
 def _count_proxied(response: flask.Response) -> flask.Response:
     """Count every answer of a proxied endpoint by status (errors included: Flask runs
-    ``after_request`` on error handlers' responses too)."""
+    ``after_request`` on error handlers' responses too), except a streamed one, which its
+    relay counts when it ends."""
     endpoint = _PROXIED.get(request.path)
-    if endpoint is not None:
+    if endpoint is not None and not flask.g.get(_COUNTED_AT_END):
         metrics().proxied.labels(endpoint, str(response.status_code)).inc()
     return response
+
+
+def sse_error_event(exc: UpstreamError) -> bytes:
+    """One SSE event in OpenAI's streaming error shape for a stream the upstream broke:
+    ``data: {"error": {"message", "type", "param": null, "code": "upstream_broken"}}`` and a
+    blank line; ``type`` is that of the status the error would answer before the head
+    (``upstream_error`` for 502, ``upstream_timeout`` for 504)."""
+    kind = OPENAI_ERRORS.get(status_of(exc), ("upstream_error", None))[0]
+    event = {"error": {"message": exc.message, "type": kind, "param": None,
+                       "code": UPSTREAM_BROKEN}}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+class StreamRelay:
+    """The WSGI iterable of a streamed answer: the upstream body's chunks as they arrive.
+
+    When the upstream body breaks after the head, it yields one :func:`sse_error_event` (event
+    streams only: in another content type it would corrupt the body) and then raises
+    ``ConnectionResetError`` (``errno.ECONNRESET``): an exception from the iterable after the
+    head is how a WSGI server is told to abort the response, and that errno is the one gunicorn
+    (gthread and sync workers) takes as "connection gone": it closes the connection without
+    the terminating zero-length chunk and logs it at debug level only (the proxy's WARNING is
+    the one line about it). :meth:`close` (called by the WSGI server when the response ends or
+    the client goes away) closes the upstream body.
+
+    :param body: the upstream body (released, and its relay end reported, by its close).
+    :param event_stream: the answer is ``text/event-stream``.
+    """
+
+    def __init__(self, body: UpstreamBody, event_stream: bool) -> None:
+        self._body = body
+        self._event_stream = event_stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._body
+        except UpstreamError as exc:
+            if self._event_stream:
+                yield sse_error_event(exc)
+            raise ConnectionResetError(errno.ECONNRESET, "response aborted: the upstream "
+                                       f"broke the stream ({exc.message})") from exc
+
+    def close(self) -> None:
+        """Close the upstream body. Idempotent."""
+        self._body.close()
 
 
 def _completions() -> flask.Response:
@@ -106,8 +171,10 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
              ) -> flask.Response:
     """Route and proxy one validated request; relay the upstream's answer."""
     routing = router()
-    started = time.monotonic()
-    decision = metrics().decide(routing, token_ids)
+    instruments = metrics()
+    started: float = flask.g.get(_STARTED, time.monotonic())
+    endpoint = _PROXIED[path]
+    decision = instruments.decide(routing, token_ids)
     query = request.query_string.decode("latin-1")
     routed = routing.forward(decision, path + ("?" + query if query else ""), body, doc,
                              list(request.headers.items()))
@@ -118,41 +185,34 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
                   reply.target, routed.decode or "-", decision.policy, decision.input_tokens,
                   (time.monotonic() - started) * 1000)
         if doc.get("stream") is True or reply.is_event_stream:
-            # The WSGI server closes the body when the stream ends or the client goes away;
-            # that releases the request's in-flight count.
-            return flask.Response(reply.body, status=reply.status, headers=headers,
-                                  direct_passthrough=True)
-        return flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
+            # The WSGI server closes the relay when the stream ends or the client goes away;
+            # that releases the request's in-flight count, then counts and times the answer.
+            status = str(reply.status)
+            reply.body.when_closed(lambda end: instruments.relayed(
+                endpoint, UPSTREAM_BROKEN if end.broken else status, started, end))
+            response = flask.Response(StreamRelay(reply.body, reply.is_event_stream),
+                                      status=reply.status, headers=headers,
+                                      direct_passthrough=True)
+            flask.g.setdefault(_COUNTED_AT_END, True)
+            return response
+        response = flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
+        target = reply.target
+        # Runs when the WSGI server closes the response, after its last byte was written.
+        response.call_on_close(lambda: instruments.request_seconds.labels(
+            endpoint, target).observe(time.monotonic() - started))
+        return response
     except BaseException:
         reply.body.close()  # idempotent: read_all() may have closed it already
         raise
 
 
 def _models() -> flask.Response:
-    return flask.jsonify(object="list", data=[
-        {"id": name, "object": "model", "created": 0, "owned_by": "kvsvc"}
-        for name in router().models])
-
-
-def openai_error(status: int, message: str, param: Optional[str] = None) -> flask.Response:
-    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` with
-    ``status``."""
-    kind, code = _OPENAI_ERRORS.get(status, ("invalid_request_error" if status < 500
-                                             else "server_error", None))
-    response = flask.jsonify(error={"message": message, "type": kind, "param": param,
-                                    "code": code})
-    response.status_code = status
-    return response
-
-
-def _kvsvc_error(exc: RequestError | UpstreamError) -> flask.Response:
-    param: Optional[str] = None
-    if isinstance(exc, BadRequest) and ":" in exc.message:
-        param = exc.message.split(":", 1)[0]
-    elif isinstance(exc, UnknownModel):
-        param = "model"
-    return openai_error(status_of(exc), exc.message, param)
-
-
-def _http_error(exc: HTTPException) -> flask.Response:
-    return openai_error(exc.code or 500, exc.description or exc.name)
+    served = router().models
+    if served:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvsvc"}
+                for name in served]
+    else:
+        lister = service().models
+        data = [{"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by}
+                for m in (lister.models() if lister is not None else ())]
+    return flask.jsonify(object="list", data=data)

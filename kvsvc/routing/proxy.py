@@ -7,8 +7,12 @@ sends one request with ``stream=True`` and connect/read timeouts:
 - an upstream that refuses the connection, fails to connect in time, or sends no response
   head within the read timeout ("before the first byte") is counted as failed, logged, and the
   request is sent once more to the next candidate of the policy's ranking; after the response
-  head arrived nothing is retried: the upstream's status, headers and body are passed through
-  (a body broken mid-stream ends the stream);
+  head arrived nothing is retried: the upstream's status, headers and body are passed through;
+- a body that breaks after the head (reset, cut short, or no bytes within the read timeout) is
+  logged once as a WARNING naming the upstream, the path, the bytes relayed and the error, and
+  the relay raises (:meth:`UpstreamBody.__iter__`, :meth:`UpstreamBody.read_all`): the HTTP
+  layer turns that into a 502/504 when nothing was sent yet, and into an SSE error event plus
+  an aborted transfer when the stream had begun (:mod:`kvsvc.http.openai`);
 - hop-by-hop headers (RFC 9110 §7.6.1, and any named in ``Connection``) are dropped both ways,
   as are ``Host``, ``Content-Length`` and ``X-Internal-Token`` on the way up;
 - the body is relayed as it arrives (:class:`UpstreamBody`), undecoded (``Content-Encoding``
@@ -18,12 +22,21 @@ sends one request with ``stream=True`` and connect/read timeouts:
   the moment it is sent until it ends: released at once when it fails before the first byte
   (the retry is a new dispatch to the next candidate), else when the body is closed (read to
   the end, broken, or closed by the WSGI server because the response ended or the client went
-  away). :class:`UpstreamBody.close` is idempotent, so the count drops exactly once.
+  away). :class:`UpstreamBody.close` is idempotent, so the count drops exactly once;
+- upstream errors are counted by instance and kind (:data:`UPSTREAM_ERROR_KINDS`,
+  :meth:`Proxy.errors`): ``refused`` (connection refused), ``reset`` (connection reset or
+  closed before the response head), ``timeout`` (connect, response head or a body read past
+  its bound), ``broken_body`` (the body broke after the head), ``http_5xx`` (the upstream
+  answered 5xx, relayed as it is);
+- :class:`UpstreamBody` notes when it relayed its first SSE ``data:`` event and how it ended
+  (:class:`RelayEnd`, handed once to the callback given to :meth:`UpstreamBody.when_closed`),
+  so the HTTP layer can time the answer without parsing it.
 
 Errors (module boundary: ``requests`` and ``urllib3`` errors are translated here, ``raise ...
 from exc``): :class:`~kvsvc.errors.UpstreamTimeout` when the last attempt (or a body read)
 timed out, :class:`~kvsvc.errors.UpstreamUnreachable` when it was refused, reset or broken; both
-are :class:`~kvsvc.errors.UpstreamError` (the HTTP layer answers 504 and 502).
+are :class:`~kvsvc.errors.UpstreamError` (the HTTP layer answers 504 and 502). The body's
+iterator raises the same two after the head (with :attr:`UpstreamBody.broken` set).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from __future__ import annotations
 import http.cookiejar
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -54,6 +68,11 @@ _DROP_DOWN = frozenset({"content-length"})
 #: Bytes asked of the upstream socket per read; ``read1`` returns what has arrived, so small
 #: SSE events are relayed at once.
 READ_CHUNK_BYTES = 64 * 1024
+#: Kinds of upstream error counted per instance (:meth:`Proxy.errors`, the
+#: ``kind`` label of ``kvsvc_proxy_upstream_errors_total``), see the module docstring.
+UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx")
+#: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
+_SSE_DATA = b"data:"
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,33 @@ def downstream_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
             and k.lower() not in named]
 
 
+def _no_error(target: str, kind: str) -> None:
+    """The error counter of a body built without a :class:`Proxy` (counts nothing)."""
+
+
+@dataclass(frozen=True)
+class RelayEnd:
+    """How the relay of one upstream body ended (:meth:`UpstreamBody.when_closed`).
+
+    :ivar target: the upstream ``host:port``.
+    :ivar bytes_relayed: body bytes handed on, undecoded.
+    :ivar first_data_at: ``time.monotonic()`` seconds when the first chunk holding an SSE
+        ``data:`` line was handed on; ``None`` when there was none (or the body is no event
+        stream).
+    :ivar ended_at: ``time.monotonic()`` seconds of the close (after the last byte relayed).
+    :ivar complete: the body was read to its end (False: it broke, or was closed before the
+        end because the client went away).
+    :ivar broken: the error that broke the body (as logged), ``None`` when it did not break.
+    """
+
+    target: str
+    bytes_relayed: int
+    first_data_at: Optional[float]
+    ended_at: float
+    complete: bool
+    broken: Optional[str]
+
+
 class UpstreamBody:
     """The upstream body as a WSGI iterable: chunks as they arrive, the upstream connection
     closed by :meth:`close` (called by the WSGI server when the response ends or the client
@@ -105,18 +151,47 @@ class UpstreamBody:
     :param target: the upstream ``host:port`` (for logs).
     :param dispatch: the request's in-flight count, released by :meth:`close`; ``None``: not
         counted.
+    :param path: the request path (for logs).
+    :param count_error: called with ``(target, kind)`` when the body breaks (kind
+        ``broken_body`` or ``timeout``, :data:`UPSTREAM_ERROR_KINDS`).
+
+    :ivar bytes_relayed: body bytes handed on so far.
+    :ivar broken: the error that broke the body, ``None`` while it has not.
     """
 
     def __init__(self, response: requests.Response, target: str,
-                 dispatch: Optional[Dispatch] = None) -> None:
+                 dispatch: Optional[Dispatch] = None, path: str = "",
+                 count_error: Callable[[str, str], None] = _no_error) -> None:
         self._response = response
         self.target = target
+        self.path = path
         self._dispatch = dispatch
+        self._count_error = count_error
         self._lock = threading.Lock()
         self._closed = False
+        self._complete = False
+        self._on_close: Optional[Callable[[RelayEnd], None]] = None
+        self._event_stream = (response.headers.get("Content-Type", "").split(";")[0].strip()
+                              .lower() == "text/event-stream")
+        self._tail = b"\n"  # what precedes the next chunk: the stream starts a line
+        self.first_data_at: Optional[float] = None
         self.bytes_relayed = 0
+        self.broken: Optional[str] = None
+
+    def when_closed(self, callback: Callable[[RelayEnd], None]) -> None:
+        """Call ``callback`` once, from :meth:`close`, with how the relay ended (replaces an
+        earlier callback). It runs on the thread that closes the body (the WSGI server's),
+        outside any request context; an exception from it is logged, never raised."""
+        self._on_close = callback
 
     def __iter__(self) -> Iterator[bytes]:
+        """Chunks as they arrive, undecoded, until the body ends or :meth:`close`.
+
+        :raises UpstreamTimeout: no bytes within the read timeout (after the head; logged,
+            counted as ``timeout``).
+        :raises UpstreamUnreachable: the body broke: reset, or cut short of its framing
+            (logged, counted as ``broken_body``).
+        """
         raw = self._response.raw
         while True:
             with self._lock:
@@ -124,40 +199,68 @@ class UpstreamBody:
                     return
             try:
                 chunk = raw.read1(READ_CHUNK_BYTES, decode_content=False)
+            except urllib3.exceptions.ReadTimeoutError as exc:
+                raise self._broke(exc, "timeout") from exc
             except (urllib3.exceptions.HTTPError, OSError) as exc:
-                # After the first byte errors are passed through: the stream just ends.
-                log.warning("upstream %s: body broken after %d bytes: %s", self.target,
-                            self.bytes_relayed, exc)
-                return
+                raise self._broke(exc, "broken_body") from exc
             if not chunk:
+                self._complete = True
                 return
             self.bytes_relayed += len(chunk)
+            if self._event_stream and self.first_data_at is None:
+                self._note_data(chunk)
             yield chunk
 
-    def read_all(self) -> bytes:
-        """The whole remaining body (non-streamed answers).
+    def _note_data(self, chunk: bytes) -> None:
+        # A data line starts the stream or follows a line end; the tail of the previous chunk
+        # covers a "data:" split across two reads.
+        seen = self._tail + chunk
+        at = seen.find(_SSE_DATA)
+        while at >= 0:
+            if at > 0 and seen[at - 1:at] in (b"\n", b"\r"):
+                self.first_data_at = time.monotonic()
+                return
+            at = seen.find(_SSE_DATA, at + 1)
+        self._tail = seen[-len(_SSE_DATA):]
 
-        :raises UpstreamTimeout: a read timed out (nothing was sent to the client yet).
-        :raises UpstreamUnreachable: the body broke (nothing was sent to the client yet).
+    def _broke(self, exc: BaseException, kind: str) -> UpstreamError:
+        """Record, count and log (one WARNING) a body that broke; the error to raise."""
+        # urllib3's ProtocolError repeats its cause in its args: name the first one only.
+        args = exc.args
+        reason = args[0] if args and isinstance(args[0], str) else str(exc)
+        self.broken = f"{type(exc).__name__}: {reason}"
+        self._count_error(self.target, kind)
+        log.warning("upstream %s: %s body broken after %d bytes relayed (%s)", self.target,
+                    self.path or "-", self.bytes_relayed, self.broken)
+        if kind == "timeout":
+            return UpstreamTimeout(f"upstream {self.target} timed out in the body after "
+                                   f"{self.bytes_relayed} bytes")
+        return UpstreamUnreachable(f"upstream {self.target} broke the body after "
+                                   f"{self.bytes_relayed} bytes: {self.broken}")
+
+    def read_all(self) -> bytes:
+        """The whole remaining body (non-streamed answers); the body is closed afterwards.
+
+        :raises UpstreamTimeout: a read timed out (nothing was sent to the client yet; logged,
+            counted as ``timeout``).
+        :raises UpstreamUnreachable: the body broke (nothing was sent to the client yet;
+            logged, counted as ``broken_body``).
         """
-        parts: list[bytes] = []
-        raw = self._response.raw
         try:
-            while True:
-                chunk = raw.read1(READ_CHUNK_BYTES, decode_content=False)
-                if not chunk:
-                    return b"".join(parts)
-                parts.append(chunk)
-        except urllib3.exceptions.ReadTimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.target} timed out in the body") from exc
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise UpstreamUnreachable(f"upstream {self.target} broke the body: {exc}") from exc
+            return b"".join(self)
         finally:
             self.close()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        with self._lock:
+            return self._closed
+
     def close(self) -> None:
-        """Close the upstream response (and its connection when unfinished) and release its
-        in-flight count. Idempotent."""
+        """Close the upstream response (and its connection when unfinished), release its
+        in-flight count, then hand the :class:`RelayEnd` to the :meth:`when_closed` callback.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -167,6 +270,14 @@ class UpstreamBody:
         finally:
             if self._dispatch is not None:
                 self._dispatch.release()
+            callback = self._on_close
+            if callback is not None:
+                end = RelayEnd(self.target, self.bytes_relayed, self.first_data_at,
+                               time.monotonic(), self._complete, self.broken)
+                try:
+                    callback(end)
+                except Exception:  # noqa: BLE001 - the WSGI server's close must not fail
+                    log.exception("upstream %s: relay end callback failed", self.target)
 
 
 @dataclass
@@ -193,6 +304,23 @@ class UpstreamReply:
                    == "text/event-stream" for k, v in self.headers)
 
 
+def _refused(exc: BaseException) -> bool:
+    """True when ``requests``' connection error comes from a refused connect (urllib3's
+    ``NewConnectionError``: nothing listens), False for a reset or a close before the head."""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack:
+        err = stack.pop()
+        if id(err) in seen or not isinstance(err, BaseException):
+            continue
+        seen.add(id(err))
+        if isinstance(err, (urllib3.exceptions.NewConnectionError, ConnectionRefusedError)):
+            return True
+        stack.extend((*err.args, getattr(err, "reason", None), err.__cause__,
+                      err.__context__))
+    return False
+
+
 class Proxy:
     """Forwards requests to instances over a pooled session. Thread-safe.
 
@@ -214,6 +342,7 @@ class Proxy:
         self._adapter = adapter
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
+        self._errors: dict[tuple[str, str], int] = {}
         self._retries = 0
 
     def failures(self) -> dict[str, int]:
@@ -221,14 +350,27 @@ class Proxy:
         with self._lock:
             return dict(self._failures)
 
+    def errors(self) -> dict[tuple[str, str], int]:
+        """``(host:port, kind)`` -> upstream errors counted (kinds :data:`UPSTREAM_ERROR_KINDS`,
+        see the module docstring); pairs that never happened are absent."""
+        with self._lock:
+            return dict(self._errors)
+
+    def count_error(self, target: str, kind: str) -> None:
+        """Count one upstream error of ``kind`` (one of :data:`UPSTREAM_ERROR_KINDS`) at
+        ``target``."""
+        with self._lock:
+            self._errors[(target, kind)] = self._errors.get((target, kind), 0) + 1
+
     def retries(self) -> int:
         """Attempts made on a next candidate after one failed before the first byte."""
         with self._lock:
             return self._retries
 
-    def _mark(self, target: str, retrying: bool) -> None:
+    def _mark(self, target: str, retrying: bool, kind: str) -> None:
         with self._lock:
             self._failures[target] = self._failures.get(target, 0) + 1
+            self._errors[(target, kind)] = self._errors.get((target, kind), 0) + 1
             self._retries += retrying
 
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
@@ -262,23 +404,27 @@ class Proxy:
                     timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
             except requests.exceptions.ConnectTimeout as exc:
                 last = UpstreamTimeout(f"upstream {target}: connect timed out")
-                why = "connect timeout"
+                why, kind = "connect timeout", "timeout"
                 cause: Exception = exc
             except requests.exceptions.ReadTimeout as exc:
                 last = UpstreamTimeout(f"upstream {target}: no response within "
                                        f"{self.settings.read_timeout_s} s")
-                why = "read timeout before the first byte"
+                why, kind = "read timeout before the first byte", "timeout"
                 cause = exc
             except requests.exceptions.ConnectionError as exc:
                 last = UpstreamUnreachable(f"upstream {target}: connection failed")
-                why = "connection refused or reset"
+                kind = "refused" if _refused(exc) else "reset"
+                why = ("connection refused" if kind == "refused"
+                       else "connection reset or closed before the response head")
                 cause = exc
             except BaseException:
                 if dispatch is not None:
                     dispatch.release()
                 raise
             else:
-                body = UpstreamBody(response, target, dispatch)
+                body = UpstreamBody(response, target, dispatch, path, self.count_error)
+                if response.status_code >= 500:
+                    self.count_error(target, "http_5xx")
                 try:
                     reply = UpstreamReply(target, response.status_code,
                                           downstream_headers(response.headers), body, tried)
@@ -293,7 +439,7 @@ class Proxy:
             if dispatch is not None:
                 dispatch.release()
             retrying = len(tried) < min(max_attempts, len(targets))
-            self._mark(target, retrying)
+            self._mark(target, retrying, kind)
             log.warning("upstream %s failed before the first byte (%s: %s)%s", target, why,
                         type(cause).__name__, "; retrying on the next candidate" if retrying
                         else "")

@@ -5,10 +5,13 @@ etcd. Every value asserted is the exact count of what the test sent."""
 from __future__ import annotations
 
 import json
+import platform
 from typing import Optional
 
 import flask
 import prometheus_client
+
+import kvsvc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.http.app import create_app
@@ -216,6 +219,16 @@ def test_request_metrics_heartbeats_routing_and_proxy_statuses():
         assert m.value("kvsvc_proxy_requests_total", endpoint="completions", status="503") == 3
         assert m.value("kvsvc_proxy_requests_total", endpoint="completions", status="400") == 1
         assert m.value("kvsvc_proxy_upstream_retries_total") == 0
+        # Issue 13: build info, and the proxy's latency and error families (empty: nothing
+        # was relayed from an instance).
+        assert m.value("kvsvc_build_info", version=kvsvc.__version__,
+                       python=platform.python_version()) == 1
+        assert m.types["kvsvc_proxy_request_duration_seconds"] == "histogram"
+        assert m.types["kvsvc_proxy_time_to_first_token_seconds"] == "histogram"
+        assert m.types["kvsvc_proxy_upstream_errors"] == "counter"
+        assert not [n for (n, _) in m.samples if n.startswith((
+            "kvsvc_proxy_request_duration_seconds_", "kvsvc_proxy_time_to_first_token_",
+            "kvsvc_proxy_upstream_errors_"))]
         assert m.value("kvsvc_query_duration_seconds_count") == 0
         # No directory, registry or discovery: their families are absent, not zero.
         assert not [n for (n, _) in m.samples if n.startswith(("kvsvc_stream_",

@@ -1,11 +1,14 @@
 """Upstream forwarding against small real HTTP servers on 127.0.0.1: JSON and SSE relayed,
-hop-by-hop headers dropped both ways, retry once on a refused or silent upstream, errors after
-the response head passed through, and closing the body closes the upstream connection."""
+hop-by-hop headers dropped both ways, retry once on a refused or silent upstream, error statuses
+after the response head passed through, closing the body closes the upstream connection, a body
+broken after the head raises (logged once, counted), upstream errors counted by kind, and the
+relay's end (first SSE data event, completion) reported once."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -14,7 +17,13 @@ import pytest
 
 from kvsvc.errors import UpstreamTimeout, UpstreamUnreachable
 from kvsvc.http.errors import status_of
-from kvsvc.routing.proxy import Proxy, ProxySettings, downstream_headers, upstream_headers
+from kvsvc.routing.proxy import (
+    Proxy,
+    ProxySettings,
+    RelayEnd,
+    downstream_headers,
+    upstream_headers,
+)
 from tests.util import free_port, wait_for
 
 #: Bound of every wait inside a test server's handler.
@@ -27,11 +36,23 @@ class Upstream:
     Modes: ``json`` (200 echo), ``error`` (500 JSON), ``sse`` (one event, then two more once
     ``release`` is set), ``flood`` (1 KiB SSE events until the connection breaks, bounded),
     ``cut`` (a JSON head announcing 100 bytes, 11 of them, then the connection is dropped),
-    ``hang`` (no answer until ``release``, then the connection is dropped).
+    ``hang`` (no answer until ``release``, then the connection is dropped), ``die`` (an SSE
+    head and one event, then the connection is dropped without the last chunk, as when the
+    engine is killed; ``release`` first when ``hold`` is set), ``stall`` (an SSE head and one
+    event, then nothing until ``release``), ``comment`` (an SSE comment, then, once
+    ``release`` is set, a data event split across two chunks and the end).
+
+    ``GET /v1/models`` answers ``models`` (ids) as OpenAI's list; ``models_status`` other than
+    200 answers that status instead; ``models_hang`` holds the answer until ``release``.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, models: tuple[str, ...] = ()) -> None:
         self.mode = mode
+        self.models = models
+        self.models_status = 200
+        self.models_hang = False
+        self.models_served = 0
+        self.hold = False
         self.requests: list[dict] = []
         self.release = threading.Event()
         self.broken = threading.Event()
@@ -46,6 +67,9 @@ class Upstream:
                 owner.requests.append({"path": self.path, "headers": dict(self.headers),
                                        "body": body})
                 getattr(owner, "_" + owner.mode)(self, body)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                owner._models_list(self)
 
             def log_message(self, *args) -> None:
                 pass
@@ -129,6 +153,45 @@ class Upstream:
     def _hang(self, h, body: bytes) -> None:
         self.release.wait(HANDLER_WAIT_S)
         h.close_connection = True
+
+    def _die(self, h, body: bytes) -> None:
+        self._sse_head(h)
+        self._chunk(h, b"data: 0\n\n")
+        if self.hold:
+            self.release.wait(HANDLER_WAIT_S)
+        h.close_connection = True  # no "0\r\n\r\n": the body is cut short of its framing
+
+    def _stall(self, h, body: bytes) -> None:
+        self._sse_head(h)
+        self._chunk(h, b"data: 0\n\n")
+        self.release.wait(HANDLER_WAIT_S)
+        h.close_connection = True
+
+    def _comment(self, h, body: bytes) -> None:
+        self._sse_head(h)
+        self._chunk(h, b": ping\n\n")
+        self.release.wait(HANDLER_WAIT_S)
+        self._chunk(h, b"da")
+        self._chunk(h, b"ta: 1\n\n")
+        h.wfile.write(b"0\r\n\r\n")
+
+    def _models_list(self, h) -> None:
+        if h.path != "/v1/models":
+            h.send_error(404)
+            return
+        if self.models_hang:
+            self.release.wait(HANDLER_WAIT_S)
+        self.models_served += 1
+        status = self.models_status
+        data = (json.dumps({"object": "list", "data": [
+            {"id": m, "object": "model", "created": 1700000000 + i, "owned_by": self.name}
+            for i, m in enumerate(self.models)]}) if status == 200
+            else json.dumps({"detail": "Not Found"})).encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
 
 
 @contextmanager
@@ -259,6 +322,96 @@ def test_closing_the_body_mid_stream_closes_the_upstream(proxy):
         wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")
         assert up.events_written < 100_000
         assert list(chunks) == []
+
+
+def body_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvsvc.routing.proxy" and r.levelno == logging.WARNING
+            and "body broken" in r.getMessage()]
+
+
+def test_body_broken_after_the_head_raises_logs_once_and_counts(proxy, caplog):
+    """The engine dies mid-stream: the chunks before are relayed, then the iterator raises
+    (no clean end), one WARNING names instance, path, bytes and error; ``broken_body``."""
+    ends: list[RelayEnd] = []
+    with upstreams("die") as (up,), caplog.at_level(logging.WARNING):
+        reply = proxy.forward([up.name], "/v1/chat/completions", fixed(b"{}"), {})
+        reply.body.when_closed(ends.append)
+        chunks = iter(reply.body)
+        assert next(chunks) == b"data: 0\n\n"
+        with pytest.raises(UpstreamUnreachable) as err:
+            next(chunks)
+        assert status_of(err.value) == 502
+        assert err.value.message.startswith(f"upstream {up.name} broke the body after 9 bytes")
+        reply.body.close()
+        reply.body.close()
+    (warning,) = body_warnings(caplog)
+    assert up.name in warning and "/v1/chat/completions" in warning
+    assert "after 9 bytes relayed" in warning and "IncompleteRead" in warning
+    assert proxy.errors() == {(up.name, "broken_body"): 1}
+    assert proxy.failures() == {}  # not a failure before the first byte: never retried
+    (end,) = ends
+    assert (end.target, end.bytes_relayed, end.complete) == (up.name, 9, False)
+    assert end.broken is not None and "IncompleteRead" in end.broken
+    assert end.first_data_at is not None and end.first_data_at <= end.ended_at
+
+
+def test_body_that_stalls_past_the_read_timeout_raises_timeout(proxy, caplog):
+    with upstreams("stall") as (up,), caplog.at_level(logging.WARNING):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        chunks = iter(reply.body)
+        assert next(chunks) == b"data: 0\n\n"
+        with pytest.raises(UpstreamTimeout) as err:
+            next(chunks)  # read timeout 0.5 s
+        assert status_of(err.value) == 504
+        reply.body.close()
+    assert len(body_warnings(caplog)) == 1
+    assert proxy.errors() == {(up.name, "timeout"): 1}
+
+
+def test_non_streamed_body_cut_short_raises_before_anything_is_sent(proxy, caplog):
+    with upstreams("cut") as (up,), caplog.at_level(logging.WARNING):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        with pytest.raises(UpstreamUnreachable):
+            reply.body.read_all()
+        assert reply.body.closed
+    assert len(body_warnings(caplog)) == 1
+    assert proxy.errors() == {(up.name, "broken_body"): 1}
+
+
+def test_upstream_errors_counted_by_instance_and_kind(proxy):
+    dead = refused_name()
+    with upstreams("hang", "error") as (slow, bad):
+        with pytest.raises(UpstreamUnreachable):  # the last attempt's error
+            proxy.forward([slow.name, dead], "/v1/completions", fixed(b"{}"), {})
+        slow.release.set()  # from now on it closes the connection without answering
+        with pytest.raises(UpstreamUnreachable):
+            proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
+        reply = proxy.forward([bad.name], "/v1/completions", fixed(b"{}"), {})
+        assert reply.status == 500
+        reply.body.read_all()
+    assert proxy.errors() == {(slow.name, "timeout"): 1, (dead, "refused"): 1,
+                              (slow.name, "reset"): 1, (bad.name, "http_5xx"): 1}
+
+
+def test_relay_end_reports_the_first_data_event_not_a_comment(proxy):
+    """A comment is no token: the first data event is noted when it arrives, also when its
+    ``data:`` is split across two chunks; a body read to its end is complete."""
+    ends: list[RelayEnd] = []
+    with upstreams("comment") as (up,):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        reply.body.when_closed(ends.append)
+        chunks = iter(reply.body)
+        assert next(chunks) == b": ping\n\n"
+        assert reply.body.first_data_at is None
+        up.release.set()
+        rest = b"".join(chunks)
+        assert rest == b"data: 1\n\n"
+        assert reply.body.first_data_at is not None
+        reply.body.close()
+    (end,) = ends
+    assert (end.bytes_relayed, end.complete, end.broken) == (8 + 9, True, None)
+    assert end.first_data_at == reply.body.first_data_at
 
 
 def test_closing_before_reading_closes_the_upstream(proxy):

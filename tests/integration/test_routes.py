@@ -4,7 +4,9 @@ for cache hits, a real static stream fed by tests/publisher.py."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -17,6 +19,7 @@ from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH
+from tests.integration.test_metrics import scrape
 from tests.publisher import ProtocolPublisher, stored
 from tests.integration.test_proxy import refused_name, upstreams
 from tests.unit.test_tokenize import build_tokenizer
@@ -157,6 +160,104 @@ def test_no_candidate_is_503_and_unreachable_upstreams_502(etcd_server, etcd):
         assert openai_error(r) == (502, "upstream_error", None, None)
 
 
+# -- a broken upstream (issue 13) -------------------------------------------------------------------
+
+def test_stream_broken_mid_answer_ends_with_an_error_event_and_an_aborted_relay(
+        etcd_server, etcd, caplog):
+    """The engine dies after one event: the client gets that event, one event in OpenAI's
+    streaming error shape (no [DONE]) and then a failed transfer; the answer counts as
+    ``upstream_broken``, not 200; one WARNING names instance, endpoint, bytes and error."""
+    with upstreams("die") as (up,), running(etcd_server) as app, \
+            caplog.at_level(logging.WARNING):
+        register(app, etcd, up.name)
+        client = app.test_client()
+        r = completion(client, {"model": "m1", "prompt": "hi", "stream": True},
+                       buffered=False)
+        assert (r.status_code, r.headers["x-kvsvc-prefill"]) == (200, up.name)
+        chunks = iter(r.response)
+        assert next(chunks) == b"data: 0\n\n"
+        event = next(chunks)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        assert b"[DONE]" not in event
+        error = json.loads(event[len(b"data: "):])["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["param"], error["code"]) == (
+            "upstream_error", None, "upstream_broken")
+        assert up.name in error["message"] and "after 9 bytes" in error["message"]
+        with pytest.raises(ConnectionResetError):  # the WSGI server aborts the transfer
+            next(chunks)
+        r.close()
+        m = scrape(client)
+        labels = {"endpoint": "completions"}
+        assert m.value("kvsvc_proxy_requests_total", status="upstream_broken", **labels) == 1
+        assert m.value("kvsvc_proxy_requests_total", status="200", **labels) is None
+        assert m.value("kvsvc_proxy_upstream_errors_total", instance=up.name,
+                       kind="broken_body") == 1
+        assert m.value("kvsvc_proxy_request_duration_seconds_count", instance=up.name,
+                       **labels) == 1
+        assert m.value("kvsvc_proxy_time_to_first_token_seconds_count", instance=up.name,
+                       **labels) == 1
+        assert app.extensions[ROUTING_EXTENSION].in_flight.counts() == {}
+    broken = [rec for rec in caplog.records if rec.levelno == logging.WARNING
+              and "body broken" in rec.getMessage()]
+    assert len(broken) == 1
+    text = broken[0].getMessage()
+    assert up.name in text and "/v1/completions" in text and "9 bytes" in text
+    assert "IncompleteRead" in text
+
+
+def test_non_streamed_body_broken_is_502_and_counted(etcd_server, etcd):
+    with upstreams("cut") as (up,), running(etcd_server) as app:
+        register(app, etcd, up.name)
+        client = app.test_client()
+        r = completion(client, {"model": "m1", "prompt": "hi"})
+        assert openai_error(r) == (502, "upstream_error", None, None)
+        assert up.name in r.get_json()["error"]["message"]
+        m = scrape(client)
+        assert m.value("kvsvc_proxy_requests_total", endpoint="completions", status="502") == 1
+        assert m.value("kvsvc_proxy_upstream_errors_total", instance=up.name,
+                       kind="broken_body") == 1
+
+
+def test_proxied_answers_are_timed_by_endpoint_and_instance(etcd_server, etcd):
+    """A completed stream: counted 200 when its relay ends, timed to the last byte and to the
+    first data event; a JSON answer: timed, no time to first token; a 5xx: counted by kind."""
+    with upstreams("sse", "json", "error") as (sse, js, bad), running(etcd_server) as app:
+        register(app, etcd, sse.name)
+        client = app.test_client()
+        sse.release.set()
+        # The test client closes a response (as a WSGI server does after the last byte) only
+        # when told to.
+        with completion(client, {"model": "m1", "prompt": "hi", "stream": True}) as r:
+            assert r.get_data() == b"data: 0\n\ndata: 1\n\ndata: [DONE]\n\n"
+        register(app, etcd, js.name, waiting=0)
+        register(app, etcd, sse.name, waiting=9)  # js ranks first now
+        with client.post("/v1/chat/completions", json={
+                "model": "m1", "messages": [{"role": "user", "content": "x"}]}) as chat:
+            assert (chat.status_code, chat.headers["x-kvsvc-prefill"]) == (200, js.name)
+        register(app, etcd, bad.name, waiting=0)
+        register(app, etcd, js.name, waiting=9)
+        with completion(client, {"model": "m1", "prompt": "x"}) as r:
+            assert r.status_code == 500
+        m = scrape(client)
+        done = {"endpoint": "completions", "instance": sse.name}
+        assert m.value("kvsvc_proxy_requests_total", endpoint="completions", status="200") == 1
+        assert m.value("kvsvc_proxy_request_duration_seconds_count", **done) == 1
+        assert m.value("kvsvc_proxy_time_to_first_token_seconds_count", **done) == 1
+        assert 0 < m.value("kvsvc_proxy_time_to_first_token_seconds_sum", **done) <= \
+            m.value("kvsvc_proxy_request_duration_seconds_sum", **done) < 10
+        assert m.value("kvsvc_proxy_request_duration_seconds_bucket", le="120.0", **done) == 1
+        assert m.value("kvsvc_proxy_request_duration_seconds_bucket", le="0.01", **done) is not None
+        chat_labels = {"endpoint": "chat_completions", "instance": js.name}
+        assert m.value("kvsvc_proxy_request_duration_seconds_count", **chat_labels) == 1
+        assert m.value("kvsvc_proxy_time_to_first_token_seconds_count", **chat_labels) is None
+        assert m.value("kvsvc_proxy_upstream_errors_total", instance=bad.name,
+                       kind="http_5xx") == 1
+        assert {k: m.value("kvsvc_proxy_upstream_errors_total", instance=sse.name, kind=k)
+                for k in ("refused", "reset", "timeout", "broken_body", "http_5xx")} == dict.fromkeys(
+            ("refused", "reset", "timeout", "broken_body", "http_5xx"), 0)
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, param", [
@@ -194,6 +295,54 @@ def test_unknown_model_404_models_list_and_413(etcd_server):
         assert openai_error(r) == (413, "invalid_request_error", None, "request_too_large")
         r = completion(client, {"model": "m1", "prompt": "x" * 1900})
         assert r.status_code == 503  # within the limit: validated, then no candidate
+
+
+def test_every_error_under_v1_is_in_openai_shape_except_internal(etcd_server):
+    """405, 404 and 413 (with and without Content-Length) of the OpenAI API in OpenAI's shape,
+    the 413 naming the limit and its flag; /v1/internal/* keeps kvsvc's shape."""
+    with running(etcd_server, max_request_bytes=2048) as app:
+        client = app.test_client()
+        r = client.get("/v1/completions")
+        assert openai_error(r) == (405, "invalid_request_error", None, "method_not_allowed")
+        assert "POST" in r.headers["Allow"]
+        r = client.post("/v1/models")
+        assert openai_error(r) == (405, "invalid_request_error", None, "method_not_allowed")
+        assert "GET" in r.headers["Allow"]
+        r = client.get("/v1/chat/completions")
+        assert openai_error(r)[0] == 405
+        r = client.get("/v1/engines")
+        assert openai_error(r) == (404, "invalid_request_error", None, "unknown_url")
+        too_large = (413, "invalid_request_error", None, "request_too_large")
+        r = completion(client, {"model": "m1", "prompt": "x" * 2100})
+        assert openai_error(r) == too_large
+        message = r.get_json()["error"]["message"]
+        assert "2048 bytes" in message and "--max_request_bytes" in message
+        r = client.post("/v1/chat/completions", input_stream=io.BytesIO(b" " * 3000), headers={
+            "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+            environ_overrides={"wsgi.input_terminated": True})
+        assert openai_error(r) == too_large
+        assert r.get_json()["error"]["message"] == message
+        # The internal API: kvsvc's own {"error": "..."}.
+        r = client.get("/v1/internal/route", headers=AUTH)
+        assert r.status_code == 405 and isinstance(r.get_json()["error"], str)
+        r = client.post("/v1/internal/route", headers=AUTH, data=b" " * 3000,
+                        content_type="application/json")
+        assert r.status_code == 413 and isinstance(r.get_json()["error"], str)
+        r = client.get("/v1/internal/nope", headers=AUTH)
+        assert r.status_code == 404 and isinstance(r.get_json()["error"], str)
+        assert isinstance(client.post("/health").get_json()["error"], str)
+
+
+def test_unexpected_error_on_an_openai_endpoint_is_an_openai_500(etcd_server, monkeypatch):
+    with running(etcd_server) as app:
+        def broken(*_a, **_k):
+            raise RuntimeError("boom")
+
+        # A mock only to force the rare path: an unexpected exception inside a view.
+        monkeypatch.setattr(app.extensions[ROUTING_EXTENSION], "decide", broken)
+        r = completion(app.test_client(), {"model": "m1", "prompt": "x"})
+        assert openai_error(r) == (500, "server_error", None, None)
+        assert r.get_json()["error"]["message"] == "internal server error"
 
 
 # -- decision endpoint -----------------------------------------------------------------------------
