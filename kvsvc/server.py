@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvsvc.address import format_host_port
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.service import Service
 from kvsvc.settings import LOG_LEVELS, load_service_settings
@@ -53,7 +54,7 @@ def bind_address(host: str, port: int) -> str:
     :param host: address to listen on, e.g. ``0.0.0.0``, ``127.0.0.1`` or ``::``.
     :param port: TCP port.
     """
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_host_port(host, port)
 
 
 def log_config(level: str, log_format: str = "json", access_log: bool = False) -> dict[str, Any]:

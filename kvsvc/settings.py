@@ -48,7 +48,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvsvc.address import check_bind_host, parse_host_port, parse_http_host_port
+from kvsvc.address import check_bind_host, format_host_port, parse_host_port, parse_http_host_port
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
     KvEventsConfig,
@@ -310,14 +310,6 @@ class ServiceSettings(BaseSettings):
         check_discovery_needs_etcd(config, self.etcd_addr)
         return config
 
-    def etcd_host_port(self) -> Optional[tuple[str, int]]:
-        """``(host, port)`` of ``etcd_addr`` (an optional ``http://`` prefix dropped), or
-        ``None`` when no registry is configured."""
-        if not self.etcd_addr:
-            return None
-        addr = parse_http_host_port(self.etcd_addr)
-        return addr.host, addr.port
-
     def advertised_address(self) -> str:
         """``host:port`` written as master address (§9): ``self_address``, else ``host:port``
         with a wildcard host replaced by this machine's host name."""
@@ -326,7 +318,7 @@ class ServiceSettings(BaseSettings):
         host = self.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return format_host_port(host, self.port)
 
 
 def _token_problem(token: str) -> Optional[str]:
