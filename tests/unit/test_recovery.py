@@ -1,10 +1,13 @@
 """The stream's recovery rules (kvsvc.streams.recovery.SnapshotRecovery, PROTOCOL.md §6, §7)
 driven directly, without ZMQ: inputs are live batches, snapshot results, connection events and
 times; outputs are the actions and the serving state. Block size 4, seed 1024; block contents
-are named by small integers (:func:`blk`). Times are monotonic seconds from T0."""
+are named by small integers (:func:`blk`). Times are monotonic seconds from T0. Like the stream
+thread, the tests' driver (:class:`Owner`) reports every requested attempt open at once
+(``on_snapshot_opened``) unless a test drives the machine itself (``Stream.rules``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import pytest
@@ -35,8 +38,9 @@ T0 = 1000.0
 ENDPOINT = "tcp://127.0.0.1:5557"
 SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
                             StreamState.UNSYNCHRONIZED)
-WAITING = ("not synchronized yet: waiting for the first snapshot; the snapshot is requested "
-           f"once the live channel {ENDPOINT} is connected")
+NOT_YET = "not synchronized yet: waiting for the first snapshot"
+WAITING = f"{NOT_YET}; the snapshot is requested once the live channel {ENDPOINT} is connected"
+LOGGER = "kvsvc.streams.recovery"
 
 
 def blk(*contents: int) -> list[int]:
@@ -52,15 +56,45 @@ def store(h: int, parent: Optional[int], content: int) -> BlockStored:
 NOOP: tuple[Event, ...] = (BlockRemoved([999_999], DEVICE),)
 
 
+#: The machine's inputs; the others (view, wakeup_at, attempt, ...) are read as they are.
+INPUTS = frozenset({"start", "tick", "on_live_batch", "on_live_error", "on_live_opened",
+                    "on_live_up", "on_live_down", "on_snapshot_failed", "on_snapshot_complete",
+                    "on_internal_error"})
+
+
+class Owner:
+    """Feeds one input to the machine and, as the stream thread does once ``SnapshotAttempt.open``
+    succeeded, reports each requested attempt open; returns the input's own actions."""
+
+    def __init__(self, stream: "Stream") -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str):
+        value = getattr(self._stream.rules, name)
+        if name not in INPUTS:
+            return value
+
+        def fed(*args):
+            actions = value(*args)
+            for action in actions:
+                if type(action) is RequestSnapshot:
+                    assert self._stream.rules.on_snapshot_opened(
+                        action.attempt, self._stream.now) is NO_ACTIONS
+            return actions
+        return fed
+
+
 class Stream:
-    """One machine with its serving state, a clock, and helpers that feed it."""
+    """One machine with its serving state, a clock, and helpers that feed it (``m``: through
+    the :class:`Owner`; ``rules``: the machine itself)."""
 
     def __init__(self, **limits) -> None:
         self.limits = KvEventsConfig(**limits)
         cfg = StreamConfig(instance_name="e:1", block_size=BS, endpoint=ENDPOINT,
                            replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED)
         self.serving = ServingState(StreamId("e:1", 0), BS)
-        self.m = SnapshotRecovery(cfg, self.limits, self.serving)
+        self.rules = SnapshotRecovery(cfg, self.limits, self.serving)
+        self.m = Owner(self)
         self.now = T0
 
     # -- inputs ------------------------------------------------------------------------------
@@ -341,6 +375,78 @@ def test_stale_attempt_reports_are_ignored():
     assert s.m.on_snapshot_failed(7, SnapshotTimeout("x"), s.now) == NO_ACTIONS
     assert s.reply(0, [], attempt=7) == NO_ACTIONS
     assert (s.state(), s.m.attempt) == (RECOVERING, 1)
+
+
+#: An attempt the owner could not open (``SnapshotAttempt.open`` raised: no file descriptor
+#: left, a terminated context): (case, resync, expected state and error after the failure,
+#: the warning). Nothing says "requested": no request went out.
+OPEN_FAILURE_CASES = [
+    ("recovery", False, (UNSYNC, "snapshot socket: Too many open files"),
+     "stream e:1/dp0: unsynchronized: snapshot socket: Too many open files; retry in 0.1s"),
+    ("resync", True, (SYNC, None),
+     "stream e:1/dp0: resync failed: snapshot socket: Too many open files; retry in 0.1s"),
+]
+
+
+@pytest.mark.parametrize("case, resync, after, warning", OPEN_FAILURE_CASES,
+                         ids=[c[0] for c in OPEN_FAILURE_CASES])
+def test_an_attempt_that_cannot_be_opened(case, resync, after, warning, caplog):
+    s = Stream(resync_interval_ms=1000)
+    m = s.rules                                           # the owner's reports, one by one
+    if resync:
+        s.synced(4, buffered=(4,))
+        request = RequestSnapshot(2, 5, False)
+        s.at(1.0)
+    else:
+        assert (m.start(s.now), m.on_live_opened(), m.on_live_up(s.now)) == (NO_ACTIONS,) * 3
+        request = RequestSnapshot(1, 0, True)
+    before = (s.state(), s.serving.status().error)
+    assert before == ((SYNC, None) if resync else (UNSYNC, NOT_YET))
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert m.tick(s.now) == (request,)
+        # Requested but not opened yet: nothing changes, nothing is logged.
+        assert (s.state(), s.serving.status().error, caplog.records) == (*before, [])
+        assert m.on_snapshot_failed(request.attempt, SnapshotError(
+            "snapshot socket: Too many open files"), s.now) == (AbandonSnapshot(request.attempt),)
+    st = s.serving.status()
+    assert (st.state, st.error) == after
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", warning)]
+    c = s.counters()
+    assert (c.snapshot_attempts["error"], c.recoveries_started["start"]) == (1, 1)
+    assert (m.attempt, s.next_in(), m.view().failures) == (None, 0.1, 1)
+    # A report that it opened after all is stale: ignored.
+    assert m.on_snapshot_opened(request.attempt, s.now) is NO_ACTIONS
+    assert (s.state(), s.serving.status().error) == after
+    # The retry opens: only now is it announced (a recovery: RECOVERING, at info level).
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        retry = RequestSnapshot(request.attempt + 1, request.start_seq, request.urgent)
+        assert s.at(s.now - T0 + 0.1).rules.tick(s.now) == (retry,)
+        assert m.on_snapshot_opened(retry.attempt, s.now) is NO_ACTIONS
+    assert s.state() == (SYNC if resync else RECOVERING)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", "stream e:1/dp0: resync snapshot requested (start_seq 5)") if resync else
+        ("INFO", "stream e:1/dp0: recovering: snapshot requested (start_seq 0)")]
+
+
+def test_an_attempt_requested_and_ended_by_one_input_is_announced_in_order(caplog):
+    s = Stream().synced(4)
+    assert s.live(5) is NO_ACTIONS
+    # Seq 0 after 5 while synchronized: invalidate and request a recovery, then the same batch
+    # (an AllBlocksCleared one) becomes the baseline, which ends that attempt before the owner
+    # could open it.
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert s.rules.on_live_batch(0, Batch(0.0, [AllBlocksCleared(), store(2, None, 2)], 0),
+                                     100, s.now) == (RequestSnapshot(2, 0, True),
+                                                     AbandonSnapshot(2))
+    assert [r.getMessage() for r in caplog.records] == [
+        "stream e:1/dp0: unsynchronized: sequence went backwards: expected seq 6, got 0",
+        "stream e:1/dp0: recovering: snapshot requested (start_seq 0)",
+        "stream e:1/dp0: synchronized (AllBlocksCleared batch seq 0): 1 device, 0 host blocks"]
+    assert s.rules.on_snapshot_opened(2, s.now) is NO_ACTIONS   # the owner opened it: stale
+    st = s.serving.status()
+    assert (st.state, st.sequence, st.recoveries) == (SYNC, 0, 2)
+    assert s.counters().recoveries_started["sequence_backwards"] == 1
 
 
 # ---------------------------------------------------------------------- the live channel
