@@ -295,6 +295,52 @@ def test_a_targeted_all_blocks_cleared_is_not_a_baseline():
     assert (s.state(), s.m.view().buffered_seqs) == (RECOVERING, (5,))
 
 
+#: An untargeted ``AllBlocksCleared`` batch while unsynchronized (§6). (case, the first attempt
+#: failed before the batch (a backoff, no attempt in flight), the batch's events,
+#: (actions, state, error, sequence, device blocks, counters {(counter, label): n}, next_in)).
+#: ``UNKNOWN`` stores block 2 under parent 999, which the baseline does not hold.
+UNKNOWN = (AllBlocksCleared(), store(2, 999, 2))
+BASELINE_CASES = [
+    ("during a backoff: becomes the baseline", True, (AllBlocksCleared(), store(2, None, 2)),
+     (NO_ACTIONS, SYNC, None, 5, 1,
+      {("snapshot_attempts", "timeout"): 1, ("recoveries_started", "start"): 1,
+       ("events_applied", "AllBlocksCleared"): 1, ("events_applied", "BlockStored"): 1},
+      30.0)),                                            # seq 5 seen: no probe resync
+    ("fails to apply while recovering", False, UNKNOWN,
+     ((AbandonSnapshot(1),), UNSYNC, "seq 5: BlockStored parent 0x3e7 is unknown", None, 0,
+      {("decode_errors", "unknown_parent"): 1, ("recoveries_started", "index_error"): 0,
+       ("snapshot_attempts", "error"): 1, ("events_applied", "AllBlocksCleared"): 0},
+      0.1)),
+    ("fails to apply during a backoff", True, UNKNOWN,
+     (NO_ACTIONS, UNSYNC, "seq 5: BlockStored parent 0x3e7 is unknown", None, 0,
+      {("decode_errors", "unknown_parent"): 1, ("recoveries_started", "index_error"): 0,
+       ("snapshot_attempts", "error"): 0, ("snapshot_attempts", "timeout"): 1},
+      0.05)),                                            # the backoff's end stands
+]
+
+
+@pytest.mark.parametrize("case, backoff, events, expected", BASELINE_CASES,
+                         ids=[c[0] for c in BASELINE_CASES])
+def test_all_blocks_cleared_baseline_while_unsynchronized(case, backoff, events, expected):
+    s = Stream()
+    assert s.connect() == (RequestSnapshot(1, 0, True),)
+    if backoff:
+        assert s.m.on_snapshot_failed(1, SnapshotTimeout("snapshot timeout"), s.now) == (
+            AbandonSnapshot(1),)
+        assert s.m.attempt is None and s.next_in() == 0.1
+        s.at(0.05)
+    actions, state, error, sequence, blocks, counts, next_in = expected
+    assert s.live(5, events) == actions
+    st = s.serving.status()
+    assert (st.state, st.error, st.sequence, st.device_blocks) == (state, error, sequence, blocks)
+    c = s.counters()
+    assert {key: getattr(c, key[0])[key[1]] for key in counts} == counts
+    assert (s.m.attempt, s.next_in()) == (None, next_in)
+    assert s.m.view().buffered_seqs == ()
+    if state == SYNC:
+        assert (st.recoveries, s.m.view().failures, s.hits(2)) == (1, 0, (True, 4, 0))
+
+
 def test_resync_watermark_behind_the_applied_seq_invalidates():
     s = Stream(resync_interval_ms=1000).synced(9, [store(1, None, 1)], buffered=(9,))
     assert s.next_in() == 1.0
@@ -319,6 +365,29 @@ def test_periodic_resync_replaces_the_index_and_counts_the_difference():
     assert (st.state, st.sequence, st.device_blocks, st.recoveries, st.resync_differences) == (
         SYNC, 1, 2, 1, 1)
     assert s.next_in() == 1.0
+
+
+def test_an_empty_reply_to_a_resync_replaces_the_index_and_forgets_the_seq(caplog):
+    s = Stream(resync_interval_ms=1000).synced(4, [store(1, None, 1)], buffered=(4,))
+    assert s.at(1.0).m.tick(s.now) == (RequestSnapshot(2, 5, False),)
+    assert s.live(5) is NO_ACTIONS                        # applied and buffered into the resync
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert s.reply(None, empty=True) == (AbandonSnapshot(2),)
+    # §7: empty state, watermark unknown: the engine holds nothing, so neither does the index.
+    st = s.serving.status()
+    assert (st.state, st.error, st.sequence, st.device_blocks, st.recoveries,
+            st.resync_differences) == (SYNC, None, None, 0, 1, 1)
+    assert s.counters().snapshot_attempts["ok"] == 2
+    view = s.m.view()
+    assert (view.expected, view.silence_check, view.buffered_seqs) == (None, None, ())
+    assert s.next_in() == 1.0                             # a resync never probes
+    assert [r.getMessage() for r in caplog.records] == [
+        "stream e:1/dp0: resync found 1 differing blocks (lost events); index replaced (empty "
+        "snapshot, baseline is the next live batch)"]
+    # The first live batch is the baseline, whatever its seq.
+    assert s.live(42, [store(7, None, 7)]) is NO_ACTIONS
+    assert (s.serving.status().sequence, s.hits(7), s.hits(1)) == (42, (True, 4, 0),
+                                                                   (True, 0, 0))
 
 
 def test_buffer_overflow_fails_the_attempt():
@@ -481,6 +550,55 @@ def test_disconnect_invalidates_and_waits_for_the_next_connection():
     assert s.m.on_live_up(s.now) == NO_ACTIONS
     assert s.serving.status().error == "disconnected"
     assert s.m.tick(s.now) == (RequestSnapshot(2, 0, True),)
+
+
+#: A disconnect (§6) in each state with an attempt in flight: (case, synchronized before it,
+#: actions, (state, error, device blocks), counters {(counter, label): n}, next_in after it, the
+#: request once the live channel is back). While recovering, the attempt fails (outcome ``error``, backoff) and no
+#: recovery is counted: none was synchronized. A resync is abandoned with its serving index.
+DISCONNECT_CASES = [
+    ("recovering, attempt in flight", False, (AbandonSnapshot(1),), (UNSYNC, "disconnected", 0),
+     {("snapshot_attempts", "error"): 1, ("recoveries_started", "disconnect"): 0}, 0.1,
+     RequestSnapshot(2, 0, True)),
+    ("during a resync", True, (AbandonSnapshot(2),), (UNSYNC, "disconnected", 0),
+     {("snapshot_attempts", "error"): 0, ("recoveries_started", "disconnect"): 1}, 0.0,
+     RequestSnapshot(3, 0, True)),
+]
+
+
+@pytest.mark.parametrize("case, synced, actions, after, counts, next_in, retry",
+                         DISCONNECT_CASES, ids=[c[0] for c in DISCONNECT_CASES])
+def test_disconnect_with_an_attempt_in_flight(case, synced, actions, after, counts, next_in,
+                                              retry):
+    s = Stream(resync_interval_ms=1000)
+    if synced:
+        s.synced(4, [store(1, None, 1)], buffered=(4,))
+        assert s.at(1.0).m.tick(s.now) == (RequestSnapshot(2, 5, False),)
+        assert s.live(5) is NO_ACTIONS                    # applied and buffered
+        assert (s.state(), s.m.view().buffered_seqs) == (SYNC, (5,))
+    else:
+        assert s.connect() == (RequestSnapshot(1, 0, True),)
+        assert s.live(3) is NO_ACTIONS                    # buffered
+        assert (s.state(), s.m.view().buffered_seqs) == (RECOVERING, (3,))
+    assert s.m.on_live_down("disconnected", s.now) == actions
+    st = s.serving.status()
+    assert (st.state, st.error, st.device_blocks) == after
+    assert s.hits(1) == (False, 0, 0)
+    c = s.counters()
+    assert {key: getattr(c, key[0])[key[1]] for key in counts} == counts
+    view = s.m.view()
+    assert (view.attempt, view.buffered_seqs, view.max_seen, view.live_up) == (None, (), None,
+                                                                               False)
+    assert s.next_in() == next_in
+    assert s.m.wakeup_at() == s.now + next_in
+    # No request while the live channel is down; once it is back, the recovery is due within
+    # BACKOFF_INITIAL_S (a new connection resets the backoff).
+    assert s.m.on_live_opened() == NO_ACTIONS
+    assert s.at(s.now - T0 + next_in).m.tick(s.now) == NO_ACTIONS
+    assert s.m.on_live_up(s.now) == NO_ACTIONS
+    assert (s.next_in(), s.m.view().failures) == (0.0, 0)
+    assert s.m.tick(s.now) == (retry,)
+    assert s.state() == RECOVERING
 
 
 def test_a_new_connection_resets_the_backoff():
