@@ -65,6 +65,9 @@ def _ready() -> tuple[flask.Response, int]:
     # service is unchanged).
     if svc.registry is not None:
         body["registry"] = registry
+        # ``not_candidates``: registered instances the router does not route to now, with
+        # why (instance -> reason; the router's own rule, §11).
+        body["not_candidates"] = svc.router.not_candidates()
     if svc.discovery is not None and directory is not None:
         body["discovery"] = {"excluded": dict(svc.discovery.excluded())}
         for entry, st in zip(streams, statuses):
