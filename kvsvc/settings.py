@@ -75,6 +75,10 @@ UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
 #: Closed range ``(low, high)`` of both CAR parameters, ``car_prefill_lambda`` and
 #: ``car_host_hit_weight`` (§11).
 CAR_WEIGHT_RANGE = (0.0, 1.0)
+#: ``max_load_age_s`` (§11): default and range ``(low, high)``, seconds, low excluded. The
+#: registry (the master's ``XLLM:LOADMETRICS`` writes) and the routing policies check it too.
+DEFAULT_MAX_LOAD_AGE_S = 10.0
+MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
 #: Sections of ``--help`` and of the README table, in display order.
 SECTION_HTTP = "HTTP and authentication"
@@ -192,6 +196,12 @@ class ServiceSettings(BaseSettings):
                                    Setting(SECTION_ROUTING,
                                            "CAR weight of a Host-only hit token against a "
                                            "Device hit token")] = 0.5
+    max_load_age_s: Annotated[float, Field(gt=MAX_LOAD_AGE_RANGE_S[0],
+                                           le=MAX_LOAD_AGE_RANGE_S[1]), Setting(
+        SECTION_ROUTING, "an instance is a candidate only while its last load report (a "
+        "heartbeat, or an `XLLM:LOADMETRICS` value read from etcd) is at most this old; keep "
+        "it above the engines' heartbeat period and the master's 3 s `XLLM:LOADMETRICS` "
+        "period (see \"Routing\")", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "

@@ -431,7 +431,13 @@ class ServiceCollector(Collector):
                 load_age.add_metric((name,), max(0.0, now - inst.load.received_at))
                 waiting.add_metric((name,), float(inst.load.waiting_requests_num))
                 usage.add_metric((name,), inst.load.gpu_cache_usage_perc)
-        return fresh, master, state, load_age, waiting, usage
+        clamped = CounterMetricFamily(
+            "kvsvc_load_clamped",
+            "Load reports whose gpu_cache_usage_perc was above 1, used as 1.0, by instance and "
+            "source (heartbeat or etcd).", labels=("instance", "source"))
+        for (name, source), count in sorted(registry.load_clamped_counts().items()):
+            clamped.add_metric((name, source), float(count))
+        return fresh, master, state, load_age, waiting, usage, clamped
 
     @staticmethod
     def _discovery(svc: Service) -> Iterable[Metric]:
