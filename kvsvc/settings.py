@@ -35,6 +35,7 @@ which :mod:`kvsvc.routing.policy` checks too. It is in the bottom layer: it impo
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import socket
 import sys
@@ -67,7 +68,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "text")
 
 #: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
-POLICY_NAMES = ("RR", "CAR")
+class PolicyName(enum.StrEnum):
+    """The routing policies kvsvc has (xllm-service's names, §11), declared once: the
+    ``--load_balance_policy`` choices, the policies' own names and the ``policy`` label."""
+
+    RR = "RR"
+    CAR = "CAR"
+
+
+POLICY_NAMES = tuple(p.value for p in PolicyName)
 #: xllm-service policy names kvsvc refuses, each with the reason given.
 UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
     "SLO_AWARE": "SLO_AWARE is not supported by kvsvc yet; use CAR or RR",
@@ -187,7 +196,7 @@ class ServiceSettings(BaseSettings):
     load_balance_policy: Annotated[str, Setting(
         SECTION_ROUTING, "`CAR` (cache-aware, §11) or `RR` (round robin, xllm-service's "
         "default); `SLO_AWARE` is refused with a message (see \"Routing\")",
-        choices=POLICY_NAMES, flag_checks_choices=False)] = "CAR"
+        choices=POLICY_NAMES, flag_checks_choices=False)] = PolicyName.CAR.value
     car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                   Setting(SECTION_ROUTING,
                                           "CAR weight of the cache-miss term against the queue "

@@ -32,6 +32,7 @@ never a token or a prompt.
 
 from __future__ import annotations
 
+import enum
 import logging
 import platform
 import time
@@ -67,9 +68,21 @@ from kvsvc.streams.state import StreamState
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
-#: Outcomes of ``POST /v1/internal/heartbeat`` (kvsvc_heartbeats_total).
-HEARTBEAT_OUTCOMES = ("ok", "malformed", "invalid_load", "unknown_instance",
-                      "stale_incarnation", "no_registry", "unauthorized")
+class HeartbeatOutcome(enum.StrEnum):
+    """Outcomes of ``POST /v1/internal/heartbeat``: the ``outcome`` label of
+    ``kvsvc_heartbeats_total`` (§9), declared once."""
+
+    OK = "ok"
+    MALFORMED = "malformed"
+    INVALID_LOAD = "invalid_load"
+    UNKNOWN_INSTANCE = "unknown_instance"
+    STALE_INCARNATION = "stale_incarnation"
+    NO_REGISTRY = "no_registry"
+    UNAUTHORIZED = "unauthorized"
+
+
+#: Every heartbeat outcome label, in declaration order.
+HEARTBEAT_OUTCOMES = tuple(o.value for o in HeartbeatOutcome)
 #: Latency buckets of the query and route endpoints, seconds (100 us .. 1 s).
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 1.0)

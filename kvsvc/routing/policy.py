@@ -55,6 +55,7 @@ from kvsvc.settings import (
     DEFAULT_MAX_LOAD_AGE_S,
     MAX_LOAD_AGE_RANGE_S,
     POLICY_NAMES,
+    PolicyName,
     UNSUPPORTED_POLICIES,
 )
 from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot, waiting_estimate
@@ -347,7 +348,7 @@ class RoundRobin:
     :raises ConfigError: ``max_load_age_s`` out of range.
     """
 
-    name = "RR"
+    name = PolicyName.RR.value
 
     def __init__(self, max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
         self.max_load_age_s = check_max_load_age(max_load_age_s)
@@ -453,7 +454,7 @@ class CacheAware:
     :raises ConfigError: a CAR weight outside [0, 1], ``max_load_age_s`` out of range.
     """
 
-    name = "CAR"
+    name = PolicyName.CAR.value
 
     def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
@@ -552,11 +553,11 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     """
     if name in UNSUPPORTED_POLICIES:
         raise ConfigError("--load_balance_policy", UNSUPPORTED_POLICIES[name])
-    if name == "RR":
+    if name == PolicyName.RR:
         rr = RoundRobin(max_load_age_s)
         log.info("routing policy RR (max load age %g s)", rr.max_load_age_s)
         return rr
-    if name == "CAR":
+    if name == PolicyName.CAR:
         policy = CacheAware(prefill_lambda, host_hit_weight, max_load_age_s)
         log.info("routing policy CAR (lambda %.3f, host hit weight %.3f, max load age %g s)",
                  policy.prefill_lambda, policy.host_hit_weight, policy.max_load_age_s)
