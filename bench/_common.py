@@ -344,9 +344,9 @@ def make_streams(n: int) -> list[ServedStream]:
 
 def directory_config(streams: Sequence[ServedStream], names: Optional[Sequence[str]] = None,
                      **limits: int) -> KvEventsConfig:
-    """A §8 config for ``streams`` (instance ``bench-NNN`` or ``names[i]``, rank 0)."""
+    """A §8 config for ``streams`` (instance ``127.0.0.1:<20000 + i>`` or ``names[i]``, rank 0)."""
     doc = {"streams": [{
-        "instance_name": names[i] if names else f"bench-{i:03d}",
+        "instance_name": names[i] if names else f"127.0.0.1:{20000 + i}",
         "dp_rank": 0, "block_size": BLOCK_SIZE, "endpoint": s.endpoint,
         "replay_endpoint": s.replay_endpoint, "hash_seed": HASH_SEED}
         for i, s in enumerate(streams)]}

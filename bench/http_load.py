@@ -147,7 +147,7 @@ def bench_http(seconds: int = 10, connections: int = 32) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-") as tmp:
         cfg = Path(tmp, "kv.json")
         cfg.write_text(json.dumps({"streams": [{
-            "instance_name": f"bench-{i:03d}", "endpoint": s.endpoint,
+            "instance_name": f"127.0.0.1:{20000 + i}", "endpoint": s.endpoint,
             "replay_endpoint": s.replay_endpoint} for i, s in enumerate(streams)],
             "resync_interval_ms": 600_000}))
         body = json.dumps({"token_ids": prompt})

@@ -188,17 +188,19 @@ def bench_load_recovering(
         wait_until(lambda: subscribed.value >= N_STREAMS, 30, "subscriptions", interval_s=0.05)
         policy = CacheAware()
         registry = _registry(names)
+        # The snapshot is static: judge its load reports as of now, for the whole run (§11).
+        routed_at = time.monotonic()
         expect = [PROMPT_TOKENS] + [PROMPT_TOKENS // 2] * 8 + [0] * (N_STREAMS - 9)
         if [m.device_hit_tokens for m in directory.query(prompt)] != expect:
             raise AssertionError(f"query answers are not the expected ones: "
                                  f"{[(m.device_hit_tokens, m.device_blocks) for m in directory.query(prompt)]}")
-        if policy.choose(prompt, registry, directory.query(prompt)).prefill is None:
+        if policy.choose(prompt, registry, directory.query(prompt), now=routed_at).prefill is None:
             raise AssertionError("no prefill chosen")
         clock = time.perf_counter
 
         def route() -> None:
             identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
-            policy.choose(prompt, registry, directory.query(prompt), identities)
+            policy.choose(prompt, registry, directory.query(prompt), identities, now=routed_at)
 
         def one_pair(mode: str) -> None:
             t0 = clock()

@@ -64,7 +64,7 @@ def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
     return RegistrySettings(
         etcd_addr=settings.etcd_addr, namespace=settings.etcd_namespace,
         suspect_removal_s=settings.detect_disconnected_instance_interval,
-        self_address=settings.advertised_address())
+        self_address=settings.advertised_address(), max_load_age_s=settings.max_load_age_s)
 
 
 def build_router(settings: ServiceSettings, registry: Optional[Registry],
@@ -78,7 +78,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
     policy = make_policy(settings.load_balance_policy, settings.car_prefill_lambda,
-                         settings.car_host_hit_weight)
+                         settings.car_host_hit_weight,
+                         max_load_age_s=settings.max_load_age_s)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()

@@ -35,6 +35,7 @@ which :mod:`kvsvc.routing.policy` checks too. It is in the bottom layer: it impo
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import socket
 import sys
@@ -67,7 +68,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "text")
 
 #: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
-POLICY_NAMES = ("RR", "CAR")
+class PolicyName(enum.StrEnum):
+    """The routing policies kvsvc has (xllm-service's names, §11), declared once: the
+    ``--load_balance_policy`` choices, the policies' own names and the ``policy`` label."""
+
+    RR = "RR"
+    CAR = "CAR"
+
+
+POLICY_NAMES = tuple(p.value for p in PolicyName)
 #: xllm-service policy names kvsvc refuses, each with the reason given.
 UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
     "SLO_AWARE": "SLO_AWARE is not supported by kvsvc yet; use CAR or RR",
@@ -75,6 +84,10 @@ UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
 #: Closed range ``(low, high)`` of both CAR parameters, ``car_prefill_lambda`` and
 #: ``car_host_hit_weight`` (§11).
 CAR_WEIGHT_RANGE = (0.0, 1.0)
+#: ``max_load_age_s`` (§11): default and range ``(low, high)``, seconds, low excluded. The
+#: registry (the master's ``XLLM:LOADMETRICS`` writes) and the routing policies check it too.
+DEFAULT_MAX_LOAD_AGE_S = 10.0
+MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
 #: Sections of ``--help`` and of the README table, in display order.
 SECTION_HTTP = "HTTP and authentication"
@@ -183,7 +196,7 @@ class ServiceSettings(BaseSettings):
     load_balance_policy: Annotated[str, Setting(
         SECTION_ROUTING, "`CAR` (cache-aware, §11) or `RR` (round robin, xllm-service's "
         "default); `SLO_AWARE` is refused with a message (see \"Routing\")",
-        choices=POLICY_NAMES, flag_checks_choices=False)] = "CAR"
+        choices=POLICY_NAMES, flag_checks_choices=False)] = PolicyName.CAR.value
     car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                   Setting(SECTION_ROUTING,
                                           "CAR weight of the cache-miss term against the queue "
@@ -192,6 +205,12 @@ class ServiceSettings(BaseSettings):
                                    Setting(SECTION_ROUTING,
                                            "CAR weight of a Host-only hit token against a "
                                            "Device hit token")] = 0.5
+    max_load_age_s: Annotated[float, Field(gt=MAX_LOAD_AGE_RANGE_S[0],
+                                           le=MAX_LOAD_AGE_RANGE_S[1]), Setting(
+        SECTION_ROUTING, "an instance is a candidate only while its last load report (a "
+        "heartbeat, or an `XLLM:LOADMETRICS` value read from etcd) is at most this old; keep "
+        "it above the engines' heartbeat period and the master's 3 s `XLLM:LOADMETRICS` "
+        "period (see \"Routing\")", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "

@@ -11,12 +11,27 @@ on the election thread, so a graceful hand-over takes one refresh.
 
 While master, the same thread writes ``XLLM:LOADMETRICS:<name>`` →
 ``{"waiting_requests_num": int, "gpu_cache_usage_perc": float}`` every ``loadmetrics_interval_s``
-for each instance whose load changed since the last write, and deletes the key of every instance
-no longer in the registry (xllm-service's ``upload_load_metrics``).
+for each instance whose load changed since the last write (xllm-service's
+``upload_load_metrics``), with two rules of kvsvc's so that no process ever inherits a stale
+value (§11; xllm-service writes without a lease and keeps every value):
+
+- the keys are written under the **master's lease**: they disappear with the master (at once on
+  a graceful close, which revokes the lease; one TTL after a crash), so a replica or master
+  started later never reads a dead master's last loads as new reports;
+- only a **current** load is written (``max_load_age_s``,
+  :meth:`~kvsvc.cluster.model.LoadMetrics.is_current`); the key of an instance whose load is no longer current (no heartbeat accepted within
+  ``max_load_age_s``, every heartbeat refused, or none since this replica became master) is
+  deleted, like the key of an instance no longer in the registry.
+
+A replica reading the keys dates each new revision when it receives it and ages it by the same
+rule; the master itself routes only on heartbeats it accepted (the registry drops the values it
+read from etcd when this replica becomes master).
 
 Thread: ``kvsvc-election``, a :class:`~kvsvc.lifecycle.BackgroundThread` (the one start/close
 contract). It owns its :class:`~kvsvc.cluster.etcd.EtcdClient` (built in its setup, closed in
-its teardown after the lease is revoked). etcd errors are logged and retried at the next turn.
+its teardown after the lease is revoked). etcd errors are retried at the next turn; etcd being
+unreachable is logged by the :class:`~kvsvc.cluster.etcd.EtcdReachability` shared with the
+registry (one line per outage, not one per turn), other etcd errors here.
 
 Errors: :class:`~kvsvc.errors.LifecycleError` from ``start()`` (already started, not running in
 time) and ``close()`` (the thread, e.g. blocked on an etcd request or the revoke, did not stop
@@ -30,9 +45,9 @@ import logging
 import time
 from typing import Callable, Optional
 
-from kvsvc.cluster.etcd import EtcdClient
+from kvsvc.cluster.etcd import EtcdClient, EtcdReachability
 from kvsvc.cluster.model import RegistrySettings, RegistrySnapshot
-from kvsvc.errors import EtcdError
+from kvsvc.errors import EtcdError, EtcdUnavailable
 from kvsvc.lifecycle import BackgroundThread
 
 log = logging.getLogger(__name__)
@@ -49,14 +64,19 @@ class MasterElection(BackgroundThread):
         ``loadmetrics_interval_s``, ``self_address``.
     :param get_snapshot: returns the registry's current snapshot (for the loads to write).
     :param on_change: called with the new ``is_master`` value (on the election thread) each
-        time mastership is won or lost, the loss on close included.
+        time mastership is won or lost, the loss on close included; it runs after
+        :attr:`is_master` changed.
+    :param reachability: the etcd reachability tracker shared with the registry; ``None``: one
+        of its own.
     """
 
     def __init__(self, settings: RegistrySettings,
                  get_snapshot: Callable[[], RegistrySnapshot],
-                 on_change: Callable[[bool], None]) -> None:
+                 on_change: Callable[[bool], None],
+                 reachability: Optional[EtcdReachability] = None) -> None:
         super().__init__("kvsvc-election")
         self._settings = settings
+        self._reachability = reachability or EtcdReachability(settings.etcd_addr)
         self._get_snapshot = get_snapshot
         self._on_change = on_change
         self._prefix = settings.key_prefix
@@ -112,7 +132,8 @@ class MasterElection(BackgroundThread):
     def _setup(self) -> None:
         # Short per-request timeout: one turn must fit in a refresh period, or a live master
         # could miss its keep-alive window.
-        self._client = EtcdClient(self._settings.etcd_addr, timeout_s=min(1.0, self._refresh_s))
+        self._client = EtcdClient(self._settings.etcd_addr, timeout_s=min(1.0, self._refresh_s),
+                                  reachability=self._reachability)
 
     def _loop(self) -> None:
         client = self._client
@@ -139,10 +160,13 @@ class MasterElection(BackgroundThread):
             else:
                 self._campaign(client, now)
             if self._is_master and now >= self._next_loads:
-                self._write_loads(client)
+                self._write_loads(client, now)
                 self._next_loads = now + self._settings.loadmetrics_interval_s
         except EtcdError as exc:
-            log.warning("election: etcd error: %s", exc)
+            if isinstance(exc, EtcdUnavailable):
+                log.debug("election: %s", exc)   # the reachability tracker logs the outage
+            else:
+                log.warning("election: etcd error: %s", exc)
             # Without a successful keep-alive for a whole TTL the lease has surely expired in
             # etcd and another replica may hold the key: stop claiming mastership.
             if self._is_master and now - self._last_keepalive >= self._settings.master_lease_ttl_s:
@@ -194,16 +218,27 @@ class MasterElection(BackgroundThread):
                  "now" if is_master else "no longer", why)
         self._on_change(is_master)
 
-    def _write_loads(self, client: EtcdClient) -> None:
+    def _write_loads(self, client: EtcdClient, now: float) -> None:
+        """Write the current loads that changed under the master lease, delete the keys of
+        instances without a current load or gone (module docstring).
+
+        :param now: ``time.monotonic()`` seconds of this turn.
+        """
         snapshot = self._get_snapshot()
         prefix = self._prefix + LOADMETRICS_PREFIX
+        max_age = self._settings.max_load_age_s
         for name, inst in snapshot.instances.items():
             load = inst.load
-            if load is None or self._written.get(name) == load.received_at:
+            if load is None or not load.is_current(now, max_age):
+                if name in self._written:
+                    client.delete(prefix + name)
+                    del self._written[name]
+                continue
+            if self._written.get(name) == load.received_at:
                 continue
             value = json.dumps({"waiting_requests_num": load.waiting_requests_num,
                                 "gpu_cache_usage_perc": load.gpu_cache_usage_perc})
-            client.put(prefix + name, value)
+            client.put(prefix + name, value, lease_id=self._lease_id)
             self._written[name] = load.received_at
         for name in [n for n in self._written if n not in snapshot.instances]:
             client.delete(prefix + name)

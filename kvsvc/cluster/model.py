@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
 
 from kvsvc.address import parse_host_port, parse_http_host_port
 from kvsvc.errors import ConfigError, MalformedRegistration
+from kvsvc.settings import DEFAULT_MAX_LOAD_AGE_S, MAX_LOAD_AGE_RANGE_S
 
 _T = TypeVar("_T")
 
@@ -46,7 +48,8 @@ class LoadMetrics:
     """The latest load report of an instance (§9).
 
     :ivar waiting_requests_num: queued requests, >= 0.
-    :ivar gpu_cache_usage_perc: Device KV-cache usage, a fraction in [0, 1].
+    :ivar gpu_cache_usage_perc: Device KV-cache usage, a fraction in [0, 1] (a reported value
+        above 1 is kept as 1.0, :func:`check_load`).
     :ivar received_at: ``time.monotonic()`` seconds when this process received it (heartbeat or
         a new ``XLLM:LOADMETRICS`` revision).
     """
@@ -54,6 +57,21 @@ class LoadMetrics:
     waiting_requests_num: int
     gpu_cache_usage_perc: float
     received_at: float
+
+    def age_s(self, now: float) -> float:
+        """Seconds since this process received the report, at ``now`` (monotonic s)."""
+        return now - self.received_at
+
+    def is_current(self, now: float, max_age_s: float) -> bool:
+        """The §11 age rule, the one place it is written: a report is current for
+        ``max_age_s`` (``--max_load_age_s``) seconds after it was received, both ends
+        included (age ``== max_age_s`` is still current; a ``received_at`` after ``now``, as a
+        test may set, counts as age 0).
+
+        :param now: ``time.monotonic()`` seconds.
+        :param max_age_s: seconds, > 0.
+        """
+        return now - self.received_at <= max_age_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +134,8 @@ class RegistrySettings:
     :ivar loadmetrics_interval_s: master's ``XLLM:LOADMETRICS`` write period (§9: 3 s).
     :ivar master_lease_ttl_s: TTL of the master key's lease, whole seconds >= 1.
     :ivar self_address: this service's ``host:port``, the master key's value.
+    :ivar max_load_age_s: ``--max_load_age_s`` (§11): the master writes (and keeps) an
+        ``XLLM:LOADMETRICS`` key only for a load report that is current by this age.
     :raises ConfigError: from construction when a value is out of range; ``field`` is the
         attribute's name (``etcd_addr``, ``namespace``, ``relist_interval_s``, ...).
     """
@@ -129,6 +149,7 @@ class RegistrySettings:
     loadmetrics_interval_s: float = 3.0
     master_lease_ttl_s: int = 3
     self_address: str = ""
+    max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S
 
     def __post_init__(self) -> None:
         try:
@@ -142,6 +163,11 @@ class RegistrySettings:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(field, f"must be a number > 0, got {value!r}")
+        low, high = MAX_LOAD_AGE_RANGE_S
+        age = self.max_load_age_s
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not low < age <= high:
+            raise ConfigError("max_load_age_s", f"must be a number in ({low:g}, {high:g}], "
+                                                f"got {age!r}")
         ttl = self.master_lease_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
             raise ConfigError("master_lease_ttl_s", f"must be an int >= 1, got {ttl!r}")
@@ -219,12 +245,12 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
                          dp_size=dp or 1, backend_type=backend, rpc_address=rpc)
 
 
-def parse_load(value: bytes) -> tuple[int, float]:
+def parse_load(value: bytes) -> "CheckedLoad":
     """Parse one ``XLLM:LOADMETRICS:<name>`` value (§9):
     ``{"waiting_requests_num": int, "gpu_cache_usage_perc": number}`` checked by
     :func:`check_load`.
 
-    :returns: ``(waiting_requests_num, gpu_cache_usage_perc as float)``.
+    :returns: the checked values (usage above 1 clamped, as for a heartbeat).
     :raises MalformedRegistration: not a JSON object, or a value :func:`check_load` refuses.
     """
     try:
@@ -241,28 +267,61 @@ def parse_load(value: bytes) -> tuple[int, float]:
 MAX_WAITING_REQUESTS = 2**31 - 1
 
 
-def check_load(waiting: object, usage: object, field_prefix: str = "") -> tuple[int, float]:
+@dataclass(frozen=True, slots=True)
+class CheckedLoad:
+    """A load report that passed :func:`check_load`.
+
+    :ivar waiting_requests_num: queued requests, in ``[0, MAX_WAITING_REQUESTS]``.
+    :ivar gpu_cache_usage_perc: Device usage, a fraction in [0, 1] (what routing uses).
+    :ivar reported_usage: the usage as reported, as a float: equal to
+        ``gpu_cache_usage_perc`` unless it was above 1 and clamped.
+    """
+
+    waiting_requests_num: int
+    gpu_cache_usage_perc: float
+    reported_usage: float
+
+    @property
+    def clamped(self) -> bool:
+        """True when the reported usage was above 1 and is used as 1.0."""
+        return self.reported_usage != self.gpu_cache_usage_perc
+
+
+def check_load(waiting: object, usage: object, field_prefix: str = "") -> CheckedLoad:
     """The one check of a load report (§9), for ``XLLM:LOADMETRICS`` values and heartbeats.
+
+    Usage above 1 is clamped, not refused: xllm-service's ``vllm_sidecar`` sums the per-engine
+    values of a multi-engine vLLM (1.3 for two engines at 65 %), and xllm-service accepts it.
+    Refusing it would leave the instance with no current load (not a candidate) although it
+    reports every few seconds that it is busy; as 1.0 it is "full" for the D score and still
+    routable. The caller counts and logs clamped reports (:attr:`CheckedLoad.clamped`).
 
     :param waiting: ``waiting_requests_num``: an int (not a bool) in
         ``[0, MAX_WAITING_REQUESTS]``.
-    :param usage: ``gpu_cache_usage_perc``: an int or float (not a bool) in ``[0, 1]``; NaN
-        fails the range.
+    :param usage: ``gpu_cache_usage_perc``: an int or float (not a bool), finite and >= 0;
+        above 1 it is used as 1.0. NaN, infinities, negatives and ints too large for a float
+        are refused.
     :param field_prefix: put before the field name in the message, e.g. ``"load_metrics."``
         for a heartbeat body.
-    :returns: ``(waiting, float(usage))``.
+    :returns: the checked values.
     :raises MalformedRegistration: ``"<prefix>waiting_requests_num: must be an integer in
-        [0, 2147483647]"`` or ``"<prefix>gpu_cache_usage_perc: must be a number in [0, 1]"``.
+        [0, 2147483647]"`` or ``"<prefix>gpu_cache_usage_perc: must be a finite number >= 0
+        (above 1 counts as 1)"``.
     """
     if (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0
             or waiting > MAX_WAITING_REQUESTS):
         raise MalformedRegistration(f"{field_prefix}waiting_requests_num: must be an integer "
                                     f"in [0, {MAX_WAITING_REQUESTS}]")
-    if isinstance(usage, bool) or not isinstance(usage, (int, float)) \
-            or not 0 <= usage <= 1:  # no float(): an int too large for one would raise
-        raise MalformedRegistration(f"{field_prefix}gpu_cache_usage_perc: must be a number "
-                                    "in [0, 1]")
-    return waiting, float(usage)
+    reported: Optional[float] = None
+    if not isinstance(usage, bool) and isinstance(usage, (int, float)):
+        try:
+            reported = float(usage)  # an int too large for a float raises
+        except OverflowError:
+            reported = None
+    if reported is None or not 0.0 <= reported < math.inf:  # NaN fails both comparisons
+        raise MalformedRegistration(f"{field_prefix}gpu_cache_usage_perc: must be a finite "
+                                    "number >= 0 (above 1 counts as 1)")
+    return CheckedLoad(waiting, min(reported, 1.0), reported)
 
 
 def instance_identity(instance: Any) -> str:

@@ -13,7 +13,9 @@ all three owned by :class:`Registry`, started by ``start()`` and stopped by ``cl
   reconnects nor resumes) and restarts the watch. On etcd errors it keeps the last view, marks
   the snapshot not ``fresh`` and retries with capped exponential backoff (0.1 s doubling up to
   ``relist_interval_s``). An unexpected error (a bug) is logged, marks the snapshot not fresh
-  and is retried the same way, so the thread never ends on its own.
+  and is retried the same way, so the thread never ends on its own. Its client and the
+  election's share one :class:`~kvsvc.cluster.etcd.EtcdReachability`: an outage is one
+  WARNING when it starts, a summary at most once a minute, one INFO when it ends.
 - **timer thread** ``kvsvc-registry-timer`` (owns its :class:`~kvsvc.cluster.probe.HealthProbe`):
   drives the §9 states. A deleted key (lease expired or deregistered) makes it
   probe ``http://<name>/health`` (short timeout, never on a request thread): success ->
@@ -25,6 +27,14 @@ all three owned by :class:`Registry`, started by ``start()`` and stopped by ``cl
   once when a key is deleted.
 - the election thread ``kvsvc-election`` of :class:`kvsvc.cluster.election.MasterElection`
   (master key, and the ``LOADMETRICS`` writes while master).
+
+Loads (§9, §11): an instance's load is the last accepted heartbeat or, on a replica that is
+not master, the last new ``XLLM:LOADMETRICS`` revision, dated when this process received it
+(``LoadMetrics.received_at``); the routing policies take it only while it is current
+(``max_load_age_s``). A refused heartbeat changes nothing, so a load the instance keeps
+contradicting ages out. When this replica becomes master it drops every load it read from etcd
+and uses only the heartbeats it accepts. A ``gpu_cache_usage_perc`` above 1 is used as 1.0,
+counted per instance (:meth:`Registry.load_clamped_counts`) and logged once per instance.
 
 Request threads only call :meth:`Registry.snapshot` (a lock-free read of an immutable reference)
 and :meth:`Registry.heartbeat` (a short critical section, no I/O).
@@ -56,8 +66,18 @@ from types import MappingProxyType
 from typing import Callable, Optional
 
 from kvsvc.cluster.election import MasterElection
-from kvsvc.cluster.etcd import PUT, EtcdClient, KeyValue, ListResult, WatchEvent, WatchHandle, drain
+from kvsvc.cluster.etcd import (
+    PUT,
+    EtcdClient,
+    EtcdReachability,
+    KeyValue,
+    ListResult,
+    WatchEvent,
+    WatchHandle,
+    drain,
+)
 from kvsvc.cluster.model import (
+    CheckedLoad,
     Instance,
     InstanceState,
     InstanceType,
@@ -72,6 +92,7 @@ from kvsvc.cluster.model import (
 from kvsvc.cluster.probe import HealthProbe
 from kvsvc.errors import (
     EtcdError,
+    EtcdUnavailable,
     InvalidHeartbeat,
     LifecycleError,
     MalformedRegistration,
@@ -95,6 +116,7 @@ class _Record:
     since: float                      # monotonic s when ``state`` was entered
     role: InstanceType
     load: Optional[LoadMetrics] = None
+    load_from_etcd: bool = False      # ``load`` is an XLLM:LOADMETRICS value, not a heartbeat
     last_heartbeat: Optional[float] = None
     probe_needed: bool = False        # key deleted while ACTIVE: the timer thread probes
 
@@ -108,6 +130,10 @@ _POLL_S = 0.1
 
 _TYPES_BY_NAME = {t.name: t for t in InstanceType}
 
+#: Where a load report came from (the ``source`` of :meth:`Registry.load_clamped_counts`).
+SOURCE_HEARTBEAT = "heartbeat"
+SOURCE_ETCD = "etcd"
+
 
 class Registry:
     """The in-process instance registry (§9). See the module docstring for threads and rules.
@@ -120,9 +146,12 @@ class Registry:
         self._prefix = settings.key_prefix + "XLLM:"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._etcd_thread = _EtcdThread(self, settings, self._prefix)
+        # One tracker for both etcd clients: one outage, one set of log lines.
+        self._reachability = EtcdReachability(settings.etcd_addr)
+        self._etcd_thread = _EtcdThread(self, settings, self._prefix, self._reachability)
         self._timer_thread = _TimerThread(self, settings)
-        self._election = MasterElection(settings, self.snapshot, self._on_master_change)
+        self._election = MasterElection(settings, self.snapshot, self._on_master_change,
+                                        self._reachability)
         self._started = False
         # Under _lock:
         self._view: dict[str, KeyValue] = {}          # instance keys as etcd holds them
@@ -131,6 +160,7 @@ class Registry:
         # key -> (revision, Registration or the MalformedRegistration it raised)
         self._parsed: dict[str, tuple[int, object]] = {}
         self._conflicts_logged: dict[str, tuple] = {}    # name -> keys+revisions logged
+        self._clamped: dict[tuple[str, str], int] = {}   # (name, source) -> clamped reports
         self._fresh = False
         self._last_list_ok = 0.0
         self._generation = 0
@@ -240,18 +270,23 @@ class Registry:
         :param incarnation_id: the sender's incarnation; None/empty is accepted (cannot be judged).
         :param waiting_requests_num: an int (not a bool) from 0 to
             :data:`~kvsvc.cluster.model.MAX_WAITING_REQUESTS` (2**31 - 1).
-        :param gpu_cache_usage_perc: an int or float (not a bool) in ``[0, 1]``.
+        :param gpu_cache_usage_perc: an int or float (not a bool), finite and >= 0; above 1 it
+            is recorded as 1.0, counted (:meth:`load_clamped_counts`) and logged once per
+            instance.
         :raises InvalidHeartbeat: a load value of the wrong type or out of range, checked
             by :func:`~kvsvc.cluster.model.check_load`; the message names the field
             (``load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]``,
-            ``load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]``).
+            ``load_metrics.gpu_cache_usage_perc: must be a finite number >= 0 (above 1
+            counts as 1)``). A refused heartbeat changes nothing: the last load keeps its
+            ``received_at`` and stops being current after ``max_load_age_s`` (§11).
         :raises UnknownInstance: no such instance in the registry.
         :raises StaleIncarnation: the registered instance has a different incarnation.
         """
         try:
-            waiting, usage = check_load(waiting_requests_num, gpu_cache_usage_perc,
-                                        field_prefix="load_metrics.")
+            checked = check_load(waiting_requests_num, gpu_cache_usage_perc,
+                                 field_prefix="load_metrics.")
         except MalformedRegistration as exc:
+            # Refused before the lock: the last load keeps its received_at and ages out.
             raise InvalidHeartbeat(str(exc)) from None
         now = time.monotonic()
         with self._lock:
@@ -261,14 +296,26 @@ class Registry:
             registered = rec.reg.incarnation_id
             if incarnation_id and registered and incarnation_id != registered:
                 raise StaleIncarnation(name, incarnation_id, registered)
-            rec.load = LoadMetrics(waiting, usage, now)
+            self._count_clamped(name, SOURCE_HEARTBEAT, checked)
+            rec.load = LoadMetrics(checked.waiting_requests_num, checked.gpu_cache_usage_perc,
+                                   now)
+            rec.load_from_etcd = False
             rec.last_heartbeat = now
             self._publish()
+
+    def load_clamped_counts(self) -> dict[tuple[str, str], int]:
+        """Load reports whose ``gpu_cache_usage_perc`` was above 1 and is used as 1.0
+        (:func:`~kvsvc.cluster.model.check_load`), per (instance, source), for the instances
+        currently in the registry; source :data:`SOURCE_HEARTBEAT` or :data:`SOURCE_ETCD`."""
+        with self._lock:
+            return dict(self._clamped)
 
     # -- internals shared by the threads (call with _lock held) ----------------------------
 
     def _publish(self) -> None:
         """Swap in a new snapshot built from the records and wake waiters (under _lock)."""
+        if self._clamped:   # forget the counts of removed instances
+            self._clamped = {k: v for k, v in self._clamped.items() if k[0] in self._records}
         self._generation += 1
         instances = {
             name: Instance(name=name, type=r.reg.type, role=r.role,
@@ -282,19 +329,44 @@ class Registry:
                                       generation=self._generation)
         self._changed.notify_all()
 
+    def _count_clamped(self, name: str, source: str, checked: CheckedLoad) -> None:
+        """Count a clamped report, logging the first one of each instance (under _lock)."""
+        if not checked.clamped:
+            return
+        key = (name, source)
+        if not any(k[0] == name for k in self._clamped):
+            log.warning("registry: %s reports gpu_cache_usage_perc %g (%s), above 1: used as "
+                        "1.0 (a sidecar summing several engines?); further ones only counted "
+                        "in kvsvc_load_clamped_total", name, checked.reported_usage, source)
+        self._clamped[key] = self._clamped.get(key, 0) + 1
+
     def _on_master_change(self, is_master: bool) -> None:
+        """The election's callback (its thread, after ``is_master`` changed). A new master
+        drops the loads it read from etcd (§11): they are the previous master's, which may be
+        dead and may have been refusing the very heartbeats that would have updated them. From
+        now on only heartbeats accepted here give loads (``_apply_load_kv`` ignores etcd's
+        while master)."""
         with self._lock:
+            if is_master:
+                dropped = [n for n, r in self._records.items() if r.load_from_etcd]
+                for name in dropped:
+                    rec = self._records[name]
+                    rec.load, rec.load_from_etcd = None, False
+                if dropped:
+                    log.info("registry: master now; dropped the loads of %d instances read "
+                             "from etcd (only heartbeats accepted here count)", len(dropped))
             self._publish()
 
-    def _set_fresh(self, fresh: bool, why: str) -> bool:
+    def _set_fresh(self, fresh: bool, why: str, level: int = logging.WARNING) -> bool:
+        """Set ``fresh``, logging a change at INFO (fresh) or ``level`` (not fresh)."""
         if fresh == self._fresh:
             return False
         self._fresh = fresh
         if fresh:
             log.info("registry: etcd %s listed, snapshot fresh", self._settings.etcd_addr)
         else:
-            log.warning("registry: snapshot not fresh (%s); keeping the last %d instances",
-                        why, len(self._records))
+            log.log(level, "registry: snapshot not fresh (%s); keeping the last %d instances",
+                    why, len(self._records))
         return True
 
     def _split_key(self, key: str) -> tuple[str, str]:
@@ -351,9 +423,11 @@ class Registry:
                     changed = True
                 continue
             if rec is None:
+                etcd_load = self._etcd_load(name)
                 self._records[name] = _Record(name=name, reg=reg, key_revision=kv.mod_revision,
                                               state=InstanceState.ACTIVE, since=now,
-                                              role=reg.type, load=self._etcd_load(name))
+                                              role=reg.type, load=etcd_load,
+                                              load_from_etcd=etcd_load is not None)
                 joined.append(name)
                 log.info("registry: %s joined as %s (incarnation %s, dp_size %d, backend %s)",
                          name, reg.type.name, reg.incarnation_id, reg.dp_size, reg.backend_type)
@@ -371,7 +445,7 @@ class Registry:
                          name, rec.reg.incarnation_id, reg.incarnation_id,
                          rec.reg.register_ts_ms, reg.register_ts_ms)
                 # The old process's load says nothing about the new one.
-                rec.load = None
+                rec.load, rec.load_from_etcd = None, False
                 rec.last_heartbeat = None
                 rec.role = reg.type
                 joined.append(name)
@@ -402,16 +476,22 @@ class Registry:
 
     def _apply_load_kv(self, name: str, kv: Optional[KeyValue], now: float) -> bool:
         """A LOADMETRICS key listed or watched (None: deleted). The master ignores them: it is
-        their writer and has the heartbeats themselves."""
+        their writer and has the heartbeats themselves.
+
+        A value is dated ``now`` when this process first sees its revision (a re-list of the
+        same revision does not make it younger) and ages by the §11 rule like a heartbeat; a
+        deleted key leaves the last value to age out."""
         if kv is None:
             self._etcd_loads.pop(name, None)
             return False
         old = self._etcd_loads.get(name)
         if old is not None and old[0] >= kv.mod_revision:
             return False
+        checked: Optional[CheckedLoad] = None
         try:
-            waiting, usage = parse_load(kv.value)
-            load: Optional[LoadMetrics] = LoadMetrics(waiting, usage, now)
+            checked = parse_load(kv.value)
+            load: Optional[LoadMetrics] = LoadMetrics(
+                checked.waiting_requests_num, checked.gpu_cache_usage_perc, now)
         except MalformedRegistration as exc:
             log.error("registry: malformed load %s (revision %d) ignored: %s", kv.key,
                       kv.mod_revision, exc)
@@ -420,7 +500,9 @@ class Registry:
         rec = self._records.get(name)
         if load is None or rec is None or self._election.is_master:
             return False
-        rec.load = load
+        assert checked is not None
+        self._count_clamped(name, SOURCE_ETCD, checked)
+        rec.load, rec.load_from_etcd = load, True
         return True
 
     def _assign_roles(self, joined: list[str]) -> bool:
@@ -455,10 +537,11 @@ class Registry:
 
     # -- what the etcd thread reports (it holds no lock when calling) --------------------
 
-    def _list_failed(self, why: str) -> None:
-        """A list failed (etcd error, or a bug while applying it): keep the view, not fresh."""
+    def _list_failed(self, why: str, level: int = logging.WARNING) -> None:
+        """A list failed (etcd error, or a bug while applying it): keep the view, not fresh.
+        ``level``: of the not-fresh line (INFO when the reachability tracker already warned)."""
         with self._lock:
-            if self._set_fresh(False, why):
+            if self._set_fresh(False, why, level):
                 self._publish()
 
     def _listed(self, listed: ListResult, now: float) -> None:
@@ -571,11 +654,13 @@ class _EtcdThread(BackgroundThread):
         (successful or not); :meth:`Registry.start` waits for it.
     """
 
-    def __init__(self, registry: Registry, settings: RegistrySettings, prefix: str) -> None:
+    def __init__(self, registry: Registry, settings: RegistrySettings, prefix: str,
+                 reachability: EtcdReachability) -> None:
         super().__init__("kvsvc-registry-etcd")
         self._registry = registry
         self._settings = settings
         self._prefix = prefix
+        self._reachability = reachability
         self.first_list_attempted = threading.Event()
         # This thread only (the watch's etcd3gw thread only puts into the queue):
         self._client: Optional[EtcdClient] = None
@@ -586,7 +671,8 @@ class _EtcdThread(BackgroundThread):
     def _setup(self) -> None:
         s = self._settings
         self.first_list_attempted.clear()
-        self._client = EtcdClient(s.etcd_addr, timeout_s=max(0.5, min(2.0, s.relist_interval_s)))
+        self._client = EtcdClient(s.etcd_addr, timeout_s=max(0.5, min(2.0, s.relist_interval_s)),
+                                  reachability=self._reachability)
 
     def _wake(self) -> None:
         self._events.put((-1, None))
@@ -603,7 +689,9 @@ class _EtcdThread(BackgroundThread):
                 try:
                     listed = client.list_prefix(prefix)
                 except EtcdError as exc:
-                    registry._list_failed(f"etcd: {exc}")
+                    # Unreachable: the shared reachability tracker has warned already.
+                    registry._list_failed(f"etcd: {exc}", logging.INFO
+                                          if isinstance(exc, EtcdUnavailable) else logging.WARNING)
                     self.first_list_attempted.set()
                     self._sleep(backoff)
                     backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
@@ -621,7 +709,8 @@ class _EtcdThread(BackgroundThread):
                 try:
                     self._watch = client.watch_prefix(prefix, listed.revision + 1, on_event)
                 except EtcdError as exc:
-                    log.warning("registry: watch not started (re-listing instead): %s", exc)
+                    log.log(logging.DEBUG if isinstance(exc, EtcdUnavailable) else logging.WARNING,
+                            "registry: watch not started (re-listing instead): %s", exc)
                 deadline = now + s.relist_interval_s
                 while not self.stopping:
                     remaining = deadline - time.monotonic()

@@ -25,7 +25,7 @@ from kvsvc.errors import Unauthorized
 from kvsvc.http.body import read_body
 from kvsvc.http.extensions import service
 from kvsvc.http.internal import HEARTBEAT_PATH, INTERNAL_PREFIX
-from kvsvc.http.metrics import METRICS_PATH, metrics
+from kvsvc.http.metrics import METRICS_PATH, HeartbeatOutcome, metrics
 
 TOKEN_HEADER = "X-Internal-Token"
 #: Longest claimed name shown in the log; a longer (or non-printable) one is not shown.
@@ -51,7 +51,7 @@ def check_internal_token() -> None:
     if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                                 expected.encode("utf-8")):
         if path == HEARTBEAT_PATH:
-            metrics().heartbeats.labels("unauthorized").inc()
+            metrics().heartbeats.labels(HeartbeatOutcome.UNAUTHORIZED).inc()
             name = _claimed_name()
             service().heartbeat_rejections.rejected(
                 name or unidentified_sender(request.remote_addr),

@@ -156,6 +156,9 @@ def _ready() -> tuple[flask.Response, int]:
             "instances": len(snap.instances), "listed_once": listed_at is not None,
             "routing_on_last_snapshot": not snap.fresh and listed_at is not None,
             "stale_for_s": stale_for}
+        # ``not_candidates``: registered instances the router does not route to now, with
+        # why (instance -> reason; the router's own rule, §11).
+        body["not_candidates"] = svc.router.not_candidates()
     if svc.discovery is not None and directory is not None:
         body["discovery"] = {"excluded": dict(svc.discovery.excluded())}
         for entry, st in zip(streams, statuses):

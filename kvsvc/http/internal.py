@@ -53,7 +53,7 @@ from kvsvc.http.body import (
     read_query_body,
 )
 from kvsvc.http.extensions import router, service
-from kvsvc.http.metrics import metrics
+from kvsvc.http.metrics import HeartbeatOutcome, metrics
 
 INTERNAL_PREFIX = "/v1/internal/"
 QUERY_PATH = "/v1/internal/kv-cache/query"
@@ -93,20 +93,20 @@ def _heartbeat() -> flask.Response:
     try:
         hb = parse_heartbeat(read_body())
     except BadRequest:
-        counter.labels("malformed").inc()
+        counter.labels(HeartbeatOutcome.MALFORMED).inc()
         raise
     if svc.registry is None:
-        counter.labels("no_registry").inc()
+        counter.labels(HeartbeatOutcome.NO_REGISTRY).inc()
         raise NoRegistry("no instance registry configured (--etcd_addr is empty)")
     try:
         # The registry's check_load judges the values (InvalidHeartbeat otherwise).
         svc.registry.heartbeat(hb.name, hb.incarnation_id, cast(int, hb.waiting_requests_num),
                                hb.gpu_cache_usage_perc)
     except InvalidHeartbeat:
-        counter.labels("invalid_load").inc()
+        counter.labels(HeartbeatOutcome.INVALID_LOAD).inc()
         raise
     except UnknownInstance:
-        counter.labels("unknown_instance").inc()
+        counter.labels(HeartbeatOutcome.UNKNOWN_INSTANCE).inc()
         namespace = svc.settings.etcd_namespace
         svc.heartbeat_rejections.rejected(
             hb.name, RejectionReason.UNKNOWN_INSTANCE,
@@ -114,12 +114,12 @@ def _heartbeat() -> flask.Response:
                     else "this kvsvc reads no --etcd_namespace"))
         raise
     except StaleIncarnation as exc:
-        counter.labels("stale_incarnation").inc()
+        counter.labels(HeartbeatOutcome.STALE_INCARNATION).inc()
         svc.heartbeat_rejections.rejected(
             hb.name, RejectionReason.STALE_INCARNATION,
             detail=f"incarnation {exc.got!r}, registered {exc.registered!r}")
         raise
-    counter.labels("ok").inc()
+    counter.labels(HeartbeatOutcome.OK).inc()
     svc.heartbeat_rejections.accepted(hb.name)
     return flask.jsonify(ok=True)
 

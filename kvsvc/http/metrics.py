@@ -32,6 +32,7 @@ never a token or a prompt.
 
 from __future__ import annotations
 
+import enum
 import logging
 import platform
 import time
@@ -67,9 +68,21 @@ from kvsvc.streams.state import StreamState
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
-#: Outcomes of ``POST /v1/internal/heartbeat`` (kvsvc_heartbeats_total).
-HEARTBEAT_OUTCOMES = ("ok", "malformed", "invalid_load", "unknown_instance",
-                      "stale_incarnation", "no_registry", "unauthorized")
+class HeartbeatOutcome(enum.StrEnum):
+    """Outcomes of ``POST /v1/internal/heartbeat``: the ``outcome`` label of
+    ``kvsvc_heartbeats_total`` (§9), declared once."""
+
+    OK = "ok"
+    MALFORMED = "malformed"
+    INVALID_LOAD = "invalid_load"
+    UNKNOWN_INSTANCE = "unknown_instance"
+    STALE_INCARNATION = "stale_incarnation"
+    NO_REGISTRY = "no_registry"
+    UNAUTHORIZED = "unauthorized"
+
+
+#: Every heartbeat outcome label, in declaration order.
+HEARTBEAT_OUTCOMES = tuple(o.value for o in HeartbeatOutcome)
 #: Latency buckets of the query and route endpoints, seconds (100 us .. 1 s).
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 1.0)
@@ -431,7 +444,13 @@ class ServiceCollector(Collector):
                 load_age.add_metric((name,), max(0.0, now - inst.load.received_at))
                 waiting.add_metric((name,), float(inst.load.waiting_requests_num))
                 usage.add_metric((name,), inst.load.gpu_cache_usage_perc)
-        return fresh, master, state, load_age, waiting, usage
+        clamped = CounterMetricFamily(
+            "kvsvc_load_clamped",
+            "Load reports whose gpu_cache_usage_perc was above 1, used as 1.0, by instance and "
+            "source (heartbeat or etcd).", labels=("instance", "source"))
+        for (name, source), count in sorted(registry.load_clamped_counts().items()):
+            clamped.add_metric((name, source), float(count))
+        return fresh, master, state, load_age, waiting, usage, clamped
 
     @staticmethod
     def _discovery(svc: Service) -> Iterable[Metric]:

@@ -13,11 +13,16 @@ Two implementations of :class:`Policy`:
   (1 - lambda) * queue_cost`` and lowest ``score(D) = gpu_cache_usage_perc + waiting / max
   waiting``; scores within :data:`TIE_EPSILON` of the minimum rotate round robin among the tied.
 
-Candidates (§11, both policies): schedulable (not ``SUSPECT``) instances with a load report.
-P side: ``role`` DEFAULT or PREFILL (a MIX instance's role is PREFILL or DECODE, see
-:mod:`kvsvc.cluster.registry`); D side: ``role`` DECODE. When the D side is empty only DEFAULT
-instances may serve (alone); when it is not, the P is chosen among the whole P side and paired
-with a D (the reading of "only DEFAULT may serve alone when there is no D" kept here).
+Candidates (§11, both policies, :func:`candidate_pools`): schedulable (not ``SUSPECT``)
+instances with a current load report: received by this process at most ``max_load_age_s``
+seconds before the request (:meth:`~kvsvc.cluster.model.LoadMetrics.is_current`; the time is
+passed in, so a policy stays a pure function). P side: ``role`` DEFAULT or PREFILL (a MIX
+instance's role is PREFILL or DECODE, see :mod:`kvsvc.cluster.registry`); D side: ``role``
+DECODE. When the D side is empty only DEFAULT instances may serve (alone); when it is not, the
+P is chosen among the whole P side and paired with a D (the reading of "only DEFAULT may serve
+alone when there is no D" kept here). Every registered instance that is not a candidate is
+listed with why (:attr:`CandidatePools.excluded`, ``excluded`` of a decision, ``/ready``'s
+``not_candidates``).
 
 The router's own load: every policy takes this worker's requests in flight
 (:class:`~kvsvc.routing.in_flight.InFlightSnapshot`); CAR's ``waiting`` of a candidate is
@@ -25,15 +30,16 @@ The router's own load: every policy takes this worker's requests in flight
 §11 exactly), RR only shows the counts.
 
 Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-of-range
-``lambda``/``host_weight``; choosing never raises (no candidate gives a :class:`Decision` with
-``prefill=None``).
+``lambda``/``host_weight``/``max_load_age_s``; choosing never raises (no candidate gives a
+:class:`Decision` with ``prefill=None``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping, Optional, Protocol, Sequence
 
 from kvsvc.cluster.model import (
@@ -44,7 +50,14 @@ from kvsvc.cluster.model import (
     instance_identity,
 )
 from kvsvc.errors import ConfigError
-from kvsvc.settings import CAR_WEIGHT_RANGE, POLICY_NAMES, UNSUPPORTED_POLICIES
+from kvsvc.settings import (
+    CAR_WEIGHT_RANGE,
+    DEFAULT_MAX_LOAD_AGE_S,
+    MAX_LOAD_AGE_RANGE_S,
+    POLICY_NAMES,
+    PolicyName,
+    UNSUPPORTED_POLICIES,
+)
 from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot, waiting_estimate
 from kvsvc.streams.state import StreamId, StreamMatch
 
@@ -145,6 +158,8 @@ class Decision:
         retries on the next one when the first refuses (§11 leaves the order to the policy).
     :ivar input_tokens: tokens the hit ratios were computed for (0 when unknown).
     :ivar reason: why ``prefill`` is ``None`` (empty otherwise).
+    :ivar excluded: every registered instance that was not a candidate -> why
+        (:attr:`CandidatePools.excluded`).
     """
 
     policy: str
@@ -154,15 +169,18 @@ class Decision:
     prefill_ranking: tuple[Instance, ...]
     input_tokens: int
     reason: str = ""
+    excluded: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict:
-        """JSON object of the decision (``POST /v1/internal/route``)."""
+        """JSON object of the decision (``POST /v1/internal/route``); ``excluded`` is an
+        object ``{"host:port": "reason"}``."""
         return {"policy": self.policy,
                 "prefill": self.prefill.name if self.prefill is not None else None,
                 "decode": self.decode.name if self.decode is not None else None,
                 "input_tokens": self.input_tokens,
                 "candidates": [c.to_json() for c in self.candidates],
-                "reason": self.reason or None}
+                "reason": self.reason or None,
+                "excluded": dict(self.excluded)}
 
 
 #: Stream id -> the identity the stream was added for (``None``: static stream, not checked).
@@ -171,14 +189,19 @@ Identities = Mapping[StreamId, Optional[str]]
 
 class Policy(Protocol):
     """A routing policy (§11). Implementations are thread-safe: request threads call
-    :meth:`choose` concurrently."""
+    :meth:`choose` concurrently.
+
+    :ivar name: ``RR`` or ``CAR``.
+    :ivar max_load_age_s: ``--max_load_age_s``: the candidates' age limit (seconds).
+    """
 
     name: str
+    max_load_age_s: float
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
                identities: Optional[Identities] = None,
-               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT, *, now: float) -> Decision:
         """Pick P and D for one request.
 
         :param token_ids: the prompt's token ids; ``None`` when unknown (no tokenizer), which
@@ -192,6 +215,9 @@ class Policy(Protocol):
         :param in_flight: this worker's requests in flight
             (:meth:`~kvsvc.routing.in_flight.InFlight.snapshot`); CAR
             adds those dispatched after each load report to ``waiting``.
+        :param now: ``time.monotonic()`` seconds of the request: a load report received more
+            than ``max_load_age_s`` before it does not make a candidate (passed in, so the
+            choice is a pure function of its arguments).
         """
         ...
 
@@ -199,39 +225,107 @@ class Policy(Protocol):
 # -- candidate selection (shared) ----------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class _Pools:
-    """Eligible instances of one request, each pool in name order."""
+class CandidatePools:
+    """The candidates of one request (§11), each pool in name order.
+
+    :ivar prefill: the P side (DEFAULT alone when the D side is empty).
+    :ivar decode: the D side.
+    :ivar reason: why there is no P (empty otherwise).
+    :ivar excluded: every instance of the snapshot that is in neither pool -> why, e.g.
+        ``"SUSPECT"``, ``"no load report yet"``, ``"load report 12.3 s old (max_load_age_s
+        10)"``, ``"role PREFILL: no decode instance to pair with"``.
+    """
 
     prefill: tuple[Instance, ...]
     decode: tuple[Instance, ...]
     reason: str
+    excluded: Mapping[str, str]
 
 
-def _schedulable(inst: Instance) -> bool:
-    # §11: not SUSPECT and a valid load report (the registry only keeps valid ones).
-    return inst.state is not InstanceState.SUSPECT and inst.load is not None
+#: :attr:`CandidatePools.excluded` reasons (the age one is built by :func:`not_schedulable`).
+EXCLUDED_SUSPECT = "SUSPECT"
+EXCLUDED_NO_LOAD = "no load report yet"
+EXCLUDED_NO_DECODE = "no decode instance to pair with (only DEFAULT serves alone)"
+EXCLUDED_NO_PREFILL = "no prefill instance to pair with"
 
 
-def candidate_pools(snapshot: RegistrySnapshot) -> _Pools:
-    """Split the snapshot's candidates into P and D pools (§11), each in name order.
+def check_max_load_age(value: float) -> float:
+    """``max_load_age_s`` as a float, checked against the settings table's range.
 
-    P side: role DEFAULT or PREFILL; D side: role DECODE. With an empty D side only DEFAULT
-    instances remain on the P side (they serve alone).
+    :raises ConfigError: (field ``max_load_age_s``) not a number in ``(0, 3600]``.
     """
-    usable = [snapshot.instances[n] for n in sorted(snapshot.instances)
-              if _schedulable(snapshot.instances[n])]
+    low, high = MAX_LOAD_AGE_RANGE_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise ConfigError("max_load_age_s", f"must be a number in ({low:g}, {high:g}], "
+                                            f"got {value!r}")
+    return float(value)
+
+
+def not_schedulable(inst: Instance, now: float, max_load_age_s: float) -> Optional[str]:
+    """Why ``inst`` cannot be a candidate whatever its side (§11), or None when it can:
+    ``SUSPECT``, no load report, or a report that is not current at ``now``
+    (:meth:`~kvsvc.cluster.model.LoadMetrics.is_current`).
+
+    :param now: ``time.monotonic()`` seconds.
+    :param max_load_age_s: seconds, > 0.
+    """
+    if inst.state is InstanceState.SUSPECT:
+        return EXCLUDED_SUSPECT
+    load = inst.load
+    if load is None:   # the registry keeps only valid reports
+        return EXCLUDED_NO_LOAD
+    if not load.is_current(now, max_load_age_s):
+        return (f"load report {load.age_s(now):.1f} s old "
+                f"(max_load_age_s {max_load_age_s:g})")
+    return None
+
+
+def candidate_pools(snapshot: RegistrySnapshot, now: float,
+                    max_load_age_s: float) -> CandidatePools:
+    """Split the snapshot's candidates into P and D pools (§11), each in name order, and say
+    why every other instance is not one. The one rule of routing and of ``/ready``.
+
+    P side: role DEFAULT or PREFILL; D side: role DECODE; both: :func:`not_schedulable` is
+    None. With an empty D side only DEFAULT instances remain on the P side (they serve alone;
+    the others are excluded, :data:`EXCLUDED_NO_DECODE`); with an empty P side the D side
+    cannot serve (:data:`EXCLUDED_NO_PREFILL`).
+
+    :param snapshot: the registry's snapshot.
+    :param now: ``time.monotonic()`` seconds of the request.
+    :param max_load_age_s: ``--max_load_age_s``, seconds.
+    """
+    excluded: dict[str, str] = {}
+    usable: list[Instance] = []
+    for name in sorted(snapshot.instances):
+        inst = snapshot.instances[name]
+        why = not_schedulable(inst, now, max_load_age_s)
+        if why is None:
+            usable.append(inst)
+        else:
+            excluded[name] = why
     prefill = [i for i in usable if i.role in (InstanceType.DEFAULT, InstanceType.PREFILL)]
     decode = tuple(i for i in usable if i.role is InstanceType.DECODE)
+
+    def pools(p: Sequence[Instance], d: tuple[Instance, ...], reason: str) -> CandidatePools:
+        chosen = {i.name for i in p} | {i.name for i in d}
+        for inst in usable:
+            if inst.name not in chosen:
+                why = EXCLUDED_NO_DECODE if inst.role is not InstanceType.DECODE else \
+                    EXCLUDED_NO_PREFILL
+                excluded[inst.name] = f"role {inst.role.name}: {why}"
+        return CandidatePools(tuple(p), d, reason,
+                              MappingProxyType(dict(sorted(excluded.items()))))
+
     if not decode:
         alone = tuple(i for i in prefill if i.type is InstanceType.DEFAULT)
         if alone:
-            return _Pools(alone, (), "")
-        reason = ("no schedulable instance with a load report" if not usable else
+            return pools(alone, (), "")
+        reason = ("no schedulable instance with a current load report" if not usable else
                   "no decode instance and no DEFAULT instance to serve alone")
-        return _Pools((), (), reason)
+        return pools((), (), reason)
     if not prefill:
-        return _Pools((), decode, "no schedulable prefill instance")
-    return _Pools(tuple(prefill), decode, "")
+        return pools((), (), "no schedulable prefill instance")
+    return pools(prefill, decode, "")
 
 
 def _rotate(counter: list[int], lock: threading.Lock, n: int) -> int:
@@ -249,24 +343,29 @@ class RoundRobin:
     (xllm-service's round robin; a change of the candidate set keeps the counter).
 
     No hit ratios are computed; the candidates carry ``None`` scores.
+
+    :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
+    :raises ConfigError: ``max_load_age_s`` out of range.
     """
 
-    name = "RR"
+    name = PolicyName.RR.value
 
-    def __init__(self) -> None:
+    def __init__(self, max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
+        self.max_load_age_s = check_max_load_age(max_load_age_s)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
                identities: Optional[Identities] = None,
-               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT, *, now: float) -> Decision:
         """See :meth:`Policy.choose`; ``token_ids``, ``matches`` and ``identities`` are
         ignored, ``in_flight`` is only shown in the candidates."""
-        pools = candidate_pools(snapshot)
+        pools = candidate_pools(snapshot, now, self.max_load_age_s)
         n_tokens = len(token_ids) if token_ids is not None else 0
         if not pools.prefill:
-            return Decision(self.name, None, None, (), (), n_tokens, pools.reason)
+            return Decision(self.name, None, None, (), (), n_tokens, pools.reason,
+                            pools.excluded)
         start = _rotate(self._counters[PREFILL_SIDE], self._lock, len(pools.prefill))
         ranking = pools.prefill[start:] + pools.prefill[:start]
         decode = None
@@ -277,7 +376,8 @@ class RoundRobin:
             decode = d_ranking[0]
         cands = tuple(_plain(i, PREFILL_SIDE, in_flight) for i in ranking) + tuple(
             _plain(i, DECODE_SIDE, in_flight) for i in d_ranking)
-        return Decision(self.name, ranking[0], decode, cands, ranking, n_tokens)
+        return Decision(self.name, ranking[0], decode, cands, ranking, n_tokens,
+                        excluded=pools.excluded)
 
 
 def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateScore:
@@ -350,27 +450,31 @@ class CacheAware:
 
     :param prefill_lambda: ``--car_prefill_lambda``, in [0, 1] (1: cache only, 0: queue only).
     :param host_hit_weight: ``--car_host_hit_weight``, weight of Host-only hit tokens, [0, 1].
-    :raises ConfigError: a parameter outside [0, 1].
+    :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
+    :raises ConfigError: a CAR weight outside [0, 1], ``max_load_age_s`` out of range.
     """
 
-    name = "CAR"
+    name = PolicyName.CAR.value
 
-    def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5) -> None:
+    def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
+                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
         self.prefill_lambda = _check_unit("car_prefill_lambda", prefill_lambda)
         self.host_hit_weight = _check_unit("car_host_hit_weight", host_hit_weight)
+        self.max_load_age_s = check_max_load_age(max_load_age_s)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
                identities: Optional[Identities] = None,
-               in_flight: InFlightSnapshot = NO_IN_FLIGHT) -> Decision:
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT, *, now: float) -> Decision:
         """See :meth:`Policy.choose`. ``waiting`` in both queue terms is
         :func:`waiting_estimate` (the reported value when nothing is in flight)."""
-        pools = candidate_pools(snapshot)
+        pools = candidate_pools(snapshot, now, self.max_load_age_s)
         n_tokens = len(token_ids) if token_ids is not None else 0
         if not pools.prefill:
-            return Decision(self.name, None, None, (), (), n_tokens, pools.reason)
+            return Decision(self.name, None, None, (), (), n_tokens, pools.reason,
+                            pools.excluded)
         by_stream = (None if matches is None else
                      {(m.instance_name, m.dp_rank): m for m in matches})
         lam = self.prefill_lambda
@@ -406,7 +510,8 @@ class CacheAware:
                                             in_flight.total(inst.name),
                                             in_flight.after(inst.name, inst.load.received_at)))
             decode = pools.decode[d_order[0]]
-        return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens)
+        return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens,
+                        excluded=pools.excluded)
 
     def _pick(self, scores: list[float], side: str) -> tuple[list[int], set[int]]:
         """Order candidate indexes best first: the chosen tie member, then the rest by
@@ -436,23 +541,26 @@ def _queue_costs(pool: Sequence[Instance], in_flight: InFlightSnapshot) -> list[
     return [w / top for w in waits]
 
 
-def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5) -> Policy:
+def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
+                max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> Policy:
     """The policy selected by ``--load_balance_policy`` (xllm-service's names).
 
     :param name: ``RR`` or ``CAR`` (``SLO_AWARE`` is refused with its own message).
     :param prefill_lambda: ``--car_prefill_lambda``, CAR only.
     :param host_hit_weight: ``--car_host_hit_weight``, CAR only.
+    :param max_load_age_s: ``--max_load_age_s``, both policies.
     :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
     """
     if name in UNSUPPORTED_POLICIES:
         raise ConfigError("--load_balance_policy", UNSUPPORTED_POLICIES[name])
-    if name == "RR":
-        log.info("routing policy RR")
-        return RoundRobin()
-    if name == "CAR":
-        policy = CacheAware(prefill_lambda, host_hit_weight)
-        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f)",
-                 policy.prefill_lambda, policy.host_hit_weight)
+    if name == PolicyName.RR:
+        rr = RoundRobin(max_load_age_s)
+        log.info("routing policy RR (max load age %g s)", rr.max_load_age_s)
+        return rr
+    if name == PolicyName.CAR:
+        policy = CacheAware(prefill_lambda, host_hit_weight, max_load_age_s)
+        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f, max load age %g s)",
+                 policy.prefill_lambda, policy.host_hit_weight, policy.max_load_age_s)
         # CAR without a KV index is warned about by the service once, at start (it is built
         # twice under `serve`: to validate, then in the worker).
         return policy

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Optional, Protocol, Sequence
@@ -29,7 +30,7 @@ from typing import Any, Optional, Protocol, Sequence
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate
 from kvsvc.routing.in_flight import InFlight
-from kvsvc.routing.policy import Decision, Policy
+from kvsvc.routing.policy import Decision, Policy, candidate_pools
 from kvsvc.routing.prompt import TokenSource
 from kvsvc.routing.proxy import Proxy, UpstreamReply, upstream_headers
 from kvsvc.streams.state import StreamId, StreamMatch
@@ -120,12 +121,22 @@ class Router:
         """
         snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
         in_flight = self.in_flight.snapshot()
+        now = time.monotonic()   # load ages are judged at this instant (§11)
         directory = self._directory
         if directory is None:
-            return self.policy.choose(token_ids, snapshot, None, None, in_flight)
+            return self.policy.choose(token_ids, snapshot, None, None, in_flight, now=now)
         identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
         matches = directory.query(token_ids if token_ids is not None else [])
-        return self.policy.choose(token_ids, snapshot, matches, identities, in_flight)
+        return self.policy.choose(token_ids, snapshot, matches, identities, in_flight, now=now)
+
+    def not_candidates(self) -> dict[str, str]:
+        """Every registered instance that is not a candidate now -> why (§11), by the rule
+        :meth:`decide` uses (:func:`~kvsvc.routing.policy.candidate_pools`); ``{}`` without a
+        registry."""
+        if self._registry is None:
+            return {}
+        return dict(candidate_pools(self._registry.snapshot(), time.monotonic(),
+                                    self.policy.max_load_age_s).excluded)
 
     def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
                 client_headers: Sequence[tuple[str, str]]) -> Routed:

@@ -12,6 +12,7 @@ next. It holds no socket, starts no thread and never reads the clock: every inpu
 ``on_live_opened()``                           the live ``SUB`` was (re)created: not connected
 ``on_live_up(now)``                            its handshake succeeded (the subscription is out)
 ``on_live_down(reason, now)``                  its monitor reported a disconnect
+``on_snapshot_opened(id, now)``                attempt ``id`` was opened (its request is out)
 ``on_snapshot_complete(id, result, ...)``      the end marker of attempt ``id`` arrived (§7)
 ``on_snapshot_failed(id, exc, now)``           attempt ``id`` failed (timeout, malformed, ...)
 ``on_internal_error(name, now)``               a bug-class exception escaped a turn
@@ -19,8 +20,10 @@ next. It holds no socket, starts no thread and never reads the clock: every inpu
 =============================================  ==============================================
 
 Each returns a tuple of actions for the owner to carry out, in order: :class:`RequestSnapshot`
-(open attempt ``id`` with ``start_seq``; ``urgent`` for a recovery, not for a periodic resync)
-and :class:`AbandonSnapshot` (close attempt ``id``); usually the empty tuple
+(open attempt ``id`` with ``start_seq``; ``urgent`` for a recovery, not for a periodic resync;
+the owner reports ``on_snapshot_opened`` once the attempt is open, or ``on_snapshot_failed``
+when it cannot be opened) and :class:`AbandonSnapshot` (close attempt ``id``); usually the
+empty tuple
 :data:`NO_ACTIONS`, which is what one in-order live batch costs. :meth:`SnapshotRecovery.wakeup_at`
 says when the next :meth:`~SnapshotRecovery.tick` is due. The serving side effects (apply a
 batch, swap in an index, invalidate with a reason, count a recovery with its trigger label) are
@@ -29,7 +32,7 @@ memory under one lock: the index is discarded under the same lock hold that saw 
 
 States (§6)::
 
-    UNSYNCHRONIZED --attempt starts--> RECOVERING --snapshot + buffered tail--> SYNCHRONIZED
+    UNSYNCHRONIZED --attempt opened--> RECOVERING --snapshot + buffered tail--> SYNCHRONIZED
           ^    ^--------attempt fails, backoff----------'                            |
           '-------- seq error, decode/index error, disconnect (index discarded) -----'
 
@@ -125,8 +128,10 @@ LIVE_WAIT = "; the snapshot is requested once the live channel "
 
 @dataclass(frozen=True, slots=True)
 class RequestSnapshot:
-    """Action: open snapshot attempt ``attempt`` (§7) asking from ``start_seq``; report its end
-    with :meth:`SnapshotRecovery.on_snapshot_complete` / ``on_snapshot_failed``.
+    """Action: open snapshot attempt ``attempt`` (§7) asking from ``start_seq``; report that it
+    is open with :meth:`SnapshotRecovery.on_snapshot_opened` (or that it could not be opened
+    with ``on_snapshot_failed``), then its end with ``on_snapshot_complete`` /
+    ``on_snapshot_failed``.
 
     :param attempt: the attempt's id (increasing per machine).
     :param start_seq: last applied seq + 1 for a resync, else 0 (§7).
@@ -220,42 +225,78 @@ def record_bytes(batch: Batch, wire_bytes: int) -> int:
 
 class RecoveryRules(Protocol):
     """What the stream thread drives: one rule set per replay mode (§7 snapshot; §7h history
-    next). Every input takes ``now`` (monotonic seconds) where time matters and returns the
-    actions to carry out in order; see :class:`SnapshotRecovery` for the rules of each."""
+    next). Every input is called on the stream thread only, takes ``now`` (monotonic seconds)
+    where time matters and returns the actions to carry out in order (:data:`NO_ACTIONS` when
+    there are none; the hot path, an in-order live batch, returns that very tuple). The
+    serving side effects go to the :class:`~kvsvc.streams.serving.ServingState` the rule set
+    was built with. See :class:`SnapshotRecovery` for the snapshot-mode rules of each input.
+    """
 
     @property
-    def buffered_bytes(self) -> int: ...
+    def buffered_bytes(self) -> int:
+        """Buffer accounting (bytes, §6) of the attempt in flight; 0 without one (metrics)."""
 
     @property
-    def attempt(self) -> Optional[int]: ...
+    def attempt(self) -> Optional[int]:
+        """Id of the attempt in flight (requested, not yet ended or abandoned), else ``None``."""
 
-    def view(self) -> "RecoveryView": ...
+    def view(self) -> "RecoveryView":
+        """A copy of the bookkeeping; may be called off the stream thread (racy: tests, debug)."""
 
-    def wakeup_at(self) -> Optional[float]: ...
+    def wakeup_at(self) -> Optional[float]:
+        """Called before each poll: monotonic seconds when :meth:`tick` is next due, ``None``
+        for nothing scheduled (the owner bounds its own waits: attempt deadline, reopen)."""
 
-    def start(self, now: float) -> tuple[Action, ...]: ...
+    def start(self, now: float) -> tuple[Action, ...]:
+        """Called once when the thread runs, after :meth:`on_live_opened`: counts the ``start``
+        recovery and makes a snapshot due; may return requests only once the live channel is up."""
 
-    def tick(self, now: float) -> tuple[Action, ...]: ...
+    def tick(self, now: float) -> tuple[Action, ...]:
+        """Called at every loop turn: runs the timers (due attempts, checks); may return
+        requests and abandons."""
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
-                      now: float) -> tuple[Action, ...]: ...
+                      now: float) -> tuple[Action, ...]:
+        """Called per live message with the exact topic that framed (§1) and decoded (§2);
+        ``wire_bytes`` is its size on the wire; may return any actions."""
 
     def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
-                      now: float) -> tuple[Action, ...]: ...
+                      now: float) -> tuple[Action, ...]:
+        """Called per live message with the exact topic that failed framing (``seq`` ``None``)
+        or decoding; ``text`` is the error for ``/ready``; may return any actions."""
 
-    def on_live_opened(self) -> tuple[Action, ...]: ...
+    def on_live_opened(self) -> tuple[Action, ...]:
+        """Called when the live ``SUB`` was (re)created, before it is connected; returns no
+        request (nothing may be requested until :meth:`on_live_up`)."""
 
-    def on_live_up(self, now: float) -> tuple[Action, ...]: ...
+    def on_live_up(self, now: float) -> tuple[Action, ...]:
+        """Called when the live ``SUB``'s handshake succeeded (its subscription is out); may
+        make a snapshot due, which the next :meth:`tick` requests."""
 
-    def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]: ...
+    def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]:
+        """Called when the live ``SUB``'s monitor reported a disconnect, ``reason`` the error
+        text; may return an abandon, never a request (the channel is down)."""
+
+    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[Action, ...]:
+        """Called once the owner opened the attempt of a :class:`RequestSnapshot` (not called
+        when opening raised: that is :meth:`on_snapshot_failed`); a stale id is ignored;
+        returns :data:`NO_ACTIONS` in snapshot mode."""
 
     def on_snapshot_failed(self, attempt: int, exc: StreamError,
-                           now: float) -> tuple[Action, ...]: ...
+                           now: float) -> tuple[Action, ...]:
+        """Called when attempt ``attempt`` could not be opened, timed out or got a malformed
+        reply; a stale id is ignored; may return an abandon of it (a no-op for the owner when it
+        never opened), never a request (the retry comes after the backoff, through :meth:`tick`)."""
 
     def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
-                             requested_at: Optional[float], now: float) -> tuple[Action, ...]: ...
+                             requested_at: Optional[float], now: float) -> tuple[Action, ...]:
+        """Called when attempt ``attempt``'s end marker arrived, after the owner drained the
+        live messages already queued; ``requested_at`` is when its request was sent (monotonic
+        s, ``None``: unknown); a stale id is ignored; may return abandons and a request."""
 
-    def on_internal_error(self, error_name: str, now: float) -> tuple[Action, ...]: ...
+    def on_internal_error(self, error_name: str, now: float) -> tuple[Action, ...]:
+        """Called when a bug-class exception (``error_name``, its class name) escaped a turn;
+        may return an abandon; the recovery comes later through :meth:`tick`."""
 
 
 class RecoveryTimers:
@@ -323,6 +364,8 @@ class SnapshotRecovery:
         self._silence: Optional[SilenceCheck] = None
         self._awaiting_live = False              # silent channel: recover on the next batch
         self._attempt: Optional[int] = None      # id of the attempt in flight
+        # The request of the attempt in flight while its owner has not reported it open yet.
+        self._opening: Optional[RequestSnapshot] = None
         self._attempt_ids = 0
         self._buffer: list[tuple[int, Batch]] = []
         self._buffer_bytes = 0
@@ -483,11 +526,30 @@ class SnapshotRecovery:
         self._stream_error(reason, RecoveryTrigger.DISCONNECT, now)
         return self._take()
 
+    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[Action, ...]:
+        """The owner opened attempt ``attempt`` (its request is sent, or queued for a gate
+        permit): a recovery's stream is ``RECOVERING`` from now on, with one info line (a
+        resync: a debug line, no state change). An attempt whose opening failed never gets
+        here (:meth:`on_snapshot_failed`): the stream stays ``UNSYNCHRONIZED`` and logs the
+        failure only. An attempt no longer in flight is ignored (its announcement was made
+        when the input that requested it also ended it, see :meth:`_abandon_attempt`).
+
+        :returns: :data:`NO_ACTIONS`.
+        """
+        request = self._opening
+        if request is not None and request.attempt == attempt:
+            self._opening = None
+            self._announce(request)
+        return self._take()
+
     def on_snapshot_failed(self, attempt: int, exc: StreamError, now: float) -> tuple[Action, ...]:
-        """Attempt ``attempt`` failed (§6): ``SnapshotTimeout`` (outcome ``timeout``), any
-        other ``StreamError`` (``error``). Retried after the backoff; a failed resync keeps
-        serving. An attempt no longer in flight is ignored."""
+        """Attempt ``attempt`` failed (§6): it could not be opened, or ``SnapshotTimeout``
+        (outcome ``timeout``), or any other ``StreamError`` (``error``). Retried after the
+        backoff; a failed resync keeps serving. An attempt no longer in flight is ignored."""
         if attempt == self._attempt:
+            opening = self._opening
+            if opening is not None and opening.attempt == attempt:
+                self._opening = None  # never opened: nothing to announce
             self._attempt_failed(exc, now)
         return self._take()
 
@@ -752,6 +814,13 @@ class SnapshotRecovery:
             self._begin_attempt(now)
 
     def _abandon_attempt(self) -> None:
+        if self._opening is not None:
+            # Requested by the very input that now ends it: the owner opens it only once this
+            # input returns, but the request came before whatever ends it, so it is announced
+            # now and the log reads in the order things happened.
+            request = self._opening
+            self._opening = None
+            self._announce(request)
         if self._attempt is not None:
             self._out.append(AbandonSnapshot(self._attempt))
             self._attempt = None
@@ -766,14 +835,22 @@ class SnapshotRecovery:
         self._buffer_bytes = 0
         self._attempt_ids += 1
         self._attempt = self._attempt_ids
-        self._out.append(RequestSnapshot(self._attempt, start_seq, not resync))
+        request = RequestSnapshot(self._attempt, start_seq, not resync)
+        self._out.append(request)
+        self._opening = request  # announced once the owner reports it open
         self._timers.next_attempt_at = None
-        if resync:
+
+    def _announce(self, request: RequestSnapshot) -> None:
+        """The attempt of ``request`` is open: a recovery sets ``RECOVERING`` (one info line);
+        a resync only logs at debug level."""
+        if not request.urgent:
             # Periodic and uneventful (every resync_interval_ms per stream): not a state change.
-            log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name, start_seq)
+            log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name,
+                      request.start_seq)
         else:
             self._serving.set_recovering()
-            log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name, start_seq)
+            log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name,
+                     request.start_seq)
 
     def _attempt_failed(self, exc: StreamError, now: float) -> None:
         """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed

@@ -311,8 +311,8 @@ class StreamSubscriber(BackgroundThread):
                 self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, time.monotonic()))
 
     def _carry(self, actions: Sequence[Action]) -> None:
-        """Carry out the machine's actions, in order (an attempt that cannot be opened is
-        reported back to it at once)."""
+        """Carry out the machine's actions, in order (an attempt opened, or one that cannot
+        be opened, is reported back to it at once)."""
         for action in actions:
             if type(action) is RequestSnapshot:
                 self._open_attempt(action)
@@ -332,6 +332,10 @@ class StreamSubscriber(BackgroundThread):
         except SnapshotError as exc:
             self._carry(self._recovery.on_snapshot_failed(request.attempt, exc,
                                                           time.monotonic()))
+            return
+        # Only now is the stream RECOVERING (and the request logged): a failed open leaves it
+        # UNSYNCHRONIZED with the failure as its reason.
+        self._carry(self._recovery.on_snapshot_opened(request.attempt, time.monotonic()))
 
     def _finish_attempt(self, attempt: SnapshotAttempt, result: SnapshotResult) -> None:
         """The end marker arrived: take in what already sits in the SUB queue first, so that

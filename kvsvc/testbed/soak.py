@@ -356,7 +356,7 @@ class Soak:
             base = listen_port_run(2 * dp, port_rng, exclude=taken)
             taken.update(range(base, base + 2 * dp))
             self.engines.append(SimEngine(
-                f"soak-{i}", base, base + dp, dp_size=dp, block_size=o.block_size,
+                f"127.0.0.1:{base}", base, base + dp, dp_size=dp, block_size=o.block_size,
                 device_blocks=o.device_blocks, host_blocks=o.host_blocks, seed=o.seed + i))
         self.ranks = [RankAudit(e, r) for e in self.engines for r in range(e.dp_size)]
         self.report.streams = len(self.ranks)

@@ -335,8 +335,9 @@ def test_heartbeats(registry, etcd):
     with pytest.raises(StaleIncarnation) as err:
         registry.heartbeat(name, "old", 1, 0.1)
     assert status_of(err.value) == 409
-    for bad in ((-1, 0.1), (1, 1.5), (True, 0.1), (1, "0.1"), (1.0, 0.1), (2**31, 0.1),
-                (10**400, 0.1), (1, 10**400)):   # an int no float can hold: refused, no crash
+    # (1, 1.5) is clamped, not refused (tests/integration/test_load_age.py).
+    for bad in ((-1, 0.1), (1, -0.5), (True, 0.1), (1, "0.1"), (1.0, 0.1), (2**31, 0.1),
+                (10**400, 0.1), (1, 10**400), (1, float("inf"))):   # an int no float can hold: refused, no crash
         with pytest.raises(InvalidHeartbeat) as err:
             registry.heartbeat(name, "a", *bad)
         assert status_of(err.value) == 400
@@ -402,11 +403,12 @@ def test_heartbeat_errors_name_the_field(registry, etcd):
     etcd.put(key(name), value(name, incarnation_id="a"))
     registry.wait_for(lambda s: name in s.instances, 5)
     waiting = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
-    usage = "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"
+    usage = ("load_metrics.gpu_cache_usage_perc: must be a finite number >= 0 (above 1 counts "
+             "as 1)")
     for bad, message in (((-1, 0.1), waiting), ((2**31, 0.1), waiting), ((None, 0.1), waiting),
                          ((False, 0.1), waiting), ((1.0, 0.1), waiting), (("1", 0.1), waiting),
                          ((1, -0.1), usage), ((1, float("nan")), usage), ((1, None), usage),
-                         ((1, True), usage), ((1, "0.5"), usage), ((1, 2), usage)):
+                         ((1, True), usage), ((1, "0.5"), usage), ((1, float("inf")), usage)):
         with pytest.raises(InvalidHeartbeat) as err:
             registry.heartbeat(name, "a", *bad)
         assert (status_of(err.value), err.value.message) == (400, message), bad

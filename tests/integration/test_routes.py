@@ -151,7 +151,7 @@ def test_no_candidate_is_503_and_unreachable_upstreams_502(etcd_server, etcd):
         r = completion(client, {"model": "m1", "prompt": "x"})
         assert openai_error(r) == (503, "service_unavailable", None, None)
         assert r.get_json()["error"]["message"] == (
-            "no instance available: no schedulable instance with a load report")
+            "no instance available: no schedulable instance with a current load report")
         register(app, etcd, "127.0.0.1:2", heartbeat=False)  # no load report: not a candidate
         assert completion(client, {"model": "m1", "prompt": "x"}).status_code == 503
         dead = refused_name()

@@ -16,11 +16,12 @@ from kvsvc.routing.policy import CacheAware, RoundRobin
 from kvsvc.cluster.model import InstanceType, LoadMetrics
 from tests.unit.test_policy import TOKENS, inst, match, names, scores, snap
 
-REPORTED_AT = 1.0  # tests.unit.test_policy.inst's LoadMetrics.received_at
+#: The requests' time: loads reported at test_policy.REPORTED_AT (1.0) and at 10.0 are both current (max 10 s).
+NOW = 10.0
 
 
 def ticking(start: float = 2.0):
-    """A clock returning start, start + 1, ... (every dispatch after REPORTED_AT)."""
+    """A clock returning start, start + 1, ... (every dispatch after test_policy.REPORTED_AT)."""
     return itertools.count(start).__next__
 
 
@@ -109,7 +110,7 @@ def burst_cluster():
 def test_without_in_flight_a_burst_piles_onto_the_cached_instance():
     s, m = burst_cluster()
     policy = CacheAware(0.5)
-    assert names(policy.choose(TOKENS, s, m) for _ in range(6)) == ["a:1"] * 6
+    assert names(policy.choose(TOKENS, s, m, now=NOW) for _ in range(6)) == ["a:1"] * 6
 
 
 def test_in_flight_moves_a_burst_off_the_cached_instance_at_lambda_half():
@@ -118,7 +119,7 @@ def test_in_flight_moves_a_burst_off_the_cached_instance_at_lambda_half():
     ledger = InFlight(ticking())
     picks, dispatches = [], []
     for _ in range(7):
-        d = policy.choose(TOKENS, s, m, None, ledger.snapshot())
+        d = policy.choose(TOKENS, s, m, None, ledger.snapshot(), now=NOW)
         picks.append(d.prefill.name)
         dispatches.append(ledger.begin([d.prefill.name]))
     # Every report showed an empty queue, so an instance's first new request is admitted and
@@ -127,7 +128,7 @@ def test_in_flight_moves_a_burst_off_the_cached_instance_at_lambda_half():
     # admitted, the tie rotates: c. 5: b again (tie). 6: c, the only one at 0. 7: all wait 1:
     # a 0.6 against 1.0.
     assert picks == ["a:1", "a:1", "b:1", "c:1", "b:1", "c:1", "a:1"]
-    d = policy.choose(TOKENS, s, m, None, ledger.snapshot())
+    d = policy.choose(TOKENS, s, m, None, ledger.snapshot(), now=NOW)
     # a: 3 in flight, 2 waiting (the maximum); b, c: 2 in flight, 1 waiting.
     assert scores(d) == pytest.approx({("P", "a:1"): 0.1 + 0.5, ("P", "b:1"): 0.5 + 0.5 / 2,
                                        ("P", "c:1"): 0.5 + 0.5 / 2}, abs=1e-12)
@@ -136,15 +137,15 @@ def test_in_flight_moves_a_burst_off_the_cached_instance_at_lambda_half():
     # Finished requests stop counting: back to the cached instance.
     for one in dispatches:
         one.release()
-    assert names(policy.choose(TOKENS, s, m, None, ledger.snapshot()) for _ in range(2)) == [
+    assert names(policy.choose(TOKENS, s, m, None, ledger.snapshot(), now=NOW) for _ in range(2)) == [
         "a:1", "a:1"]
 
 
 def test_nothing_in_flight_is_section_11_exactly():
     s = snap(inst("a:1", waiting=2), inst("b:1", waiting=4), inst("c:1"))
     m = [match("a:1", dev=50), match("c:1", dev=10)]
-    plain = CacheAware(0.5).choose(TOKENS, s, m)
-    empty = CacheAware(0.5).choose(TOKENS, s, m, None, InFlight().snapshot())
+    plain = CacheAware(0.5).choose(TOKENS, s, m, now=NOW)
+    empty = CacheAware(0.5).choose(TOKENS, s, m, None, InFlight().snapshot(), now=NOW)
     assert empty == plain
     assert scores(plain) == pytest.approx({("P", "a:1"): 0.25 + 0.25, ("P", "b:1"): 0.5 + 0.5,
                                            ("P", "c:1"): 0.45}, abs=1e-12)
@@ -156,7 +157,7 @@ def test_decode_side_counts_in_flight_too():
     ledger = InFlight(ticking())
     ledger.begin(["p:1", "d1:1"])
     ledger.begin(["p:1", "d1:1"])  # the second one waits
-    d = CacheAware(0.5).choose(TOKENS, s, [], None, ledger.snapshot())
+    d = CacheAware(0.5).choose(TOKENS, s, [], None, ledger.snapshot(), now=NOW)
     assert (d.prefill.name, d.decode.name) == ("p:1", "d2:1")
     assert scores(d)[("D", "d1:1")] == 1.0 and scores(d)[("D", "d2:1")] == 0.0
 
@@ -166,7 +167,7 @@ def test_round_robin_shows_in_flight_but_ignores_it():
     ledger = InFlight(ticking())
     ledger.begin(["a:1"])
     policy = RoundRobin()
-    picks = [policy.choose(TOKENS, s, None, None, ledger.snapshot()) for _ in range(2)]
+    picks = [policy.choose(TOKENS, s, None, None, ledger.snapshot(), now=NOW) for _ in range(2)]
     assert names(picks) == ["a:1", "b:1"]
     assert [(c.name, c.in_flight, c.in_flight_after_report) for c in picks[0].candidates] == [
         ("a:1", 1, 1), ("b:1", 0, 0)]

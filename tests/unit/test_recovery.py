@@ -1,10 +1,13 @@
 """The stream's recovery rules (kvsvc.streams.recovery.SnapshotRecovery, PROTOCOL.md §6, §7)
 driven directly, without ZMQ: inputs are live batches, snapshot results, connection events and
 times; outputs are the actions and the serving state. Block size 4, seed 1024; block contents
-are named by small integers (:func:`blk`). Times are monotonic seconds from T0."""
+are named by small integers (:func:`blk`). Times are monotonic seconds from T0. Like the stream
+thread, the tests' driver (:class:`Owner`) reports every requested attempt open at once
+(``on_snapshot_opened``) unless a test drives the machine itself (``Stream.rules``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import pytest
@@ -35,8 +38,9 @@ T0 = 1000.0
 ENDPOINT = "tcp://127.0.0.1:5557"
 SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
                             StreamState.UNSYNCHRONIZED)
-WAITING = ("not synchronized yet: waiting for the first snapshot; the snapshot is requested "
-           f"once the live channel {ENDPOINT} is connected")
+NOT_YET = "not synchronized yet: waiting for the first snapshot"
+WAITING = f"{NOT_YET}; the snapshot is requested once the live channel {ENDPOINT} is connected"
+LOGGER = "kvsvc.streams.recovery"
 
 
 def blk(*contents: int) -> list[int]:
@@ -52,15 +56,45 @@ def store(h: int, parent: Optional[int], content: int) -> BlockStored:
 NOOP: tuple[Event, ...] = (BlockRemoved([999_999], DEVICE),)
 
 
+#: The machine's inputs; the others (view, wakeup_at, attempt, ...) are read as they are.
+INPUTS = frozenset({"start", "tick", "on_live_batch", "on_live_error", "on_live_opened",
+                    "on_live_up", "on_live_down", "on_snapshot_failed", "on_snapshot_complete",
+                    "on_internal_error"})
+
+
+class Owner:
+    """Feeds one input to the machine and, as the stream thread does once ``SnapshotAttempt.open``
+    succeeded, reports each requested attempt open; returns the input's own actions."""
+
+    def __init__(self, stream: "Stream") -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str):
+        value = getattr(self._stream.rules, name)
+        if name not in INPUTS:
+            return value
+
+        def fed(*args):
+            actions = value(*args)
+            for action in actions:
+                if type(action) is RequestSnapshot:
+                    assert self._stream.rules.on_snapshot_opened(
+                        action.attempt, self._stream.now) is NO_ACTIONS
+            return actions
+        return fed
+
+
 class Stream:
-    """One machine with its serving state, a clock, and helpers that feed it."""
+    """One machine with its serving state, a clock, and helpers that feed it (``m``: through
+    the :class:`Owner`; ``rules``: the machine itself)."""
 
     def __init__(self, **limits) -> None:
         self.limits = KvEventsConfig(**limits)
         cfg = StreamConfig(instance_name="e:1", block_size=BS, endpoint=ENDPOINT,
                            replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED)
         self.serving = ServingState(StreamId("e:1", 0), BS)
-        self.m = SnapshotRecovery(cfg, self.limits, self.serving)
+        self.rules = SnapshotRecovery(cfg, self.limits, self.serving)
+        self.m = Owner(self)
         self.now = T0
 
     # -- inputs ------------------------------------------------------------------------------
@@ -261,6 +295,52 @@ def test_a_targeted_all_blocks_cleared_is_not_a_baseline():
     assert (s.state(), s.m.view().buffered_seqs) == (RECOVERING, (5,))
 
 
+#: An untargeted ``AllBlocksCleared`` batch while unsynchronized (§6). (case, the first attempt
+#: failed before the batch (a backoff, no attempt in flight), the batch's events,
+#: (actions, state, error, sequence, device blocks, counters {(counter, label): n}, next_in)).
+#: ``UNKNOWN`` stores block 2 under parent 999, which the baseline does not hold.
+UNKNOWN = (AllBlocksCleared(), store(2, 999, 2))
+BASELINE_CASES = [
+    ("during a backoff: becomes the baseline", True, (AllBlocksCleared(), store(2, None, 2)),
+     (NO_ACTIONS, SYNC, None, 5, 1,
+      {("snapshot_attempts", "timeout"): 1, ("recoveries_started", "start"): 1,
+       ("events_applied", "AllBlocksCleared"): 1, ("events_applied", "BlockStored"): 1},
+      30.0)),                                            # seq 5 seen: no probe resync
+    ("fails to apply while recovering", False, UNKNOWN,
+     ((AbandonSnapshot(1),), UNSYNC, "seq 5: BlockStored parent 0x3e7 is unknown", None, 0,
+      {("decode_errors", "unknown_parent"): 1, ("recoveries_started", "index_error"): 0,
+       ("snapshot_attempts", "error"): 1, ("events_applied", "AllBlocksCleared"): 0},
+      0.1)),
+    ("fails to apply during a backoff", True, UNKNOWN,
+     (NO_ACTIONS, UNSYNC, "seq 5: BlockStored parent 0x3e7 is unknown", None, 0,
+      {("decode_errors", "unknown_parent"): 1, ("recoveries_started", "index_error"): 0,
+       ("snapshot_attempts", "error"): 0, ("snapshot_attempts", "timeout"): 1},
+      0.05)),                                            # the backoff's end stands
+]
+
+
+@pytest.mark.parametrize("case, backoff, events, expected", BASELINE_CASES,
+                         ids=[c[0] for c in BASELINE_CASES])
+def test_all_blocks_cleared_baseline_while_unsynchronized(case, backoff, events, expected):
+    s = Stream()
+    assert s.connect() == (RequestSnapshot(1, 0, True),)
+    if backoff:
+        assert s.m.on_snapshot_failed(1, SnapshotTimeout("snapshot timeout"), s.now) == (
+            AbandonSnapshot(1),)
+        assert s.m.attempt is None and s.next_in() == 0.1
+        s.at(0.05)
+    actions, state, error, sequence, blocks, counts, next_in = expected
+    assert s.live(5, events) == actions
+    st = s.serving.status()
+    assert (st.state, st.error, st.sequence, st.device_blocks) == (state, error, sequence, blocks)
+    c = s.counters()
+    assert {key: getattr(c, key[0])[key[1]] for key in counts} == counts
+    assert (s.m.attempt, s.next_in()) == (None, next_in)
+    assert s.m.view().buffered_seqs == ()
+    if state == SYNC:
+        assert (st.recoveries, s.m.view().failures, s.hits(2)) == (1, 0, (True, 4, 0))
+
+
 def test_resync_watermark_behind_the_applied_seq_invalidates():
     s = Stream(resync_interval_ms=1000).synced(9, [store(1, None, 1)], buffered=(9,))
     assert s.next_in() == 1.0
@@ -285,6 +365,29 @@ def test_periodic_resync_replaces_the_index_and_counts_the_difference():
     assert (st.state, st.sequence, st.device_blocks, st.recoveries, st.resync_differences) == (
         SYNC, 1, 2, 1, 1)
     assert s.next_in() == 1.0
+
+
+def test_an_empty_reply_to_a_resync_replaces_the_index_and_forgets_the_seq(caplog):
+    s = Stream(resync_interval_ms=1000).synced(4, [store(1, None, 1)], buffered=(4,))
+    assert s.at(1.0).m.tick(s.now) == (RequestSnapshot(2, 5, False),)
+    assert s.live(5) is NO_ACTIONS                        # applied and buffered into the resync
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert s.reply(None, empty=True) == (AbandonSnapshot(2),)
+    # §7: empty state, watermark unknown: the engine holds nothing, so neither does the index.
+    st = s.serving.status()
+    assert (st.state, st.error, st.sequence, st.device_blocks, st.recoveries,
+            st.resync_differences) == (SYNC, None, None, 0, 1, 1)
+    assert s.counters().snapshot_attempts["ok"] == 2
+    view = s.m.view()
+    assert (view.expected, view.silence_check, view.buffered_seqs) == (None, None, ())
+    assert s.next_in() == 1.0                             # a resync never probes
+    assert [r.getMessage() for r in caplog.records] == [
+        "stream e:1/dp0: resync found 1 differing blocks (lost events); index replaced (empty "
+        "snapshot, baseline is the next live batch)"]
+    # The first live batch is the baseline, whatever its seq.
+    assert s.live(42, [store(7, None, 7)]) is NO_ACTIONS
+    assert (s.serving.status().sequence, s.hits(7), s.hits(1)) == (42, (True, 4, 0),
+                                                                   (True, 0, 0))
 
 
 def test_buffer_overflow_fails_the_attempt():
@@ -343,6 +446,78 @@ def test_stale_attempt_reports_are_ignored():
     assert (s.state(), s.m.attempt) == (RECOVERING, 1)
 
 
+#: An attempt the owner could not open (``SnapshotAttempt.open`` raised: no file descriptor
+#: left, a terminated context): (case, resync, expected state and error after the failure,
+#: the warning). Nothing says "requested": no request went out.
+OPEN_FAILURE_CASES = [
+    ("recovery", False, (UNSYNC, "snapshot socket: Too many open files"),
+     "stream e:1/dp0: unsynchronized: snapshot socket: Too many open files; retry in 0.1s"),
+    ("resync", True, (SYNC, None),
+     "stream e:1/dp0: resync failed: snapshot socket: Too many open files; retry in 0.1s"),
+]
+
+
+@pytest.mark.parametrize("case, resync, after, warning", OPEN_FAILURE_CASES,
+                         ids=[c[0] for c in OPEN_FAILURE_CASES])
+def test_an_attempt_that_cannot_be_opened(case, resync, after, warning, caplog):
+    s = Stream(resync_interval_ms=1000)
+    m = s.rules                                           # the owner's reports, one by one
+    if resync:
+        s.synced(4, buffered=(4,))
+        request = RequestSnapshot(2, 5, False)
+        s.at(1.0)
+    else:
+        assert (m.start(s.now), m.on_live_opened(), m.on_live_up(s.now)) == (NO_ACTIONS,) * 3
+        request = RequestSnapshot(1, 0, True)
+    before = (s.state(), s.serving.status().error)
+    assert before == ((SYNC, None) if resync else (UNSYNC, NOT_YET))
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert m.tick(s.now) == (request,)
+        # Requested but not opened yet: nothing changes, nothing is logged.
+        assert (s.state(), s.serving.status().error, caplog.records) == (*before, [])
+        assert m.on_snapshot_failed(request.attempt, SnapshotError(
+            "snapshot socket: Too many open files"), s.now) == (AbandonSnapshot(request.attempt),)
+    st = s.serving.status()
+    assert (st.state, st.error) == after
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", warning)]
+    c = s.counters()
+    assert (c.snapshot_attempts["error"], c.recoveries_started["start"]) == (1, 1)
+    assert (m.attempt, s.next_in(), m.view().failures) == (None, 0.1, 1)
+    # A report that it opened after all is stale: ignored.
+    assert m.on_snapshot_opened(request.attempt, s.now) is NO_ACTIONS
+    assert (s.state(), s.serving.status().error) == after
+    # The retry opens: only now is it announced (a recovery: RECOVERING, at info level).
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        retry = RequestSnapshot(request.attempt + 1, request.start_seq, request.urgent)
+        assert s.at(s.now - T0 + 0.1).rules.tick(s.now) == (retry,)
+        assert m.on_snapshot_opened(retry.attempt, s.now) is NO_ACTIONS
+    assert s.state() == (SYNC if resync else RECOVERING)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", "stream e:1/dp0: resync snapshot requested (start_seq 5)") if resync else
+        ("INFO", "stream e:1/dp0: recovering: snapshot requested (start_seq 0)")]
+
+
+def test_an_attempt_requested_and_ended_by_one_input_is_announced_in_order(caplog):
+    s = Stream().synced(4)
+    assert s.live(5) is NO_ACTIONS
+    # Seq 0 after 5 while synchronized: invalidate and request a recovery, then the same batch
+    # (an AllBlocksCleared one) becomes the baseline, which ends that attempt before the owner
+    # could open it.
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert s.rules.on_live_batch(0, Batch(0.0, [AllBlocksCleared(), store(2, None, 2)], 0),
+                                     100, s.now) == (RequestSnapshot(2, 0, True),
+                                                     AbandonSnapshot(2))
+    assert [r.getMessage() for r in caplog.records] == [
+        "stream e:1/dp0: unsynchronized: sequence went backwards: expected seq 6, got 0",
+        "stream e:1/dp0: recovering: snapshot requested (start_seq 0)",
+        "stream e:1/dp0: synchronized (AllBlocksCleared batch seq 0): 1 device, 0 host blocks"]
+    assert s.rules.on_snapshot_opened(2, s.now) is NO_ACTIONS   # the owner opened it: stale
+    st = s.serving.status()
+    assert (st.state, st.sequence, st.recoveries) == (SYNC, 0, 2)
+    assert s.counters().recoveries_started["sequence_backwards"] == 1
+
+
 # ---------------------------------------------------------------------- the live channel
 
 def test_no_snapshot_before_the_live_handshake():
@@ -375,6 +550,55 @@ def test_disconnect_invalidates_and_waits_for_the_next_connection():
     assert s.m.on_live_up(s.now) == NO_ACTIONS
     assert s.serving.status().error == "disconnected"
     assert s.m.tick(s.now) == (RequestSnapshot(2, 0, True),)
+
+
+#: A disconnect (§6) in each state with an attempt in flight: (case, synchronized before it,
+#: actions, (state, error, device blocks), counters {(counter, label): n}, next_in after it, the
+#: request once the live channel is back). While recovering, the attempt fails (outcome ``error``, backoff) and no
+#: recovery is counted: none was synchronized. A resync is abandoned with its serving index.
+DISCONNECT_CASES = [
+    ("recovering, attempt in flight", False, (AbandonSnapshot(1),), (UNSYNC, "disconnected", 0),
+     {("snapshot_attempts", "error"): 1, ("recoveries_started", "disconnect"): 0}, 0.1,
+     RequestSnapshot(2, 0, True)),
+    ("during a resync", True, (AbandonSnapshot(2),), (UNSYNC, "disconnected", 0),
+     {("snapshot_attempts", "error"): 0, ("recoveries_started", "disconnect"): 1}, 0.0,
+     RequestSnapshot(3, 0, True)),
+]
+
+
+@pytest.mark.parametrize("case, synced, actions, after, counts, next_in, retry",
+                         DISCONNECT_CASES, ids=[c[0] for c in DISCONNECT_CASES])
+def test_disconnect_with_an_attempt_in_flight(case, synced, actions, after, counts, next_in,
+                                              retry):
+    s = Stream(resync_interval_ms=1000)
+    if synced:
+        s.synced(4, [store(1, None, 1)], buffered=(4,))
+        assert s.at(1.0).m.tick(s.now) == (RequestSnapshot(2, 5, False),)
+        assert s.live(5) is NO_ACTIONS                    # applied and buffered
+        assert (s.state(), s.m.view().buffered_seqs) == (SYNC, (5,))
+    else:
+        assert s.connect() == (RequestSnapshot(1, 0, True),)
+        assert s.live(3) is NO_ACTIONS                    # buffered
+        assert (s.state(), s.m.view().buffered_seqs) == (RECOVERING, (3,))
+    assert s.m.on_live_down("disconnected", s.now) == actions
+    st = s.serving.status()
+    assert (st.state, st.error, st.device_blocks) == after
+    assert s.hits(1) == (False, 0, 0)
+    c = s.counters()
+    assert {key: getattr(c, key[0])[key[1]] for key in counts} == counts
+    view = s.m.view()
+    assert (view.attempt, view.buffered_seqs, view.max_seen, view.live_up) == (None, (), None,
+                                                                               False)
+    assert s.next_in() == next_in
+    assert s.m.wakeup_at() == s.now + next_in
+    # No request while the live channel is down; once it is back, the recovery is due within
+    # BACKOFF_INITIAL_S (a new connection resets the backoff).
+    assert s.m.on_live_opened() == NO_ACTIONS
+    assert s.at(s.now - T0 + next_in).m.tick(s.now) == NO_ACTIONS
+    assert s.m.on_live_up(s.now) == NO_ACTIONS
+    assert (s.next_in(), s.m.view().failures) == (0.0, 0)
+    assert s.m.tick(s.now) == (retry,)
+    assert s.state() == RECOVERING
 
 
 def test_a_new_connection_resets_the_backoff():

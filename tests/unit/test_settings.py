@@ -123,7 +123,8 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "metrics_require_token": True, "etcd_addr": "127.0.0.1:2379", "etcd_namespace": "ns",
         "detect_disconnected_instance_interval": 2.5, "self_address": "10.0.0.1:8888",
         "max_concurrent_snapshots": 3, "load_balance_policy": "RR", "car_prefill_lambda": 0.25,
-        "car_host_hit_weight": 1.0, "tokenizer_path": str(tmp_path / "tok"), "model": "m1,m2",
+        "car_host_hit_weight": 1.0, "max_load_age_s": 30.0,
+        "tokenizer_path": str(tmp_path / "tok"), "model": "m1,m2",
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
         "max_request_bytes": 4096, "worker_threads": 16,
     }
