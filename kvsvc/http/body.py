@@ -28,6 +28,7 @@ from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_content_length
 
+from kvsvc.cluster.model import MAX_WAITING_REQUESTS
 from kvsvc.errors import BadRequest, PayloadTooLarge, UnknownModel
 from kvsvc.index.keys import ARRAY_IS_WIRE_FORM, MAX_TOKEN_ID, pack_tokens
 from kvsvc.routing.prompt import ChatPrompt, CompletionPrompt
@@ -309,10 +310,11 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
         raise BadRequest("load_metrics: must be an object")
     waiting = load.get("waiting_requests_num")
     if not _is_number(waiting):
-        raise BadRequest("load_metrics.waiting_requests_num: must be a number")
+        raise BadRequest("load_metrics.waiting_requests_num: must be an integer in "
+                         f"[0, {MAX_WAITING_REQUESTS}]")
     usage = load.get("gpu_cache_usage_perc")
     if not _is_number(usage):
-        raise BadRequest("load_metrics.gpu_cache_usage_perc: must be a number")
+        raise BadRequest("load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]")
     latency = doc.get("latency_metrics")
     if latency is not None and not isinstance(latency, dict):
         raise BadRequest("latency_metrics: must be an object")

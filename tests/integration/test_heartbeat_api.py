@@ -111,8 +111,8 @@ def test_heartbeat_409_unknown_instance_and_stale_incarnation(registered):
     assert load_of(registered) is None
 
 
-WAITING_ERROR = "load_metrics.waiting_requests_num: must be a number"
-USAGE_ERROR = "load_metrics.gpu_cache_usage_perc: must be a number"
+WAITING_ERROR = "load_metrics.waiting_requests_num: must be an integer in [0, 2147483647]"
+USAGE_ERROR = "load_metrics.gpu_cache_usage_perc: must be a number in [0, 1]"
 #: Bodies of the wrong shape: refused by the HTTP parser, counted ``malformed``.
 MALFORMED = [
     (b"{not json", "body is not valid JSON"),
