@@ -242,7 +242,7 @@ class HeartbeatRejected(RequestError):
 
 class InvalidHeartbeat(HeartbeatRejected):
     """``waiting_requests_num`` not an int in ``[0, 2**31 - 1]`` or ``gpu_cache_usage_perc`` not a
-    number in [0, 1] (§9). The message is the registry's (:func:`kvsvc.cluster.model.check_load`)."""
+    finite number >= 0 (§9; a value above 1 is clamped to 1, not refused). The message is the registry's (:func:`kvsvc.cluster.model.check_load`)."""
 
 
 class UnknownInstance(HeartbeatRejected):

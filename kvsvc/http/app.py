@@ -16,8 +16,8 @@ What it serves, one module per concern:
 - :mod:`kvsvc.http.metrics`: ``/metrics``.
 
 Request bodies are read and checked by :mod:`kvsvc.http.body`; every error answer is JSON, its
-status taken from the one table in :mod:`kvsvc.http.errors` (OpenAI's error shape on the OpenAI
-endpoints). The app-wide body limit is sized for the longest token-id query
+status taken from the one table in :mod:`kvsvc.http.errors` (OpenAI's error shape for everything
+under ``/v1/`` but ``/v1/internal/*``). The app-wide body limit is sized for the longest token-id query
 (:func:`~kvsvc.http.body.max_content_length`); the OpenAI endpoints and ``/v1/internal/route``
 use ``--max_request_bytes``.
 """

@@ -21,7 +21,8 @@
   :class:`~kvsvc.cluster.rejections.HeartbeatRejections`), with a registry also ``registry``
   (``fresh``, ``is_master``, ``generation``, ``instances``, ``listed_once``,
   ``routing_on_last_snapshot``, ``stale_for_s``: seconds since the last successful list while
-  not fresh, else null), with discovery also ``discovery.excluded`` (instance -> reason), and
+  not fresh, else null) and ``not_candidates`` (registered instance -> why it is not a
+  routing candidate now, the router's rule, §11), with discovery also ``discovery.excluded`` (instance -> reason), and
   ``streams``: every stream's state, error, sequence, resident block counts, completed
   recoveries and periodic-resync differences (§6), with discovery each stream's ``identity``
   (the incarnation it was added for).
