@@ -102,6 +102,12 @@ def test_up_serves_and_stops_cleanly(tmp_path, sig):
                            for m in ms)
 
             wait_for(hit, 10, what="the served prompt indexed")
+
+            def models() -> list:
+                return [m["id"] for m in http.get(url + "/v1/models", timeout=10).json()["data"]]
+
+            # --model is unset under up: the router lists the engines' own model ("sim").
+            assert wait_for(lambda: models() == ["sim"], 15, what="the engines' model listed")
         kids = _children(proc.pid)
         assert len(kids) == 4, kids  # etcd, two engines, the router (gunicorn's arbiter)
         grandkids = set().union(*(_children(k) for k in kids))  # gunicorn's worker

@@ -42,15 +42,24 @@ _BUSY_REPLY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/j
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """``GET /health`` -> 200 ``{"status": "ok"}``; ``POST`` -> the engine's
-    :class:`~kvsvc.testbed.sim.serving.Serving` when it has one; anything else 404. No access log."""
+    """``GET /health`` -> 200 ``{"status": "ok"}``; ``GET /v1/models`` (when serving) -> the
+    engine's model list; ``POST`` -> the engine's :class:`~kvsvc.testbed.sim.serving.Serving`
+    when it has one; anything else 404. No access log."""
 
     server_version = "kvsvc-sim"
     server: "_BoundedServer"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path.split("?", 1)[0] == "/health":
+        path = self.path.split("?", 1)[0]
+        serving = self.server.serving
+        if path == "/health":
             self._reply(200, {"status": "ok"})
+        elif path == "/v1/models" and serving is not None:
+            # OpenAI's model list, as a real engine answers it (the router's /v1/models
+            # merges these when --model is unset).
+            self._reply(200, {"object": "list", "data": [{
+                "id": serving.config.model, "object": "model", "created": 0,
+                "owned_by": "kvsvc-sim"}]})
         else:
             self._reply(404, {"error": "not found"})
 
