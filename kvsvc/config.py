@@ -12,6 +12,7 @@ uses :func:`translate_validation_error` and :func:`check_discovery_needs_etcd` f
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -41,6 +42,14 @@ MAX_U64 = 2**64 - 1
 DEFAULT_MAX_CONCURRENT_SNAPSHOTS = 1
 
 
+class ReplayMode(enum.StrEnum):
+    """What a stream's engine answers on its replay endpoint: ``snapshot`` (§7, xLLM: its
+    current residency) or ``history`` (§7h, vLLM and SGLang: its buffered batches)."""
+
+    SNAPSHOT = "snapshot"
+    HISTORY = "history"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -63,6 +72,9 @@ class StreamConfig(_Strict):
     """ZMQ topic, equal to the engine's exactly (§1)."""
     hash_seed: Annotated[StrictInt, Field(ge=0, le=MAX_U64)] = 1024
     """XXH3 seed of the content keys (§4); internal to kvsvc."""
+    # strict=False: the JSON file gives the mode as its string value.
+    replay_mode: ReplayMode = Field(default=ReplayMode.SNAPSHOT, strict=False)
+    """``snapshot`` (§7) or ``history`` (§7h): how the engine answers the replay request."""
 
     _endpoint_rule = field_validator("endpoint", "replay_endpoint")(check_tcp_endpoint)
 

@@ -41,7 +41,7 @@ from kvsvc.streams.counters import (
     error_reason,
     stats_tuple,
 )
-from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
+from kvsvc.streams.state import Completeness, StreamId, StreamMatch, StreamState, StreamStatus
 
 #: ``error`` of a stream that has not been synchronized yet.
 NOT_YET = "not synchronized yet: waiting for the first snapshot"
@@ -92,6 +92,7 @@ class ServingState:
         self._state = StreamState.UNSYNCHRONIZED
         self._error: Optional[str] = NOT_YET
         self._sequence: Optional[int] = None
+        self._completeness = Completeness.EXACT
         self._synchronized_once = False
         self._recoveries = 0
         self._resync_differences = 0
@@ -143,7 +144,8 @@ class ServingState:
                 block_size = self._block_size
                 return StreamMatch(self._instance, self._rank, True, self._sequence,
                                    device * block_size, host_only * block_size,
-                                   index.device_blocks, index.host_blocks, None)
+                                   index.device_blocks, index.host_blocks, None,
+                                   self._completeness)
             return self._quick[1]
 
     def status(self) -> StreamStatus:
@@ -163,7 +165,9 @@ class ServingState:
                 host_blocks=index.host_blocks if index is not None else 0,
                 entries=index.entries if index is not None else 0,
                 synchronized_once=self._synchronized_once, recoveries=self._recoveries,
-                resync_differences=self._resync_differences)
+                resync_differences=self._resync_differences,
+                completeness=(self._completeness if self._state is StreamState.SYNCHRONIZED
+                              else None))
 
     def counters(self, now: float, buffered_bytes: int) -> StreamCounters:
         """Copy of the metrics counters (O(1): a few dict copies under the lock).
@@ -257,7 +261,8 @@ class ServingState:
             self._invalidate_locked(reason)
 
     def swap(self, index: TierIndex, *, sequence: Optional[int], resync: bool, difference: int,
-             live_events: Sequence[object], stats_base: tuple[int, ...]) -> None:
+             live_events: Sequence[object], stats_base: tuple[int, ...],
+             completeness: Completeness = Completeness.EXACT) -> None:
         """Make ``index`` the serving one in one lock hold; state ``SYNCHRONIZED`` (§6).
 
         :param sequence: the last applied seq it holds (``None``: unknown).
@@ -268,9 +273,11 @@ class ServingState:
             (a recovery's buffered tail, an ``AllBlocksCleared`` baseline batch).
         :param stats_base: ``index.stats`` counts (as :func:`~kvsvc.streams.counters.stats_tuple`)
             not due to live events, subtracted from the live not-indexed counts; ``()``: none.
+        :param completeness: what ``index`` holds (§7h); snapshot mode: always exact.
         """
         with self._lock:
             self._retire_stats_locked()
+            self._completeness = completeness
             self._stats_base = stats_base or _ZERO_STATS
             self._count_events_locked(live_events)
             self._index = index
@@ -282,6 +289,13 @@ class ServingState:
                 self._resync_differences += difference
             else:
                 self._recoveries += 1
+            self._publish_locked()
+
+    def set_completeness(self, completeness: Completeness) -> None:
+        """Change what the serving index is said to hold (§7h: a subset becomes exact on an
+        untargeted ``AllBlocksCleared``), in one lock hold with the answers it shapes."""
+        with self._lock:
+            self._completeness = completeness
             self._publish_locked()
 
     def set_recovering(self) -> None:
@@ -349,7 +363,8 @@ class ServingState:
         index = self._index
         if self._state is StreamState.SYNCHRONIZED and index is not None:
             return StreamMatch(self._instance, self._rank, True, self._sequence, 0, 0,
-                               index.device_blocks, index.host_blocks, None)
+                               index.device_blocks, index.host_blocks, None,
+                               self._completeness)
         return StreamMatch(self._instance, self._rank, False, None, 0, 0, 0, 0, self._error)
 
     def _publish_locked(self) -> None:

@@ -18,6 +18,15 @@ class StreamState(str, enum.Enum):
     SYNCHRONIZED = "synchronized"
 
 
+class Completeness(enum.StrEnum):
+    """What a synchronized stream's index holds (§7h, §10): ``exact`` (the engine's whole
+    residency) or ``subset`` (history was lost: every block in it is resident, some resident
+    blocks may be missing). Snapshot-mode streams are always exact when synchronized."""
+
+    EXACT = "exact"
+    SUBSET = "subset"
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class StreamId:
     """One (instance, DP rank) KV-event channel."""
@@ -44,6 +53,7 @@ class StreamMatch:
     :param device_blocks: resident Device blocks of the stream (whole index).
     :param host_blocks: resident Host blocks (a block on both tiers counts in both).
     :param error: ``None`` or why the stream is not synchronized.
+    :param completeness: ``exact`` or ``subset`` when synchronized, ``None`` otherwise (§7h).
     """
 
     instance_name: str
@@ -55,6 +65,7 @@ class StreamMatch:
     device_blocks: int
     host_blocks: int
     error: Optional[str]
+    completeness: Optional[Completeness] = None
 
     @property
     def reusable_prefix_tokens(self) -> int:
@@ -74,6 +85,7 @@ class StreamMatch:
             "device_blocks": self.device_blocks,
             "host_blocks": self.host_blocks,
             "error": self.error,
+            "completeness": self.completeness,
         }
 
 
@@ -84,6 +96,7 @@ class StreamStatus:
     :param synchronized_once: True once the stream has been synchronized at least once.
     :param recoveries: completed recoveries (snapshot swaps and AllBlocksCleared baselines).
     :param resync_differences: blocks that differed at periodic resyncs (silently lost events).
+    :param completeness: ``exact``/``subset`` while synchronized, else ``None`` (§7h).
     """
 
     stream: StreamId
@@ -96,6 +109,7 @@ class StreamStatus:
     synchronized_once: bool
     recoveries: int
     resync_differences: int
+    completeness: Optional[Completeness] = None
 
 
 @dataclass(frozen=True, slots=True)
