@@ -739,8 +739,9 @@ class HistoryRecovery:
         self._lost(reason, trigger)
 
     def _lost(self, reason: str, trigger: RecoveryTrigger) -> None:
-        """Forget the index (the serving state discarded it already)."""
-        was_synced = self._synced
+        """Forget the index (the serving state discarded it already). Counts ``trigger`` when
+        an index goes (a kept one too: its catch-up becomes a rebuild)."""
+        was_synced, was_held = self._synced, self._held
         self._synced = self._held = False
         self._expected = self._digest = None
         self._recent = {}
@@ -748,7 +749,8 @@ class HistoryRecovery:
         self._first_decides = False
         if was_synced:
             self._log_unsynchronized(reason, trigger)
-        else:
+        elif was_held:
+            self._serving.count_recovery(trigger)
             log.warning("stream %s: index discarded: %s", self._name, reason)
 
     def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
