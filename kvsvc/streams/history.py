@@ -82,6 +82,7 @@ from kvsvc.streams.counters import (
     trigger_of,
 )
 from kvsvc.streams.recovery import (
+    LIVE_SILENCE_GRACE_S,
     LIVE_WAIT,
     NO_ACTIONS,
     AbandonSnapshot,
@@ -143,6 +144,9 @@ class HistoryRecovery:
         self._caught_up = 0           # batches a periodic catch-up applied before live did
         self._buffer: list[tuple[int, Batch, int]] = []  # (seq, batch, digest)
         self._buffer_bytes = 0
+        self._live_at_check = 0       # live_messages at the last swap or catch-up end
+        self._silence: Optional[tuple[float, int]] = None  # (deadline, live_messages)
+        self._awaiting_live = False   # silent live channel: nothing asked until one arrives
 
     # ------------------------------------------------------------------ read-only state
 
@@ -195,10 +199,14 @@ class HistoryRecovery:
 
     def wakeup_at(self) -> Optional[float]:
         """Monotonic seconds when :meth:`tick` is next due; ``None``: nothing scheduled."""
+        at: Optional[float] = None
         nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
-            return nxt
-        return None
+        if (self._attempt is None and nxt is not None and not self._awaiting_live
+                and (self._live_up or not self._live_wait_noted)):
+            at = nxt
+        if self._silence is not None:
+            at = self._silence[0] if at is None else min(at, self._silence[0])
+        return at
 
     # ------------------------------------------------------------------ inputs
 
@@ -210,9 +218,12 @@ class HistoryRecovery:
         return self._take()
 
     def tick(self, now: float) -> tuple[HistoryAction, ...]:
-        """Time passed: start a due attempt (or note that it waits for the live channel)."""
+        """Time passed: end a silent-channel check whose deadline passed, start a due attempt
+        (or note that it waits for the live channel)."""
+        if self._silence is not None:
+            self._check_silence(now)
         nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt:
+        if self._attempt is None and nxt is not None and now >= nxt and not self._awaiting_live:
             if self._live_up:
                 self._begin_attempt()
             elif not self._live_wait_noted and not self._synced:
@@ -230,6 +241,8 @@ class HistoryRecovery:
         serving = self._serving
         serving.live_messages += 1
         serving.last_event_at = now
+        if self._awaiting_live:
+            self._live_alive_again(now)
         if self._synced:
             expected = self._expected
             if expected is None or seq == expected:
@@ -274,6 +287,8 @@ class HistoryRecovery:
         batch is lost to the index, and its replayed copy would fail alike: discard, rebuild
         (a live-only stream starts again from the next live batch)."""
         self._serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
         self._serving.count_decode_error(reason)
         self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
         return self._take()
@@ -589,11 +604,19 @@ class HistoryRecovery:
             if not self._apply_held(seq, batch, digest, now):
                 return
         self._timers.synchronized(now, probe=False)
+        live_messages = self._serving.live_messages
+        silent = live_messages == self._live_at_check
+        self._live_at_check = live_messages
         if periodic:
             if caught_up:
                 self._serving.count_resync_difference(caught_up)
                 log.warning("stream %s: periodic catch-up found %d batches that never arrived "
                             "live (lost events); applied", self._name, caught_up)
+                if silent and self._silence is None:
+                    # Not one live message since the last check while the engine published:
+                    # in flight still, or a dead live channel (README "Where the spec is
+                    # silent"); a live message must arrive within the grace period.
+                    self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
             else:
                 log.debug("stream %s: periodic catch-up matched (seq %d)", self._name,
                           request.start_seq)
@@ -679,6 +702,7 @@ class HistoryRecovery:
         self._recent = recent
         if now is not None:
             self._timers.synchronized(now, probe=False)
+        self._live_at_check = self._serving.live_messages
         log.info("stream %s: synchronized%s (%s, %s): %d device, %d host blocks", self._name,
                  " again" if replacing else "", how, completeness.value, index.device_blocks,
                  index.host_blocks)
@@ -686,6 +710,7 @@ class HistoryRecovery:
     def _resume(self, how: str) -> None:
         """The kept index is complete again: serve it."""
         self._synced = True
+        self._live_at_check = self._serving.live_messages
         self._serving.resume(None if self._expected is None else self._expected - 1)
         self._serving.set_completeness(self._completeness)
         device, host = self._index_blocks()
@@ -695,6 +720,35 @@ class HistoryRecovery:
     def _index_blocks(self) -> tuple[int, int]:
         index = self._serving.index
         return (index.device_blocks, index.host_blocks) if index is not None else (0, 0)
+
+    def _check_silence(self, now: float) -> None:
+        """End a silent-channel check: passed once a live message arrived since it was armed;
+        failed at its deadline: the index is kept but serves nothing, and nothing is asked for
+        until a live message arrives (a dead live channel, say a topic the engine does not
+        publish, would otherwise leave removals unseen between catch-ups: stale hits)."""
+        assert self._silence is not None
+        deadline, count = self._silence
+        if self._serving.live_messages != count or not self._synced:
+            self._silence = None
+            return
+        if now < deadline:
+            return
+        self._silence = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        self._synced = False
+        reason = (f"live channel silent: the engine published batches up to seq "
+                  f"{self._expected - 1 if self._expected else 0} (found by a catch-up) but no "
+                  f"live batch arrived; check the stream's endpoint and topic "
+                  f"{self._stream.topic!r}")
+        self._serving.set_unsynchronized(reason)
+        self._log_unsynchronized(reason, RecoveryTrigger.LIVE_SILENT)
+
+    def _live_alive_again(self, now: float) -> None:
+        """A live message after a silent channel: catch up (the kept index) now."""
+        self._awaiting_live = False
+        log.info("stream %s: live channel alive again; catching up", self._name)
+        self._timers.next_attempt_at = now
 
     def _set_completeness(self, completeness: Completeness, why: str) -> None:
         if completeness is self._completeness:
@@ -846,9 +900,11 @@ class HistoryRecovery:
         unanswered = (isinstance(exc, ReplayUnanswered) and request is not None
                       and not request.catch_up)
         if self._synced:
-            log.warning("stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
-                        "rebuild retry" if request is not None and not request.catch_up
-                        else "periodic catch-up", exc, delay)
+            # Once per failure streak at warning: a live-only stream retries for good.
+            (log.warning if self._timers.failures == 1 else log.debug)(
+                "stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
+                "rebuild retry" if request is not None and not request.catch_up
+                else "periodic catch-up", exc, delay)
             return
         reason = str(exc)
         if unanswered and not self._held:
