@@ -583,6 +583,13 @@ class HistoryRecovery:
         caught_up = self._caught_up
         buffered = self._buffer
         self._abandon_attempt()
+        if reply.truncated:
+            # The engine dropped part of its reply: what arrived is applied; ask for the rest.
+            log.info("stream %s: %s; catching up again from seq %d", self._name, reply.reason,
+                     self._expected - 1)  # type: ignore[operator]
+            self._caught_up = caught_up
+            self._begin_attempt()
+            return
         # The buffered live batches (after a gap) follow the replayed ones.
         for seq, batch, digest in buffered:
             expected = self._expected
@@ -672,6 +679,11 @@ class HistoryRecovery:
             digests[seq] = live_digest
         self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
         self._live_only = self._live_only_wait = False
+        if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
+            # Complete up to the hole: keep it (not served) and catch up from its last seq.
+            self._hold(index, reply.last_seq, reply.last_digest, digests, completeness,
+                       stats_base, f"{reply.reason}; catching up from seq {reply.last_seq}")
+            return
         self._install(index, None if expected is None else expected - 1, digest, digests,
                       completeness, live_events=tail, stats_base=stats_base, how=how, now=now)
 
@@ -706,6 +718,27 @@ class HistoryRecovery:
         log.info("stream %s: synchronized%s (%s, %s): %d device, %d host blocks", self._name,
                  " again" if replacing else "", how, completeness.value, index.device_blocks,
                  index.host_blocks)
+
+    def _hold(self, index: TierIndex, sequence: int, digest: int, digests: dict[int, int],
+              completeness: Completeness, stats_base: tuple[int, ...], reason: str) -> None:
+        """Keep a rebuilt index complete up to ``sequence`` without serving it and catch up."""
+        was_synced = self._synced
+        self._abandon_attempt()
+        self._serving.hold(index, sequence=sequence, stats_base=stats_base,
+                           completeness=completeness, reason=reason)
+        if was_synced:
+            # (A live-only subset was serving: it stops, the rebuilt index takes over.)
+            self._serving.count_recovery(RecoveryTrigger.SEQUENCE_GAP)
+        self._synced = False
+        self._held = True
+        self._completeness = completeness
+        self._first_decides = False
+        self._expected = sequence + 1
+        self._digest = digest
+        self._recent = {s: d for s, d in digests.items() if s > sequence - RECENT_DIGESTS}
+        self._recent[sequence] = digest
+        log.info("stream %s: rebuilt to seq %d: %s", self._name, sequence, reason)
+        self._begin_attempt()
 
     def _resume(self, how: str) -> None:
         """The kept index is complete again: serve it."""

@@ -417,8 +417,6 @@ def test_client_catch_up_proves_continuity_by_seq_and_digest():
 @pytest.mark.parametrize("seqs, error", [
     ((0, 1, 0), "history reply seq went backwards: seq 0 after 1"),
     ((0, 0), "history reply seq repeated: seq 0 after 0"),
-    ((0, 2), "history reply seq skipped ahead: seq 2 after 0 (a ROUTER drops messages "
-             "silently at its send high-water mark)"),
 ])
 def test_client_refuses_seqs_that_are_not_contiguous(seqs, error):
     a = _attempt(0)
@@ -426,6 +424,40 @@ def test_client_refuses_seqs_that_are_not_contiguous(seqs, error):
         for i, seq in enumerate(seqs):
             a.feed(_msg(seq, _ev(10 + i))[0])
     assert str(exc.value) == error
+
+
+def test_client_ends_a_reply_with_a_hole_as_truncated():
+    a = _attempt(0)
+    a.feed(_msg(0, _ev(1))[0])
+    a.feed(_msg(1, _ev(2, 1))[0])
+    r = a.feed(_msg(5, _ev(3))[0])                    # seq 2..4 dropped by the engine's ROUTER
+    assert (r.truncated, r.continuous, r.last_seq, r.exact, r.reason) == (
+        True, True, 1, True, "history reply skipped from seq 1 to 5")
+    assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
+
+
+def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
+    s = Stream()
+    s.connect()
+    index = TierIndex(BS, SEED, 1000)
+    index.apply([put(1)], snapshot=True)
+    result = HistoryResult(catch_up=False, continuous=True, index=index, first_seq=0,
+                           last_seq=0, last_digest=7_000, exact=True, digests={0: 7_000},
+                           messages=1, wire_bytes=10, reason="history reply skipped from seq 0 "
+                           "to 3", truncated=True)
+    actions = s._fed(s.m.on_snapshot_complete(1, result, s.now, s.now))
+    assert actions == (AbandonSnapshot(1), RequestHistory(2, 0, True, 7_000))
+    st = s.serving.status()
+    assert (st.state, st.device_blocks, s.hits(1)) == (RECOVERING, 1, (False, 0, 0))
+    truncated = HistoryResult(catch_up=True, continuous=True, index=None, first_seq=0,
+                              last_seq=1, last_digest=7_001, exact=False, digests={},
+                              messages=2, wire_bytes=10, reason="history reply skipped from "
+                              "seq 1 to 3", truncated=True)
+    s.m.on_history_batch(2, 1, [put(2, 1)], 7_001, 10, s.now)
+    actions = s._fed(s.m.on_snapshot_complete(2, truncated, s.now, s.now))
+    assert actions == (AbandonSnapshot(2), RequestHistory(3, 1, True, 7_001))
+    assert s.catch_up((2, [put(3, 2)])) == (AbandonSnapshot(3),)
+    assert (s.state(), s.completeness(), s.hits(1, 2, 3)) == (SYNC, EXACT, (True, 12, 0))
 
 
 def test_client_timeout_is_per_message():
