@@ -485,11 +485,22 @@ class HistoryRecovery:
 
     def _buffer_new(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
                     now: float) -> None:
-        """Buffer a live batch into the attempt in flight (nothing to buffer into otherwise:
-        the next reply covers it); a seq not above the last buffered one means a restart."""
-        if self._attempt is None:
-            return
+        """Buffer a live batch into the attempt in flight; a seq not above the last buffered
+        one means a restart. Without an attempt and without an index (a rebuild is due, or
+        waits for its backoff) the batch is kept too, within ``max_buffered_bytes``: the next
+        rebuild's reply covers it (deduplicated), and if no reply ever comes the live-only
+        subset starts from the first batch received (§7h), not from a later one."""
         buffer = self._buffer
+        if self._attempt is None:
+            if self._held:
+                return  # the catch-up's reply covers it
+            cost = record_bytes(batch, wire_bytes)
+            if buffer and seq <= buffer[-1][0] or self._buffer_bytes + cost > self._max_buffered:
+                buffer.clear()
+                self._buffer_bytes = 0
+            buffer.append((seq, batch, digest))
+            self._buffer_bytes += cost
+            return
         if buffer and seq <= buffer[-1][0]:
             last = buffer[-1][0]
             self._discard_and_rebuild(f"sequence went backwards during recovery: got seq {seq} "
@@ -894,8 +905,10 @@ class HistoryRecovery:
         else a rebuild from 0."""
         self._waiting_error_logged = False
         anchor = self.anchor if not self._live_only else None
-        self._buffer = []
-        self._buffer_bytes = 0
+        if anchor is not None or self._held:
+            # (A rebuild keeps what arrived before its request: its reply covers it.)
+            self._buffer = []
+            self._buffer_bytes = 0
         self._caught_up = 0
         self._attempt_ids += 1
         self._attempt = self._attempt_ids

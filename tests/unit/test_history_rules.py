@@ -473,3 +473,15 @@ def test_client_timeout_is_per_message():
     assert not isinstance(exc.value, ReplayUnanswered)
     assert str(exc.value) == ("history reply timeout: no next message within "
                               "replay_timeout_ms=100 after 1 messages (last seq 0)")
+
+
+def test_live_batches_before_the_first_request_are_kept_for_the_rebuild():
+    s = Stream()
+    s.m.start(s.now)
+    s.m.on_live_opened()
+    assert s.live(0, put(1)) == NO_ACTIONS          # before the handshake: no request yet
+    s.m.on_live_up(s.now)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(1, 0, True, None),)
+    assert s.m.view().buffered_seqs == (0,)
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    assert (s.state(), s.completeness(), s.hits(1)) == (SYNC, EXACT, (True, 4, 0))
