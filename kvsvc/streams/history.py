@@ -318,12 +318,17 @@ class HistoryRecovery:
         (a live-only one serves again from the next contiguous live batch)."""
         self._live_up = False
         self._abandon_attempt()
-        if self._synced:
+        if self._synced and self._live_only:
+            # No replay to prove anything after it (the engine may have restarted): a new
+            # live-only index starts at the next live batch (exact if that one is seq 0).
+            self._invalidate(f"{reason}; a new live-only subset starts at the next live batch",
+                             RecoveryTrigger.DISCONNECT)
+            self._live_only_wait = True
+        elif self._synced:
             self._synced = False
             self._serving.set_recovering()
-            how = ("serving again from the next contiguous live batch" if self._live_only
-                   else f"catching up from seq {self._expected - 1 if self._expected else 0} "
-                        "once reconnected")
+            how = (f"catching up from seq {self._expected - 1 if self._expected else 0} "
+                   "once reconnected")
             self._serving.set_error(f"{reason}; {how}")
             self._log_unsynchronized(f"{reason}; {how}", RecoveryTrigger.DISCONNECT,
                                      recovering=True)
@@ -463,13 +468,12 @@ class HistoryRecovery:
             self._start_live_only(seq, batch, digest, wire_bytes, now)
             return
         if self._held:
+            # A kept index takes no live batch before its catch-up proved the anchor: after a
+            # disconnect the engine may have restarted and published up to exactly the
+            # expected seq, and only the anchor's digest tells (the batch is buffered for the
+            # catch-up, or dropped without one: the reply covers it).
             expected = self._expected
             assert expected is not None
-            if seq == expected:
-                if self._apply_held(seq, batch, digest, now) and self._live_only:
-                    # A live-only stream after a disconnect: nothing was missed.
-                    self._resume(f"live batch seq {seq} continues the live-only subset")
-                return
             if seq < expected:
                 if self._recent.get(seq) == digest:
                     self._serving.duplicates_dropped += 1
@@ -477,10 +481,6 @@ class HistoryRecovery:
                 self._discard_and_rebuild(
                     f"sequence went backwards: expected seq {expected}, got {seq} (the "
                     "engine restarted)", RecoveryTrigger.SEQUENCE_BACKWARDS, now)
-            elif self._live_only:
-                self._discard_live_only(seq, batch, digest, wire_bytes,
-                                        f"sequence gap: expected seq {expected}, got {seq}", now)
-                return
         self._buffer_new(seq, batch, digest, wire_bytes, now)
 
     def _buffer_new(self, seq: int, batch: Batch, digest: int, wire_bytes: int,

@@ -246,7 +246,8 @@ def test_live_batches_during_a_catch_up_fill_in_and_duplicates_are_dropped():
     s.m.on_live_opened()
     s.m.on_live_up(s.now)
     s._fed(s.m.tick(s.now))
-    assert s.live(1, put(2, 1)) == NO_ACTIONS         # applied to the kept index at once
+    assert s.live(1, put(2, 1)) == NO_ACTIONS         # buffered: the anchor is not proven yet
+    assert (s.m.view().buffered_seqs, s.m.anchor) == ((1,), (0, 7_000))
     assert s.catch_up((1, [put(2, 1)]), (2, [put(3, 2)])) == (AbandonSnapshot(2),)
     assert s.live(2, put(3, 2)) == NO_ACTIONS         # the live copy of seq 2: a duplicate
     assert (s.serving.duplicates_dropped, s.hits(1, 2, 3)) == (1, (True, 12, 0))
@@ -344,8 +345,8 @@ def test_silent_live_channel_unsynchronizes_until_a_live_message():
     assert (st.state, st.error.startswith("live channel silent")) == (UNSYNC, True)
     assert s.m.tick(s.at(10.0).now) == NO_ACTIONS    # nothing asked until a live message
     s.live(2, put(2))
-    assert s._fed(s.m.tick(s.now)) == (RequestHistory(3, 2, True, 7_002),)
-    assert s.catch_up() == (AbandonSnapshot(3),)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(3, 1, True, 7_001),)
+    assert s.catch_up((2, [put(2)])) == (AbandonSnapshot(3),)
     assert (s.state(), s.hits(2)) == (SYNC, (True, 4, 0))
 
 
@@ -485,3 +486,31 @@ def test_live_batches_before_the_first_request_are_kept_for_the_rebuild():
     assert s.m.view().buffered_seqs == (0,)
     s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
     assert (s.state(), s.completeness(), s.hits(1)) == (SYNC, EXACT, (True, 4, 0))
+
+
+def test_restarted_engine_reaching_the_expected_seq_is_found_by_the_anchor_digest():
+    s = Stream().synced([[put(1)], [put(2, 1)]])     # L = 1
+    s.m.on_live_down("disconnected", s.now)
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(2, 1, True, 7_001),)
+    # The new engine's seq 2 is the expected seq: buffered, not applied to the old index.
+    assert s.live(2, put(5), digest=42) == NO_ACTIONS
+    assert s.m.anchor == (1, 7_001)
+    actions = s.catch_up(continuous=False, reason="seq 1 has another payload digest")
+    assert actions == (AbandonSnapshot(2), RequestHistory(3, 0, True, None))
+    assert s.serving.status().device_blocks == 0
+
+
+def test_live_only_disconnect_starts_a_new_live_only_index():
+    s = Stream()
+    s.connect()
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    s.live(3, put(1))
+    assert s.hits(1) == (True, 4, 0)
+    s.m.on_live_down("disconnected", s.now)
+    assert (s.state(), s.hits(1)) == (UNSYNC, (False, 0, 0))
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    assert s.live(0, put(2)) == NO_ACTIONS            # a restarted engine: seq 0, exact
+    assert (s.completeness(), s.hits(1), s.hits(2)) == (EXACT, (True, 0, 0), (True, 4, 0))
