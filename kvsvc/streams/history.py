@@ -473,8 +473,7 @@ class HistoryRecovery:
             # expected seq, and only the anchor's digest tells (the batch is buffered for the
             # catch-up, or dropped without one: the reply covers it).
             expected = self._expected
-            assert expected is not None
-            if seq < expected:
+            if expected is not None and seq < expected:
                 if self._recent.get(seq) == digest:
                     self._serving.duplicates_dropped += 1
                     return

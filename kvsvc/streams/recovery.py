@@ -295,9 +295,10 @@ class RecoveryRules(Protocol):
         requests and abandons."""
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
-                      now: float) -> tuple[Action, ...]:
+                      now: float, digest: int = 0) -> tuple[Action, ...]:
         """Called per live message with the exact topic that framed (§1) and decoded (§2);
-        ``wire_bytes`` is its size on the wire; may return any actions."""
+        ``wire_bytes`` is its size on the wire; ``digest`` the XXH3-64 of its payload (history
+        mode's anchor, §7h; 0 and unused in snapshot mode); may return any actions."""
 
     def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
                       now: float) -> tuple[Action, ...]:
@@ -475,8 +476,9 @@ class SnapshotRecovery:
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
-                      now: float) -> tuple[Action, ...]:
-        """A live batch with the exact topic, framed (§1) and decoded (§2).
+                      now: float, digest: int = 0) -> tuple[Action, ...]:
+        """A live batch with the exact topic, framed (§1) and decoded (§2); ``digest`` is
+        not used in snapshot mode.
 
         Synchronized: applied when ``seq`` is the expected one (and buffered for a resync in
         flight), dropped when covered by the swapped-in snapshot, else a sequence error.

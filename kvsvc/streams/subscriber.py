@@ -444,13 +444,9 @@ class StreamSubscriber(BackgroundThread):
             self._carry(self._recovery.on_live_error(DecodeErrorReason.PAYLOAD,
                                                      f"seq {seq}: {exc}", seq, time.monotonic()))
             return
-        if history:
-            # §7h anchor: the digest of every applied batch's payload bytes, as published.
-            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,  # type: ignore[call-arg]
-                                                   time.monotonic(),
-                                                   digest=xxh3_64_intdigest(frame.payload))
-        else:
-            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,
-                                                   time.monotonic())
+        # §7h anchor: the digest of every batch's payload bytes, as published (history only).
+        actions = self._recovery.on_live_batch(
+            seq, batch, frame.wire_bytes, time.monotonic(),
+            xxh3_64_intdigest(frame.payload) if history else 0)
         if actions:
             self._carry(actions)

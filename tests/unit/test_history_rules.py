@@ -514,3 +514,187 @@ def test_live_only_disconnect_starts_a_new_live_only_index():
     s.m.on_live_up(s.now)
     assert s.live(0, put(2)) == NO_ACTIONS            # a restarted engine: seq 0, exact
     assert (s.completeness(), s.hits(1), s.hits(2)) == (EXACT, (True, 0, 0), (True, 4, 0))
+
+
+def test_history_streams_decode_byte_hashes_to_the_integer_form():
+    from kvsvc.streams.decoder import decode_batch
+    raw, parent = bytes(range(32)), b"\x01" * 32
+    payload = ormsgpack.packb({"ts": 1.0, "data_parallel_rank": 0, "events": [
+        {"type": "BlockStored", "block_hashes": [raw, 5], "parent_block_hash": parent,
+         "token_ids": [], "block_size": 0, "medium": "CPU"},
+        ["BlockRemoved", [raw], "CPU"]]})
+    as_int = int.from_bytes(raw, "big") & ((1 << 64) - 1)
+    st, rm = decode_batch(payload, 0, True).events
+    assert (st.block_hashes, st.parent_block_hash, rm.block_hashes) == (
+        [as_int, 5], int.from_bytes(parent[-8:], "big"), [as_int])
+    st, rm = decode_batch(payload, 0).events            # snapshot mode: bytes stay bytes
+    assert (st.block_hashes, st.parent_block_hash, rm.block_hashes) == ([raw, 5], parent, [raw])
+
+
+# ---------------------------------------------------------------------------- property: no false hit
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(st.sampled_from(["store", "store", "store", "remove", "lose", "disconnect",
+                                "restart", "clear", "answer", "answer", "fail", "tick"]),
+               min_size=5, max_size=40)
+
+
+class ModelEngine:
+    """A vLLM-like engine for the rules (§7h): blocks with unique hashes, a seq counter per
+    process, a bounded replay buffer of (seq, events, digest), the residency after each seq."""
+
+    def __init__(self, buffer_steps: int) -> None:
+        self.epoch = 0
+        self.seq = 0
+        self.buffer: list[tuple[int, list[Event], int]] = []
+        self.buffer_steps = buffer_steps
+        self.resident: dict[int, Optional[int]] = {}   # hash -> parent hash
+        self.parents: dict[int, Optional[int]] = {}    # every hash ever stored
+        self.truth: dict[int, dict[int, Optional[int]]] = {}   # seq -> residency after it
+        self.next_hash = 1
+
+    def publish(self, events: list[Event]) -> tuple[int, list[Event], int]:
+        seq = self.seq
+        self.seq += 1
+        digest = self.epoch * 1_000_000 + seq + 1
+        self.buffer.append((seq, events, digest))
+        del self.buffer[:-self.buffer_steps]
+        self.truth[seq] = dict(self.resident)
+        return seq, events, digest
+
+    def store(self, rng_pick: int) -> list[Event]:
+        h = self.next_hash
+        self.next_hash += 1
+        parents = sorted(self.resident)
+        parent = parents[rng_pick % len(parents)] if parents and rng_pick % 3 else None
+        self.resident[h] = parent
+        self.parents[h] = parent
+        return [BlockStored([h], parent, blk(h), BS, DEVICE)]
+
+    def chain(self, h: int) -> list[int]:
+        out = []
+        cur: Optional[int] = h
+        while cur is not None:
+            out.append(cur)
+            cur = self.parents[cur]
+        return out[::-1]
+
+
+def _truth_hits(residency: dict[int, Optional[int]], chain: list[int]) -> int:
+    n = 0
+    for h in chain:
+        if h not in residency:
+            break
+        n += 1
+    return n * BS
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.integers(2, 8), st.lists(st.integers(0, 1000), min_size=40, max_size=40))
+def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
+    """Whatever happens (lost batches, disconnects, restarts, clears, failed replies, a rolled
+    buffer), a synchronized stream's answers equal the engine's residency at the stream's seq
+    when ``exact``, and never exceed it when ``subset``; an unsynchronized one has no hit."""
+    s = Stream(resync_interval_ms=1000)
+    eng = ModelEngine(buffer_steps)
+    for _ in range(picks[-1] % 12):      # history before kvsvc joins (may roll the buffer)
+        eng.publish(eng.store(picks[-2]))
+    s.connect()
+
+    def answer() -> None:
+        req = s.requests[-1] if s.requests else None
+        if req is None or s.m.attempt != req.attempt:
+            return
+        if req.catch_up:
+            tail = [b for b in eng.buffer if b[0] >= req.start_seq]
+            if not tail or tail[0][0] != req.start_seq or tail[0][2] != req.anchor_digest:
+                result = HistoryResult(True, False, None, None, None, None, False, {}, 0, 0,
+                                       "not continuous")
+                s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
+                return
+            for seq, events, digest in tail[1:]:
+                s._fed(s.m.on_history_batch(req.attempt, seq, events, digest, 10, s.now))
+                if s.m.attempt != req.attempt:
+                    return
+            result = HistoryResult(True, True, None, tail[0][0], tail[-1][0], tail[-1][2],
+                                   False, {}, len(tail), 10)
+        else:
+            index = TierIndex(BS, SEED, 10_000)
+            for _, events, _ in eng.buffer:
+                index.apply(events, snapshot=True)
+            b = eng.buffer
+            result = HistoryResult(
+                False, True, index, b[0][0] if b else None, b[-1][0] if b else None,
+                b[-1][2] if b else None,
+                bool(b) and b[0][0] == 0 and index.stats.orphan_blocks == 0,
+                {seq: d for seq, _, d in b}, len(b), 10)
+        s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
+
+    def deliver(batch) -> None:
+        seq, events, digest = batch
+        s._fed(s.m.on_live_batch(seq, Batch(0.0, events, 0), 10, s.now, digest=digest))
+
+    def reconnect() -> None:
+        s._fed(s.m.on_live_down("disconnected", s.now))
+        s._fed(s.m.on_live_opened())
+        s._fed(s.m.on_live_up(s.now))
+        s._fed(s.m.tick(s.now))
+
+    for i, op in enumerate(ops):
+        pick = picks[i]
+        if op == "store":
+            deliver(eng.publish(eng.store(pick)))
+        elif op == "remove" and eng.resident:
+            h = sorted(eng.resident)[pick % len(eng.resident)]
+            del eng.resident[h]
+            deliver(eng.publish([BlockRemoved([h], DEVICE)]))
+        elif op == "lose":
+            if eng.resident and pick % 2:
+                h = sorted(eng.resident)[pick % len(eng.resident)]
+                del eng.resident[h]
+                eng.publish([BlockRemoved([h], DEVICE)])
+            else:
+                eng.publish(eng.store(pick))
+        elif op == "clear":
+            eng.resident.clear()
+            deliver(eng.publish([AllBlocksCleared(None)] + eng.store(pick)))
+        elif op == "disconnect":
+            reconnect()
+        elif op == "restart":
+            eng.epoch += 1
+            eng.seq = 0
+            eng.buffer.clear()
+            eng.resident.clear()
+            eng.truth.clear()
+            s._fed(s.m.on_live_down("disconnected", s.now))
+            s._fed(s.m.on_live_opened())
+            # The new process publishes before kvsvc reconnects: those never arrive live.
+            for _ in range(pick % 4):
+                eng.publish(eng.store(pick))
+            s._fed(s.m.on_live_up(s.now))
+            s._fed(s.m.tick(s.now))
+        elif op == "answer":
+            answer()
+        elif op == "fail" and s.m.attempt is not None:
+            s._fed(s.m.on_snapshot_failed(s.m.attempt, SnapshotError("bad reply"), s.now))
+        elif op == "tick":
+            s.at(s.now - T0 + 0.7)
+            s._fed(s.m.tick(s.now))
+        # The check: every chain ever stored, against the residency at the stream's seq.
+        status = s.serving.status()
+        for h in eng.parents:
+            chain = eng.chain(h)
+            m = s.serving.match(prompt_keys(blk(*chain), BS, SEED))
+            if not m.synchronized:
+                assert m.device_hit_tokens == 0
+                continue
+            truth = (eng.truth.get(status.sequence, {}) if status.sequence is not None
+                     else {})
+            expected = _truth_hits(truth, chain)
+            if m.completeness is EXACT:
+                assert m.device_hit_tokens == expected, (ops[:i + 1], h, chain)
+            else:
+                assert m.device_hit_tokens <= expected, (ops[:i + 1], h, chain)
