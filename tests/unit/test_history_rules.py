@@ -537,7 +537,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 OPS = st.lists(st.sampled_from(["store", "store", "store", "remove", "lose", "disconnect",
-                                "restart", "clear", "answer", "answer", "fail", "tick"]),
+                                "restart", "clear", "answer", "answer", "fail", "tick",
+                                "delay", "unanswered"]),
                min_size=5, max_size=40)
 
 
@@ -633,11 +634,17 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
                 {seq: d for seq, _, d in b}, len(b), 10)
         s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
 
+    pending: list = []   # published, still on the wire (a PUB delivers in order)
+
     def deliver(batch) -> None:
+        while pending:
+            seq, events, digest = pending.pop(0)
+            s._fed(s.m.on_live_batch(seq, Batch(0.0, events, 0), 10, s.now, digest=digest))
         seq, events, digest = batch
         s._fed(s.m.on_live_batch(seq, Batch(0.0, events, 0), 10, s.now, digest=digest))
 
     def reconnect() -> None:
+        pending.clear()
         s._fed(s.m.on_live_down("disconnected", s.now))
         s._fed(s.m.on_live_opened())
         s._fed(s.m.on_live_up(s.now))
@@ -669,6 +676,7 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
             eng.buffer.clear()
             eng.resident.clear()
             eng.truth.clear()
+            pending.clear()
             s._fed(s.m.on_live_down("disconnected", s.now))
             s._fed(s.m.on_live_opened())
             # The new process publishes before kvsvc reconnects: those never arrive live.
@@ -680,6 +688,11 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
             answer()
         elif op == "fail" and s.m.attempt is not None:
             s._fed(s.m.on_snapshot_failed(s.m.attempt, SnapshotError("bad reply"), s.now))
+        elif op == "delay":
+            pending.append(eng.publish(eng.store(pick)))
+        elif op == "unanswered" and s.m.attempt is not None and s.requests \
+                and not s.requests[-1].catch_up:
+            s._fed(s.m.on_snapshot_failed(s.m.attempt, ReplayUnanswered("no reply"), s.now))
         elif op == "tick":
             s.at(s.now - T0 + 0.7)
             s._fed(s.m.tick(s.now))
