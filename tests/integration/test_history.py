@@ -384,3 +384,14 @@ def test_no_replay_endpoint_first_live_seq_0_is_exact(h):
     pub.publish([put(1)])
     synced_at(sub, 0)
     assert (sub.status().completeness, hits(sub, 1)) == (EXACT, (True, 4, 0))
+
+
+def test_reply_with_a_hole_keeps_what_arrived_and_catches_up(h):
+    pub = h.publisher()
+    for c in range(1, 7):
+        pub.publish([put(c, c - 1 if c > 1 else None)])
+    pub.omit = {3, 4}                        # dropped by the engine's ROUTER
+    sub = h.subscriber(pub)
+    synced_at(sub, 5)
+    assert pub.requests == [0, 2]            # the rebuild up to seq 2, then a catch-up from it
+    assert (sub.status().completeness, hits(sub, 1, 2, 3, 4, 5, 6)) == (EXACT, (True, 24, 0))
