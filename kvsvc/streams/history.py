@@ -27,9 +27,13 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   is connected again (§6: replies are asked for only while it is), never a rebuild.
 - **Catch-up** from ``start_seq = L``: proven by the first message (seq ``L``, digest ``D``);
   its later batches are applied as they arrive, exactly like live deltas (unknown parent: an
-  error, on an exact index), live batches that fill in meanwhile are applied too (whichever
-  comes first; the other copy is a duplicate), live batches beyond are buffered; at the end
-  marker the buffered ones follow contiguously and the stream serves again. Not proven
+  error, on an exact index). A kept index takes no live batch before the proof (an engine that
+  restarted may have reached exactly the expected seq): live batches are buffered, and at the
+  end marker those after the last replayed seq follow contiguously (the others are duplicates,
+  checked by digest) and the stream serves again. A periodic catch-up's stream keeps applying
+  live batches as they come (whichever copy comes first; the other is a duplicate). A reply
+  with a hole (``truncated``: a ``ROUTER`` dropped messages) keeps what it applied and asks
+  again from there. Not proven
   (another first seq, another digest, an empty reply): discard, rebuild
   (``history_mismatch``). Every ``resync_interval_ms`` a synchronized stream catches up the
   same way while it serves; batches it applies that never arrived live are counted as a resync
@@ -46,8 +50,8 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
 - **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
   the stream serves a live-only subset from the next live batch on (exact if its seq is 0) and
   retries the rebuild with the §6 backoff, which replaces it when it succeeds. A gap in a
-  live-only stream discards it and starts a new one at that batch; after a disconnect it serves
-  again from the next contiguous live batch.
+  live-only stream discards it and starts a new one at that batch; so does a disconnect
+  (nothing proves continuity without a replay), at the next live batch.
 - **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
   complete state (§6): exact from it.
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
@@ -315,7 +319,7 @@ class HistoryRecovery:
     def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
         """The live ``SUB`` disconnected (§6): batches may be missed. A synchronized stream
         keeps its index, serves nothing (``recovering``) and catches up once connected again
-        (a live-only one serves again from the next contiguous live batch)."""
+        (a live-only one is discarded: a new one starts at the next live batch)."""
         self._live_up = False
         self._abandon_attempt()
         if self._synced and self._live_only:
