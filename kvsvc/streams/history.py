@@ -662,6 +662,14 @@ class HistoryRecovery:
             completeness = EXACT if reply.exact else SUBSET
             how = (f"history reply seq {reply.first_seq}..{reply.last_seq}, "
                    f"{reply.messages} messages")
+        if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
+            # Complete up to the hole: keep it (not served) and catch up from its last seq;
+            # the catch-up's reply covers the buffered live batches.
+            self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+            self._live_only = self._live_only_wait = False
+            self._hold(index, reply.last_seq, reply.last_digest, digests, completeness,
+                       stats_base, f"{reply.reason}; catching up from seq {reply.last_seq}")
+            return
         for seq, batch, live_digest in self._buffer:
             if expected is None:
                 # Empty reply: the first live batch decides (§7h).
@@ -693,11 +701,6 @@ class HistoryRecovery:
             digests[seq] = live_digest
         self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
         self._live_only = self._live_only_wait = False
-        if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
-            # Complete up to the hole: keep it (not served) and catch up from its last seq.
-            self._hold(index, reply.last_seq, reply.last_digest, digests, completeness,
-                       stats_base, f"{reply.reason}; catching up from seq {reply.last_seq}")
-            return
         self._install(index, None if expected is None else expected - 1, digest, digests,
                       completeness, live_events=tail, stats_base=stats_base, how=how, now=now)
 

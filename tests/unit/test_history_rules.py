@@ -440,6 +440,7 @@ def test_client_ends_a_reply_with_a_hole_as_truncated():
 def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     s = Stream()
     s.connect()
+    s.live(4, put(4))                                 # buffered: after the hole
     index = TierIndex(BS, SEED, 1000)
     index.apply([put(1)], snapshot=True)
     result = HistoryResult(catch_up=False, continuous=True, index=index, first_seq=0,
@@ -457,8 +458,9 @@ def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     s.m.on_history_batch(2, 1, [put(2, 1)], 7_001, 10, s.now)
     actions = s._fed(s.m.on_snapshot_complete(2, truncated, s.now, s.now))
     assert actions == (AbandonSnapshot(2), RequestHistory(3, 1, True, 7_001))
-    assert s.catch_up((2, [put(3, 2)])) == (AbandonSnapshot(3),)
+    assert s.catch_up((2, [put(3, 2)]), (3, [drop(99)]), (4, [put(4)])) == (AbandonSnapshot(3),)
     assert (s.state(), s.completeness(), s.hits(1, 2, 3)) == (SYNC, EXACT, (True, 12, 0))
+    assert s.hits(4) == (True, 4, 0)
 
 
 def test_client_timeout_is_per_message():
