@@ -285,7 +285,10 @@ def test_10000_batch_history_within_the_per_message_timeout(h):
     logging.getLogger(__name__).info("10,000-batch history: synchronized in %.2f s", elapsed)
     assert elapsed > 0.5                            # longer than one replay_timeout_ms
     st = sub.status()
-    assert (st.device_blocks, st.completeness, pub.requests) == (10_000, EXACT, [0])
+    assert (st.device_blocks, st.completeness, pub.requests[0]) == (10_000, EXACT, 0)
+    # On a loaded machine the engine's ROUTER may drop messages of its long reply at its send
+    # high-water mark: then the stream catches up from the last seq it got, never rebuilds.
+    assert all(start > 0 for start in pub.requests[1:]), pub.requests
     assert hits(sub, 24991, 24992, 24993, 24994) == (True, 16, 0)
 
 
