@@ -54,10 +54,10 @@ class Harness:
         self.objs.append(pub)
         return pub.start()
 
-    def subscriber(self, pub: HistoryPublisher, **limits) -> StreamSubscriber:
+    def subscriber(self, pub: HistoryPublisher, topic: str = "", **limits) -> StreamSubscriber:
         cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
                            endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                           hash_seed=SEED, replay_mode=ReplayMode.HISTORY)
+                           topic=topic, hash_seed=SEED, replay_mode=ReplayMode.HISTORY)
         sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
         self.objs.append(sub)
         sub.start()
@@ -398,3 +398,18 @@ def test_reply_with_a_hole_keeps_what_arrived_and_catches_up(h):
     synced_at(sub, 5)
     assert pub.requests == [0, 2]            # the rebuild up to seq 2, then a catch-up from it
     assert (sub.status().completeness, hits(sub, 1, 2, 3, 4, 5, 6)) == (EXACT, (True, 24, 0))
+
+
+def test_silent_live_channel_stops_serving(h):
+    pub = h.publisher(topic=b"kv-events")        # the stream's topic "" sees other topics only
+    pub.publish([put(1)])
+    sub = h.subscriber(pub, resync_interval_ms=1000)
+    synced_at(sub, 0)
+    pub.wait_subscribed()
+    pub.publish([drop(1)])                       # dropped for its topic (§1): never applied live
+    wait_for(lambda: sub.counters().recoveries_started["live_silent"] == 1, 8.0,
+             what="live channel silent")
+    st = sub.status()
+    assert (st.state, hits(sub, 1)[0], st.resync_differences) == (StreamState.UNSYNCHRONIZED,
+                                                                   False, 1)
+    assert "live channel silent" in st.error and "kv-events" in st.error
