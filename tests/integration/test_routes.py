@@ -379,7 +379,7 @@ def test_route_endpoint_reports_hits_and_picks_the_cached_instance(etcd_server, 
         by_name = {c["name"]: c for c in got["candidates"]}
         assert by_name[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
                                              "host_only_hit_tokens": 0, "hit_ratio": 0.8,
-                                             "reason": None}]
+                                             "reason": None, "completeness": "exact"}]
         assert by_name[cold]["ranks"][0]["reason"] == "missing"
         assert (by_name[cached]["queue_cost"], by_name[cold]["queue_cost"]) == (0.5, 1.0)
         assert by_name[cached]["score"] == pytest.approx(0.35, abs=1e-12)
