@@ -320,6 +320,11 @@ class Directory:
         """Current stream ids in answer order (instance_name, dp_rank)."""
         return list(self._current().ordered)
 
+    def stream_config(self, stream_id: StreamId) -> Optional[StreamConfig]:
+        """The configuration ``stream_id`` runs with (static, or as discovery handed it over,
+        §9), ``None`` for an unknown stream."""
+        return self._current().configs.get(stream_id)
+
     def replay_modes(self) -> dict[StreamId, ReplayMode]:
         """Each current stream's configured replay mode (§8 ``replay_mode``: ``snapshot`` §7
         or ``history`` §7h), in answer order; what ``/ready`` shows beside its state."""
