@@ -189,11 +189,15 @@ class PredictorCache:
 
     :param policy: the policy name, for the WARNING.
     :param fallback: what the policy does without a fit, for the WARNING.
+    :param fields: the profiling fields the policy uses: only their problems are warned about
+        (TTFT uses no TPOT prediction).
     """
 
-    def __init__(self, policy: str, fallback: str) -> None:
+    def __init__(self, policy: str, fallback: str,
+                 fields: tuple[str, ...] = (TTFT_FIELD, TPOT_FIELD)) -> None:
         self.policy = policy
         self.fallback = fallback
+        self.fields = fields
         self._lock = threading.Lock()
         self._fits: dict[str, tuple[str, ProfilingData, TimePredictor]] = {}
 
@@ -209,9 +213,10 @@ class PredictorCache:
             again = self._fits.get(inst.name)
             warn = again is None or again[0] != identity or again[1] != inst.profiling
             self._fits[inst.name] = (identity, inst.profiling, predictor)
-        if warn and predictor.problems:
+        problems = [p for p in predictor.problems if p.split(":", 1)[0] in self.fields]
+        if warn and problems:
             log.warning("instance %s: profiling data unusable (%s); %s %s", inst.name,
-                        "; ".join(predictor.problems), self.policy, self.fallback)
+                        "; ".join(problems), self.policy, self.fallback)
         return predictor
 
     def forget_except(self, names: set[str]) -> None:

@@ -56,7 +56,7 @@ from kvsvc.routing.policy import (
     candidate_pools,
     rank_hits,
 )
-from kvsvc.routing.predictor import PredictorCache, TimePredictor
+from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor
 from kvsvc.routing.request_metrics import (
     EMPTY_REQUEST_METRICS,
     PendingPrefill,
@@ -83,6 +83,17 @@ def check_tokens_per_s(value: float) -> float:
         raise ConfigError("--default_prefill_tokens_per_s",
                           f"must be a number in ({low:g}, {high:g}] tokens/s, got {value!r}")
     return float(value)
+
+def uncached_tokens(n_tokens: int, ranks: Sequence[RankHit], host_weight: float) -> float:
+    """``input_tokens - device_hit - host_weight * host_only_hit`` of the rank with the fewest
+    hits (CAR's minimum over DP ranks; a rank with a ``reason`` counts no hit), in
+    ``[0, n_tokens]``; computed from the tokens, not from the ratio, so it is exact."""
+    worst = 0.0
+    for r in ranks:
+        hits = 0.0 if r.reason else r.device_hit_tokens + host_weight * r.host_only_hit_tokens
+        worst = max(worst, n_tokens - min(hits, float(n_tokens)))
+    return worst
+
 
 def prefill_ms(predictor: TimePredictor, tokens: float, default_tokens_per_s: float) -> float:
     """Predicted prefill time of ``tokens`` tokens, ms >= 0: the TTFT fit when there is one
@@ -130,7 +141,7 @@ class TtftPolicy(CacheAware):
         self.ledger = ledger
         self.predictors = PredictorCache(
             self.name, f"assumes {self.default_prefill_tokens_per_s:g} tokens/s there "
-                       "(--default_prefill_tokens_per_s, §12)")
+                       "(--default_prefill_tokens_per_s, §12)", fields=(TTFT_FIELD,))
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],
@@ -152,7 +163,7 @@ class TtftPolicy(CacheAware):
             ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
             hit = min(r.hit_ratio for r in ranks)
             predictor = self.predictors.get(inst)
-            own = prefill_ms(predictor, n_tokens * (1.0 - hit),
+            own = prefill_ms(predictor, uncached_tokens(n_tokens, ranks, self.host_hit_weight),
                              self.default_prefill_tokens_per_s)
             queue = queued_ms(inst, metrics.pending_of(inst.name),
                               prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s))
