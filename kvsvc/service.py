@@ -118,6 +118,8 @@ def startup_warnings(settings: ServiceSettings,
             "matches (hit ratio 0)")
     if settings.load_balance_policy == "CAR":
         line += "; routing policy CAR routes on queue costs only"
+    elif settings.load_balance_policy == "TTFT":
+        line += "; routing policy TTFT predicts every prompt uncached"
     return [line]
 
 
