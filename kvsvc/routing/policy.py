@@ -170,7 +170,7 @@ class CandidateScore:
 class Decision:
     """What a policy chose for one request.
 
-    :ivar policy: the policy's name (``RR`` or ``CAR``).
+    :ivar policy: the policy's name (``RR``, ``CAR``, ``SLO_AWARE`` or ``TTFT``).
     :ivar prefill: the chosen P instance; ``None`` when no instance can serve.
     :ivar decode: the chosen D instance; ``None`` when the D side is empty (DEFAULT alone).
     :ivar candidates: every candidate, P side first, each side best first.
@@ -217,7 +217,7 @@ class Policy(Protocol):
     """A routing policy (§11). Implementations are thread-safe: request threads call
     :meth:`choose` concurrently.
 
-    :ivar name: ``RR`` or ``CAR``.
+    :ivar name: ``RR``, ``CAR``, ``SLO_AWARE`` or ``TTFT``.
     :ivar max_load_age_s: ``--max_load_age_s``: the candidates' age limit (seconds).
     """
 
