@@ -13,26 +13,28 @@ no lambda to tune.
 (:mod:`kvsvc.routing.predictor`, clamped at 0) when its ``ttft_profiling_data`` gives a fit,
 else ``n / default_prefill_tokens_per_s`` seconds (``--default_prefill_tokens_per_s``).
 
-``queued_ms(P)``, the prefill work ahead of the request (README "Routing"): the router's own
+``queued_ms(P)``, the prefill work ahead of the request (README "Routing"): P's last load
+report (``waiting_requests_num`` ``W``, received at ``t_r``) corrected by the router's own
 requests still in prefill on P (dispatched, no first token relayed yet: the request-metrics
 ledger, :mod:`kvsvc.routing.request_metrics`), each with the prefill time predicted when it was
-dispatched, corrected by P's last load report (``waiting_requests_num`` ``W``, received at
-``t_r``):
+dispatched:
 
-    ``queued_ms(P) = max(before_ms, W * unit_ms) + after_ms``
+    ``queued_ms(P) = W * unit_ms + after_ms``
 
-- ``before_ms``: the predicted times of the own pending requests dispatched up to ``t_r``:
-  they are inside that report (queued ones among ``W``, the running one not), so they and the
-  report describe the same work; the larger of the two is taken (the report also counts other
-  senders' requests; the ledger also counts the running one, and knows each one's size).
+- ``W * unit_ms``: the report counts every sender's queued requests up to ``t_r``, this
+  router's among them, so the own requests dispatched before ``t_r`` are not added again
+  (CAR's rule, :func:`~kvsvc.routing.in_flight.waiting_estimate`). The ledger cannot replace
+  the report there: a non-streamed answer relays no token before its end, so its request looks
+  "in prefill" through its whole decode; only the requests newer than the report are counted
+  from the ledger, and those are at most one heartbeat old.
 - ``unit_ms``: the mean predicted time of the own pending requests when there are any (the
   traffic the instance sees), else ``prefill_ms(P, input_tokens)`` of the request being routed
   (a queued request of unknown size costs a full prefill of this size).
-- ``after_ms``: the own pending requests dispatched after ``t_r``: no report has seen them yet,
-  so they are added on top (like CAR's waiting estimate, :mod:`kvsvc.routing.in_flight`).
+- ``after_ms``: the predicted times of the own pending requests dispatched after ``t_r``: no
+  report has seen them yet, so they are added on top.
 
 With nothing pending the estimate is ``W * prefill_ms(P, input_tokens)``: the report alone;
-with no report newer than the router's own dispatches it is the ledger alone. Nothing here does
+between two reports a burst sees its own dispatches at once. Nothing here does
 I/O; the choice reads the ledger's snapshot (copied under its lock) and the registry's.
 """
 
@@ -104,7 +106,7 @@ def prefill_ms(predictor: TimePredictor, tokens: float, default_tokens_per_s: fl
 
 def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms: float
               ) -> float:
-    """``max(before_ms, W * unit_ms) + after_ms`` (module docstring), milliseconds >= 0.
+    """``W * unit_ms + after_ms`` (module docstring), milliseconds >= 0.
 
     :param inst: the candidate (with its load report; without one ``W`` is 0).
     :param pending: the router's own requests still in prefill there.
@@ -114,11 +116,10 @@ def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms
     load = inst.load
     t_r = load.received_at if load is not None else -math.inf
     waiting = load.waiting_requests_num if load is not None else 0
-    before = sum(p.estimated_prefill_ms for p in pending if p.dispatched_at <= t_r)
     after = sum(p.estimated_prefill_ms for p in pending if p.dispatched_at > t_r)
     unit = (sum(p.estimated_prefill_ms for p in pending) / len(pending) if pending
             else full_prefill_ms)
-    return max(before, waiting * unit) + after
+    return waiting * unit + after
 
 class TtftPolicy(CacheAware):
     """``TTFT`` (§12, module docstring). Thread-safe.

@@ -63,13 +63,12 @@ def test_uncached_tokens_use_cars_hit_terms(ranks, m, identities, own, reason):
     assert reason in {r.reason for r in c.ranks}
 
 
-def test_queue_combines_own_pending_prefills_with_the_report():
-    a = inst("a:1", waiting=0)
-    before = PendingPrefill(REPORTED_AT - 0.5, 50.0)   # inside the report
+def test_queue_is_the_report_plus_own_pending_prefills_sent_after_it():
+    before = PendingPrefill(REPORTED_AT - 0.5, 50.0)   # inside the report: not added again
     after = PendingPrefill(REPORTED_AT + 1.0, 30.0)    # not seen by any report yet
-    assert queued_ms(a, (before, after), 100.0) == 80.0            # max(50, 0) + 30
-    assert queued_ms(inst("a:1", waiting=4), (before, after), 100.0) == 190.0  # max(50, 4*40)+30
-    assert queued_ms(inst("a:1", waiting=1), (before,), 100.0) == 50.0   # max(50, 1*50)
+    assert queued_ms(inst("a:1", waiting=0), (before, after), 100.0) == 30.0
+    assert queued_ms(inst("a:1", waiting=4), (before, after), 100.0) == 190.0  # 4 x 40 + 30
+    assert queued_ms(inst("a:1", waiting=1), (before,), 100.0) == 50.0   # 1 x 50
     assert queued_ms(inst("a:1", waiting=2), (), 100.0) == 200.0   # the report alone
     assert queued_ms(inst("a:1", load=False), (after,), 100.0) == 30.0
 
