@@ -793,3 +793,50 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
                 assert m.device_hit_tokens == expected, (ops[:i + 1], h, chain)
             else:
                 assert m.device_hit_tokens <= expected, (ops[:i + 1], h, chain)
+
+
+# ---------------------------------------------------------------------------- reply pacing
+
+
+def test_reply_slice_grows_only_after_a_late_yield():
+    from kvsvc.streams.pacing import BUILD_SLICE_S, REPLY_SLICE_MAX_S, reply_slice_s
+    assert (BUILD_SLICE_S, REPLY_SLICE_MAX_S) == (0.0003, 0.001)
+    assert reply_slice_s(0.00002) == BUILD_SLICE_S        # a prompt yield: the 0.3 ms slice
+    assert reply_slice_s(0.0008) == BUILD_SLICE_S
+    assert reply_slice_s(0.002) == pytest.approx(0.0005)   # a quarter of the wait
+    assert reply_slice_s(0.005) == REPLY_SLICE_MAX_S       # a whole 5 ms interval: capped
+    assert reply_slice_s(0.1) == REPLY_SLICE_MAX_S
+
+
+def test_switch_interval_lease_gives_back_what_it_lowered_and_nothing_else():
+    import sys
+
+    from kvsvc.streams.pacing import SwitchIntervalLease
+    original = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        SwitchIntervalLease(None).engage()                 # disabled: nothing changes
+        assert sys.getswitchinterval() == 0.005
+        a, b = SwitchIntervalLease(0.0005), SwitchIntervalLease(0.0005)
+        a.engage()
+        b.engage()                                         # already lowered: b owns nothing
+        assert (sys.getswitchinterval(), a.engaged, b.engaged) == (0.0005, True, False)
+        a.release()                                        # a ends first: back to 5 ms ...
+        assert sys.getswitchinterval() == 0.005
+        b.engage()                                         # ... b's next turn lowers it again
+        assert (sys.getswitchinterval(), b.engaged) == (0.0005, True)
+        b.release()
+        b.release()                                        # idempotent
+        assert sys.getswitchinterval() == 0.005
+        # Changed by someone else meanwhile: left as they set it.
+        a.engage()
+        sys.setswitchinterval(0.002)
+        a.release()
+        assert sys.getswitchinterval() == 0.002
+        # Never raises an interval already below the target.
+        sys.setswitchinterval(0.0001)
+        a.engage()
+        a.release()
+        assert (sys.getswitchinterval(), a.engaged) == (pytest.approx(0.0001), False)
+    finally:
+        sys.setswitchinterval(original)
