@@ -8,6 +8,17 @@
    latency p99 of another, synchronized stream while it runs against idle.
 3. Catch-up after a gap of one batch against a full rebuild, at 100,000 resident blocks: the
    catch-up costs its missed batches, not the index size.
+4. A 10,000-batch rebuild under request load, before and after the reply's lowered switch
+   interval (:data:`kvsvc.streams.pacing.REPLY_SWITCH_INTERVAL_S`; "before" sets it to
+   ``None``), in one run: the service's Flask app (``create_app``) with 8 synchronized history
+   streams in its directory, served in process by a threaded WSGI server, and the rebuilt
+   stream added with ``Directory.add_stream``. Loads: none; a thread spinning on
+   ``Directory.query`` (CPU-bound, never blocks: the worst case); HTTP queries through the app
+   from a client process (4 keep-alive connections, closed loop: threads blocking on sockets).
+   Per case: add -> synchronized, the query p99 of the other streams while it runs against
+   idle (a probe thread querying the directory every 0.5 ms; and the spinning loop's own
+   queries, or the HTTP answers' latency), and where the rebuild's time goes (the pacing
+   yields' GIL waits against the reply's receive calls).
 
 Nothing here is a test: figures are printed, ratios measured in the same run.
 """
@@ -209,11 +220,311 @@ def bench_catch_up(ctx: zmq.Context, blocks: int = 100_000) -> None:
     pub.close()
 
 
+# ---------------------------------------------------------------------------- 4. under load
+
+_HTTP_CLIENT = r"""
+import http.client, json, sys, threading, time
+port, body, token, conns = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3], int(sys.argv[4])
+stop = threading.Event()
+out = []
+def loop():
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    mine = []
+    while not stop.is_set():
+        t = time.monotonic()
+        c.request("POST", "/v1/internal/kv-cache/query", body=body,
+                  headers={"Content-Type": "application/json", "X-Internal-Token": token})
+        r = c.getresponse(); r.read()
+        if r.status != 200:
+            raise SystemExit(f"HTTP {r.status}")
+        mine.append((t, time.monotonic() - t))
+    out.extend(mine)
+threads = [threading.Thread(target=loop) for _ in range(conns)]
+for th in threads: th.start()
+print("ready", flush=True)
+sys.stdin.readline()
+stop.set()
+for th in threads: th.join()
+print(json.dumps(out))
+"""
+
+
+def _serve_history(ports: list[int], batches: int, ready, stop) -> None:
+    """Child process: one vLLM-style engine (``HistoryPublisher``) holding ``batches``."""
+    ctx = zmq.Context()
+    pub = HistoryPublisher(ctx, ports[0], ports[1], buffer_steps=max(batches, 1)).start()
+    rng = random.Random(2)
+    for i in range(batches):
+        pub.publish(_chain_events(rng, i), live=False)
+    ready.set()
+    stop.wait()
+    pub.close()
+    ctx.term()
+
+
+class _ForkedHistory:
+    """An engine in its own process (forked), so that its replay sender does not compete for
+    this process's GIL: the rebuild is measured against a real engine's pace."""
+
+    def __init__(self, batches: int) -> None:
+        import multiprocessing as mp
+        fork = mp.get_context("fork")
+        ports = free_ports(2)
+        self.endpoint = f"tcp://127.0.0.1:{ports[0]}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{ports[1]}"
+        rng = random.Random(2)
+        self.first_tokens = _chain_events(rng, 0)[0]["token_ids"]
+        self._stop = fork.Event()
+        ready = fork.Event()
+        self._proc = fork.Process(target=_serve_history, args=(ports, batches, ready, self._stop),
+                                  daemon=True)
+        self._proc.start()
+        if not ready.wait(120):
+            raise TimeoutError("history engine process did not start")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(10)
+
+
+class _Instrument:
+    """Where a rebuild's time goes: the pacing yields and the reply's receive calls, timed on
+    the stream thread (a monkeypatch of this run only: ``perf_counter`` around each)."""
+
+    def __init__(self) -> None:
+        self.yield_s = 0.0
+        self.yields = 0
+        self.yields_slow = 0      # > 1 ms: the GIL came back after another thread's interval
+        self.recv_s = 0.0
+        self.recvs = 0
+
+    def install(self):
+        import kvsvc.streams.history_client as hc
+        import kvsvc.streams.snapshot_client as sc
+        inst = self
+        orig_pace = hc.HistoryAttempt._pace
+
+        def pace(attempt) -> None:
+            before = attempt._slice_start
+            t = time.perf_counter()
+            orig_pace(attempt)
+            if attempt._slice_start != before:       # it yielded
+                took = time.perf_counter() - t
+                inst.yield_s += took
+                inst.yields += 1
+                inst.yields_slow += took > 0.001
+
+        class TimedDealer:
+            def __init__(self, sock) -> None:
+                self._sock = sock
+
+            def recv_multipart(self, flags: int = 0):
+                t = time.perf_counter()
+                try:
+                    return self._sock.recv_multipart(flags=flags)
+                finally:
+                    inst.recv_s += time.perf_counter() - t
+                    inst.recvs += 1
+
+            def __getattr__(self, name):
+                return getattr(self._sock, name)
+
+        orig_send = sc.SnapshotAttempt._send_request
+
+        def send(attempt) -> None:
+            orig_send(attempt)
+            if not isinstance(attempt._dealer, TimedDealer):
+                attempt._dealer = TimedDealer(attempt._dealer)
+
+        hc.HistoryAttempt._pace = pace
+        sc.SnapshotAttempt._send_request = send
+
+        def undo() -> None:
+            hc.HistoryAttempt._pace = orig_pace
+            sc.SnapshotAttempt._send_request = orig_send
+        return undo
+
+
+def bench_rebuild_under_load(batches: int = 10_000, others: int = 8,
+                             loads: tuple[str, ...] = ("none", "spin", "http"),
+                             rounds: int = 2) -> None:
+    import json
+    import subprocess
+    from werkzeug.serving import make_server
+
+    from kvsvc.config import parse_kv_events_config
+    from kvsvc.http.app import create_app
+    from kvsvc.http.extensions import EXTENSION
+    from kvsvc.settings import load_service_settings
+    from kvsvc.streams import pacing
+
+    pubs = [_ForkedHistory(50) for _ in range(others)]
+    big = _ForkedHistory(batches)
+    prompt = pubs[0].first_tokens
+    names = [f"10.0.1.{i}:8000" for i in range(others)]
+
+    def cfg(pub: _ForkedHistory, name: str) -> dict:
+        return {"instance_name": name, "block_size": BLOCK, "endpoint": pub.endpoint,
+                "replay_endpoint": pub.replay_endpoint, "hash_seed": SEED,
+                "replay_mode": "history"}
+
+    kv = parse_kv_events_config({"streams": [cfg(p, n) for p, n in zip(pubs, names)],
+                                 "resync_interval_ms": 600_000})
+    token = "bench-token"
+    app = create_app(load_service_settings(internal_api_token=token, max_query_tokens=4096), kv)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    directory = svc.directory
+    assert directory is not None
+    import logging
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)   # no line per request
+    server = make_server("127.0.0.1", free_ports(1)[0], app, threaded=True)
+    server_thread = threading.Thread(target=server.serve_forever, daemon=True)
+    server_thread.start()
+    big_cfg = StreamConfig.model_validate(cfg(big, "10.0.0.1:8000"))
+    keys = prompt_keys(prompt, BLOCK, SEED)
+
+    def synced(name: str, seq: int) -> bool:
+        return any(st.stream.instance_name == name and st.state is StreamState.SYNCHRONIZED
+                   and st.sequence == seq for st in directory.statuses())
+
+    wait_for(lambda: all(synced(n, 49) for n in names), 60, what="other streams")
+    got = [m.device_hit_tokens for m in directory.query(prompt)]
+    assert got == [len(keys) * BLOCK] * others, got   # the same history on each
+
+    def probe(out: list[float], stop: threading.Event) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            directory.query(prompt)
+            out.append(time.perf_counter() - t)
+            time.sleep(0.0005)
+
+    def spin(out: list[float], stop: threading.Event) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            directory.query(prompt)
+            out.append(time.perf_counter() - t)
+
+    def window(load: str, rebuild: bool) -> dict:
+        """One window: idle for 1.5 s, or the rebuild; samples of each load taken in it."""
+        stop = threading.Event()
+        probe_s: list[float] = []
+        spin_s: list[float] = []
+        threads = [threading.Thread(target=probe, args=(probe_s, stop))]
+        if load == "spin":
+            threads.append(threading.Thread(target=spin, args=(spin_s, stop)))
+        client = None
+        if load == "http":
+            body = json.dumps({"token_ids": prompt})
+            client = subprocess.Popen([sys.executable, "-c", _HTTP_CLIENT,
+                                       str(server.server_port), body, token, "4"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        for th in threads:
+            th.start()
+        inst = _Instrument()
+        undo = inst.install()
+        t0 = time.monotonic()
+        try:
+            if rebuild:
+                sid = directory.add_stream(big_cfg)
+                wait_for(lambda: synced(big_cfg.instance_name, batches - 1), 600,
+                         interval_s=0.002, what="rebuild")
+            else:
+                time.sleep(1.5)
+            t1 = time.monotonic()
+        finally:
+            undo()
+            stop.set()
+            for th in threads:
+                th.join()
+        http_s: list[float] = []
+        if client is not None:
+            out, _ = client.communicate("stop\n", timeout=60)
+            http_s = [lat for t, lat in json.loads(out) if t0 <= t <= t1]
+        if rebuild:
+            st = next(s for s in directory.statuses() if s.stream.instance_name
+                      == big_cfg.instance_name)
+            assert st.device_blocks == batches * PER_BATCH, st
+            assert sys.getswitchinterval() == 0.005, sys.getswitchinterval()   # given back
+            directory.remove_stream(sid)
+        return {"s": t1 - t0, "probe": probe_s, "spin": spin_s, "http": http_s, "inst": inst}
+
+    defaults = (pacing.REPLY_SLICE_MAX_S, pacing.REPLY_SWITCH_INTERVAL_S)
+    variants = (("before", pacing.BUILD_SLICE_S, None),          # fixed 0.3 ms slices
+                ("adaptive", defaults[0], defaults[1]),          # as shipped
+                ("switch", pacing.BUILD_SLICE_S, 0.0005))        # the rejected alternative
+    print(f"4. rebuild of {batches:,} batches ({batches * PER_BATCH:,} blocks, exact) with "
+          f"{others} other streams; before = fixed 0.3 ms build slices; adaptive = a slice "
+          f"after a late yield up to {defaults[0] * 1e3:.1f} ms (shipped); switch = "
+          "switch interval 0.5 ms while the reply is received (not shipped)")
+    try:
+        for load in loads:
+            # Rounds alternate idle and each variant, pooled: the shared machine's load drifts.
+            idle = {"s": 0.0, "probe": [], "spin": [], "http": []}
+            rows: dict = {}
+            for _ in range(rounds):
+                w = window(load, False)
+                for k in ("probe", "spin", "http"):
+                    idle[k] += w[k]
+                idle["s"] += w["s"]
+                for variant, slice_max, interval in variants:
+                    pacing.REPLY_SLICE_MAX_S, pacing.REPLY_SWITCH_INTERVAL_S = slice_max, interval
+                    w = window(load, True)
+                    r = rows.setdefault(variant, {"s": 0.0, "probe": [], "spin": [],
+                                                  "http": [], "inst": w["inst"], "runs": []})
+                    for k in ("probe", "spin", "http"):
+                        r[k] += w[k]
+                    r["s"] += w["s"]
+                    r["runs"].append(w["s"])
+                    if r["inst"] is not w["inst"]:
+                        for k in ("yield_s", "yields", "yields_slow", "recv_s", "recvs"):
+                            setattr(r["inst"], k, getattr(r["inst"], k) + getattr(w["inst"], k))
+                pacing.REPLY_SLICE_MAX_S, pacing.REPLY_SWITCH_INTERVAL_S = defaults
+            for variant, r in rows.items():
+                inst = r["inst"]
+                parts = [f"   {load:4} {variant:8}: synchronized in "
+                         + "/".join(f"{x:.2f}" for x in r["runs"]) + " s",
+                         f"probe p99 {_p99(r['probe']):5.0f} us vs idle "
+                         f"{_p99(idle['probe']):4.0f} ({_p99(r['probe']) / _p99(idle['probe']):.2f}x)"]
+                for kind in ("spin", "http"):
+                    if idle[kind] and r[kind]:
+                        parts.append(f"{kind} p99 {_p99(r[kind]):5.0f} us vs idle "
+                                     f"{_p99(idle[kind]):4.0f} "
+                                     f"({_p99(r[kind]) / _p99(idle[kind]):.2f}x), "
+                                     f"{len(r[kind]) / r['s']:.0f} queries/s vs "
+                                     f"{len(idle[kind]) / idle['s']:.0f}")
+                parts.append(f"yields {inst.yields} ({inst.yields_slow} over 1 ms) "
+                             f"{inst.yield_s:.2f} s, receive calls {inst.recvs} "
+                             f"{inst.recv_s:.2f} s")
+                print("; ".join(parts), flush=True)
+            b = rows["before"]["s"]
+            print(f"   {load:4} time / before: " + ", ".join(
+                f"{v} {rows[v]['s'] / b:.3f}x" for v in rows if v != "before"), flush=True)
+    finally:
+        pacing.REPLY_SLICE_MAX_S, pacing.REPLY_SWITCH_INTERVAL_S = defaults
+        server.shutdown()
+        svc.close(timeout_s=10.0)
+        big.close()
+        for pub in pubs:
+            pub.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=10_000)
     parser.add_argument("--blocks", type=int, default=100_000)
+    parser.add_argument("--only", type=int, default=None, help="run measure 4 only (4)")
+    parser.add_argument("--loads", default="none,spin,http", help="measure 4's loads")
+    parser.add_argument("--rounds", type=int, default=2, help="measure 4's rounds")
     args = parser.parse_args()
+    if args.only == 4:
+        bench_rebuild_under_load(args.batches, loads=tuple(args.loads.split(",")),
+                                 rounds=args.rounds)
+        return
     bench_digest()
     bench_live_path()
     ctx = zmq.Context()
@@ -222,6 +533,7 @@ def main() -> None:
         bench_catch_up(ctx, args.blocks)
     finally:
         ctx.term()
+    bench_rebuild_under_load(args.batches)
 
 
 if __name__ == "__main__":

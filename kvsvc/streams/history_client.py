@@ -34,6 +34,14 @@ Two kinds of attempt:
   the index complete) and no block became an orphan after that point. The digests of the last
   :data:`DIGESTS_KEPT` batches are kept to check the buffered live batches the reply covers.
 
+Pacing: the build yields the GIL every 0.3 ms as a snapshot build does, but a yield that came
+back late (a CPU-bound request thread kept the GIL for its whole 5 ms switch interval) makes
+the next slice longer, up to 1 ms (:func:`~kvsvc.streams.pacing.reply_slice_s`): a 10,000-batch
+rebuild against such a thread would otherwise get 0.3 ms per 5 ms. With
+``pacing.REPLY_SWITCH_INTERVAL_S`` set (off: measured worse for other streams' queries) the
+process's switch interval is lowered while the reply flows and given back by
+:meth:`HistoryAttempt.close`.
+
 Errors raise :class:`~kvsvc.errors.SnapshotError` with a reason starting ``history reply``;
 timeouts :class:`~kvsvc.errors.SnapshotTimeout`. Not thread-safe: the stream thread's only.
 """
@@ -51,7 +59,14 @@ from kvsvc.errors import ReplayUnanswered, SnapshotError, SnapshotTimeout, Strea
 from kvsvc.events import AllBlocksCleared, Event
 from kvsvc.streams.frame import parse_reply
 from kvsvc.streams.gate import SnapshotGate
-from kvsvc.streams.pacing import BUILD_TIMER_SLACK_NS, set_timer_slack
+from kvsvc.streams import pacing
+from kvsvc.streams.pacing import (
+    BUILD_SLICE_S,
+    BUILD_TIMER_SLACK_NS,
+    BUILD_YIELD_S,
+    SwitchIntervalLease,
+    set_timer_slack,
+)
 from kvsvc.streams.snapshot_client import APPLY_SLICE_EVENTS, SnapshotAttempt
 from kvsvc.streams.state import HistoryResult
 
@@ -90,6 +105,36 @@ class HistoryAttempt(SnapshotAttempt):
         self._exact = False
         self._orphans_at_exact = 0
         self._digests: dict[int, int] = {}
+        self._switch = SwitchIntervalLease(pacing.REPLY_SWITCH_INTERVAL_S)
+        self._slice_s = BUILD_SLICE_S
+
+    def receive(self) -> Optional[HistoryResult]:  # type: ignore[override]
+        """As :meth:`SnapshotAttempt.receive`; once the reply flows (the request is sent and
+        the ``DEALER`` was readable) and ``pacing.REPLY_SWITCH_INTERVAL_S`` is set, the
+        process's switch interval is lowered until :meth:`close`
+        (:class:`~kvsvc.streams.pacing.SwitchIntervalLease`; off by default)."""
+        if self.requested_at is not None and not self._closed:
+            self._switch.engage()
+        return super().receive()  # type: ignore[return-value]
+
+    def _pace(self) -> None:
+        """Yield the GIL after each build slice, as :meth:`SnapshotAttempt._pace`; a yield that
+        came back late (a CPU-bound thread took the GIL for its whole switch interval) makes
+        the next slice longer, up to :data:`~kvsvc.streams.pacing.REPLY_SLICE_MAX_S`: a reply
+        of thousands of small messages would otherwise get one 0.3 ms slice per 5 ms."""
+        now = time.perf_counter()
+        if now - self._slice_start >= self._slice_s:
+            time.sleep(BUILD_YIELD_S)
+            back = time.perf_counter()
+            self._slice_s = pacing.reply_slice_s(back - now)
+            self._slice_start = back
+
+    def close(self) -> None:
+        """As :meth:`SnapshotAttempt.close`, and the switch interval is given back."""
+        try:
+            super().close()
+        finally:
+            self._switch.release()
 
     def configure(self, anchor_digest: Optional[int], on_batch: Optional[BatchSink]) -> None:
         """Make this a catch-up from ``start_seq`` proven by ``anchor_digest`` (its batches go
