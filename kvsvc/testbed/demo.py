@@ -296,10 +296,15 @@ class ServiceProcess:
         self.session.headers[TOKEN_HEADER] = token
 
     def start(self, ready_timeout_s: float,
-              expected_streams: Optional[set[tuple[str, int]]] = None) -> dict:
+              expected_streams: Optional[set[tuple[str, int]]] = None,
+              warming_ok: bool = False) -> dict:
         """Start the service and wait until ``GET /ready`` answers 200 (and, with
         ``expected_streams``, lists exactly those (instance_name, dp_rank) streams: with
         discovery an empty stream set is ready too, before anything was found).
+
+        :param warming_ok: also return on a 503 whose only missing parts are streams' first
+            synchronizations (the service runs and answers queries; a soak that measures the
+            late join, or holds a stream that only a live batch can synchronize, starts there).
 
         :returns: the ``/ready`` body.
         :raises LifecycleError: the process exited, or was not ready within the timeout (the
@@ -327,15 +332,17 @@ class ServiceProcess:
                 raise LifecycleError(f"service exited with {self._proc.returncode}:\n{self.log_tail()}")
             try:
                 r = self.session.get(self.base_url + "/ready", timeout=2.0)
-                if r.status_code == 200:
-                    body = r.json()
+                body = r.json() if r.status_code in (200, 503) else {}
+                warming = (r.status_code == 503 and warming_ok and body.get("running")
+                           and all(w.startswith("stream ") for w in body.get("waiting_for", [])))
+                if r.status_code == 200 or warming:
                     found = {(s["instance_name"], s["dp_rank"]) for s in body["streams"]}
                     if expected_streams is None or found == expected_streams:
                         return body
                     last = f"200 but streams {sorted(found)}, expected {sorted(expected_streams)}"
                 else:
                     last = f"{r.status_code} {r.text[:300]}"
-            except requests.RequestException as exc:
+            except (requests.RequestException, ValueError) as exc:
                 last = type(exc).__name__
             time.sleep(0.1)
         raise LifecycleError(f"service not ready within {ready_timeout_s:.0f} s ({last}):\n"
