@@ -128,6 +128,12 @@ class SnapshotTimeout(SnapshotError):
     """The whole snapshot reply did not arrive within ``replay_timeout_ms`` (§7)."""
 
 
+class ReplayUnanswered(SnapshotTimeout):
+    """A history-mode rebuild got no reply message at all within ``replay_timeout_ms``
+    (§7h "No replay answer": no replay endpoint, or one that never answers); the stream then
+    serves a live-only subset."""
+
+
 class BufferOverflow(SnapshotError):
     """Live deltas buffered during recovery exceeded ``max_buffered_bytes`` (§6)."""
 

@@ -1,4 +1,6 @@
-"""A minimal KV-event publisher for tests, written from PROTOCOL.md §1, §2 and §7 with raw pyzmq.
+"""Minimal KV-event publishers for tests, written from PROTOCOL.md §1, §2, §7 and §7h with raw
+pyzmq: :class:`ProtocolPublisher` (a snapshot-mode engine, §7) and :class:`HistoryPublisher`
+(a vLLM/SGLang-style engine answering with history, §7h).
 
 :class:`ProtocolPublisher` binds an ``XPUB`` (live batches; an ``XPUB`` is a ``PUB`` that also
 reports subscriptions, §1 allows either, and it lets tests wait for a subscriber on a condition
@@ -12,9 +14,10 @@ tagged-array form.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ormsgpack
 import zmq
@@ -284,3 +287,238 @@ class ProtocolPublisher:
         if not self.drop_end_marker:
             router.send_multipart([ident, *END_MARKER])
         self.replies_sent += 1
+
+
+class HistoryPublisher:
+    """A fake vLLM/SGLang engine stream (§7h), written from the protocol of vLLM's
+    ``ZmqEventPublisher``: a ``PUB`` bound on ``event_port`` (live ``[topic, seq, payload]``,
+    seq counting from 0 per process) and, unless ``replay=False``, a ``ROUTER`` on
+    ``replay_port`` answering ``[b"", start_seq]`` with *history*: every batch of its bounded
+    buffer (the last ``buffer_steps`` published) with ``seq >= start_seq``, each
+    ``[b"", seq, payload]`` with the payload exactly as published (``topic_frame=True``: the
+    4-frame form ``[b"", topic, seq, payload]``), then the end marker. Nothing says that older
+    batches were dropped. The reply is sent under the publish lock, as the engine sends it from
+    its publishing thread: no live batch goes out while a reply is sent. Its ``ROUTER`` keeps
+    libzmq's default send high-water mark and drops silently beyond it, as the engine's does.
+
+    Batch forms (``form``): ``"vllm"`` (the map ``{"ts", "events", "data_parallel_rank"}``,
+    map events), ``"vllm-array"`` (``[ts, events, dp_rank]`` with tagged-array events, vLLM
+    before mid-2026) and ``"sglang"`` (``[ts, events, attn_dp_rank]``, tagged arrays).
+
+    Knobs: :meth:`publish` (``live=False``: into the buffer only, a batch lost on the wire or
+    published before a subscription reached the ``PUB``), :meth:`restart` (a new process:
+    sockets rebound, seq 0, empty buffer), :meth:`hold_replies` / :meth:`release_replies`,
+    ``stall_after`` (send that many data messages of the next reply, then nothing),
+    ``pause_every`` / ``pause_s`` (a pause after every n reply messages), ``reply_frames``
+    (a callable ``start_seq -> list of frame lists`` replacing the next reply: bad input).
+
+    :ivar requests: ``start_seq`` of every replay request received, in order.
+    :ivar replies_sent: replies sent (whole, end marker or not).
+    """
+
+    def __init__(self, ctx: zmq.Context, event_port: int, replay_port: int, *,
+                 topic: bytes = b"", dp_rank: int = 0, buffer_steps: int = 10_000,
+                 form: str = "vllm", replay: bool = True, topic_frame: bool = False) -> None:
+        self.ctx = ctx
+        self.event_port = event_port
+        self.replay_port = replay_port
+        self.endpoint = f"tcp://127.0.0.1:{event_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.topic = topic
+        self.dp_rank = dp_rank
+        self.buffer_steps = buffer_steps
+        self.form = form
+        self.replay = replay
+        self.topic_frame = topic_frame
+        self.next_seq = 0
+        self.buffer: collections.deque = collections.deque(maxlen=buffer_steps)
+        self.requests: list[int] = []
+        self.replies_sent = 0
+        self.reply_budget: Optional[int] = None
+        self.stall_after: Optional[int] = None
+        self.pause_every = 0
+        self.pause_s = 0.0
+        self.reply_frames: Optional[Callable[[int], list[list[bytes]]]] = None
+        self._lock = threading.Lock()
+        self._pub: Optional[zmq.Socket] = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._start_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 5.0) -> "HistoryPublisher":
+        """Bind the ``PUB`` (and the ``ROUTER`` on the replay thread); returns once serving.
+
+        :raises LifecycleError: the replay thread did not start or could not bind in time.
+        """
+        pub = self.ctx.socket(zmq.XPUB)  # a PUB that reports subscriptions (wait_subscribed)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        try:
+            pub.bind(self.endpoint)
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
+        self._pub = pub
+        self._stop.clear()
+        self._ready.clear()
+        self._start_error = None
+        if self.replay:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"test-history-publisher-{self.replay_port}")
+            self._thread.start()
+            if not self._ready.wait(timeout_s) or self._start_error is not None:
+                self.close()
+                raise LifecycleError(f"publisher did not start: {self._start_error}")
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the replay thread and close both sockets; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            assert not self._thread.is_alive(), "publisher thread did not stop"
+            self._thread = None
+        with self._lock:
+            if self._pub is not None:
+                self._pub.close(linger=0)
+                self._pub = None
+
+    def rebind(self, timeout_s: float = 5.0) -> None:
+        """A network blip: both sockets closed and bound again (the subscriber sees a
+        disconnect); the seq counter and the buffer stay (the same engine process)."""
+        self._rebind(timeout_s)
+
+    def _rebind(self, timeout_s: float) -> None:
+        self.close(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.start(timeout_s)
+                return
+            except (zmq.ZMQError, LifecycleError):
+                # The port may still be held by the socket just closed (the ZMQ reaper).
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def restart(self, timeout_s: float = 5.0) -> None:
+        """A new engine process on the same ports: sockets closed and bound again (the
+        subscriber sees a disconnect), seq 0, an empty buffer."""
+        with self._lock:
+            self.next_seq = 0
+            self.buffer.clear()
+        self._rebind(timeout_s)
+
+    def __enter__(self) -> "HistoryPublisher":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ live channel
+
+    def wait_subscribed(self, timeout_s: float = 5.0) -> None:
+        """Wait until a subscription reaches the ``PUB``. :raises AssertionError: none."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            assert self._pub is not None
+            while time.monotonic() < deadline:
+                if self._pub.poll(20, zmq.POLLIN):
+                    if self._pub.recv()[:1] == b"\x01":
+                        return
+        raise AssertionError("no subscriber reached the publisher")
+
+    def payload(self, events: Sequence[dict]) -> bytes:
+        """The batch of ``events`` in this publisher's form (``ts`` is the wall clock, as an
+        engine sends it: equal events published twice have different payload bytes)."""
+        ts = time.time()
+        if self.form == "vllm":
+            return encode_batch(events, self.dp_rank, form="map", ts=ts)
+        if self.form in ("vllm-array", "sglang"):
+            return encode_batch(events, self.dp_rank, form="array3", event_form="array", ts=ts)
+        raise ValueError(self.form)
+
+    def publish(self, events: Sequence[dict], *, live: bool = True) -> int:
+        """Publish one batch: next seq, into the replay buffer, and (``live``) on the ``PUB``.
+
+        :returns: its seq.
+        """
+        payload = self.payload(events)
+        with self._lock:
+            seq = self.next_seq
+            self.next_seq += 1
+            if live:
+                assert self._pub is not None, "publisher not started"
+                self._pub.send_multipart(encode_live(self.topic, seq, payload))
+            self.buffer.append((seq, payload))
+        return seq
+
+    def hold_replies(self) -> None:
+        """Answer no replay request until :meth:`release_replies`."""
+        self.reply_budget = 0
+
+    def release_replies(self, budget: Optional[int] = None) -> None:
+        """Answer held and later requests: ``budget`` more of them, or all (``None``)."""
+        self.reply_budget = budget
+
+    # ------------------------------------------------------------------ replay thread
+
+    def _run(self) -> None:
+        router = None
+        try:
+            try:
+                router = self.ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                router.bind(self.replay_endpoint)
+            except zmq.ZMQError as exc:
+                self._start_error = exc
+                return
+            finally:
+                self._ready.set()
+            pending: list[tuple[bytes, int]] = []
+            while not self._stop.is_set():
+                if router.poll(10, zmq.POLLIN):
+                    frames = router.recv_multipart()
+                    start_seq = parse_snapshot_request(frames[1:])
+                    self.requests.append(start_seq)
+                    pending.append((frames[0], start_seq))
+                while pending and self.reply_budget != 0 and not self._stop.is_set():
+                    ident, start_seq = pending.pop(0)
+                    if self.reply_budget is not None:
+                        self.reply_budget -= 1
+                    self._reply(router, ident, start_seq)
+        finally:
+            if router is not None:
+                router.close(linger=0)
+
+    def _reply(self, router: zmq.Socket, ident: bytes, start_seq: int) -> None:
+        custom = self.reply_frames
+        with self._lock:
+            if custom is not None:
+                self.reply_frames = None
+                for frames in custom(start_seq):
+                    router.send_multipart([ident, *frames])
+                self.replies_sent += 1
+                return
+            sent = 0
+            for seq, payload in list(self.buffer):
+                if seq < start_seq:
+                    continue
+                if self.stall_after is not None and sent >= self.stall_after:
+                    self.stall_after = None
+                    self.replies_sent += 1
+                    return  # stalls: no more messages, no end marker
+                seq_frame = seq.to_bytes(8, "big")
+                frames = ([b"", self.topic, seq_frame, payload] if self.topic_frame
+                          else [b"", seq_frame, payload])
+                router.send_multipart([ident, *frames])
+                sent += 1
+                if self.pause_every and sent % self.pause_every == 0:
+                    time.sleep(self.pause_s)
+            router.send_multipart([ident, *((b"", b"", END_MARKER[1], b"") if self.topic_frame
+                                             else END_MARKER)])
+            self.replies_sent += 1

@@ -46,6 +46,9 @@ class RecoveryTrigger(enum.StrEnum):
     SEQUENCE_GAP = "sequence_gap"              #: seq above the expected one
     SEQUENCE_BACKWARDS = "sequence_backwards"  #: a repeat, a backward jump, a restarted counter
     LIVE_SILENT = "live_silent"                #: the silent-channel check failed
+    #: §7h: a catch-up could not prove continuity (the engine restarted or its buffer rolled
+    #: past the anchor): the index is discarded and the stream rebuilds
+    HISTORY_MISMATCH = "history_mismatch"
     INTERNAL_ERROR = "internal_error"          #: a bug in kvsvc (not an input error)
 
 

@@ -15,6 +15,11 @@ Required fields (in both forms): ``BlockStored`` needs ``block_hashes``, ``paren
 ``token_ids`` and ``block_size``; ``BlockRemoved`` needs ``block_hashes``; ``AllBlocksCleared``
 needs nothing, and its ``medium`` restricts it to one tier (absent or nil: every tier).
 
+Hash forms (§2): integers become unsigned 64-bit; byte strings stay bytes on snapshot-mode
+streams and become ``int.from_bytes(h, "big") & (2**64 - 1)`` on history-mode streams
+(``int_hashes``: vLLM's CPU offloading connector sends the raw bytes of a hash whose Device
+events carry that integer). The option costs nothing on integer hashes (the common case).
+
 Everything that is not exactly as specified raises :class:`~kvsvc.errors.DecodeError`, the
 only error this module raises (``ormsgpack``'s own error is translated here, once).
 
@@ -67,12 +72,15 @@ _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS,
            "AllBlocksCleared": _CLEARED_FIELDS}
 
 
-def decode_batch(payload: bytes, expected_rank: int) -> Batch:
+def decode_batch(payload: bytes, expected_rank: int, int_hashes: bool = False) -> Batch:
     """Decode one batch (§2) received on the stream of DP rank ``expected_rank``.
 
     :param payload: the MessagePack payload frame.
     :param expected_rank: the stream's configured DP rank; a batch carrying another rank is
         refused (one sequence can never serve two ranks).
+    :param int_hashes: a history-mode stream (§2, §7h): byte-string hashes (block hashes,
+        parents, removals) become ``int.from_bytes(h, "big") & (2**64 - 1)``, the integer form
+        vLLM gives the same block on its Device events; False keeps bytes as bytes.
     :returns: the :class:`Batch`; events in order, hashes normalised, tiers mapped, §3
         exclusions flagged, ``BlockStored.packed_tokens`` set (module docstring).
     :raises DecodeError: invalid MessagePack, wrong shape or type anywhere, unknown event type,
@@ -111,18 +119,19 @@ def decode_batch(payload: bytes, expected_rank: int) -> Batch:
     events: list[Event] = []
     for i, raw in enumerate(raw_events):
         try:
-            events.append(decode_event(raw))
+            events.append(decode_event(raw, int_hashes))
         except DecodeError as exc:
             raise DecodeError(f"event {i}: {exc}") from None
     return Batch(float(ts), events, rank)
 
 
-def decode_event(raw: Any) -> Event:
+def decode_event(raw: Any, int_hashes: bool = False) -> Event:
     """One already-unpacked event (§2), map or tagged-array form, as :func:`decode_batch`
     decodes each element of a batch's ``events`` (the snapshot client calls it on events it
     unpacked one at a time).
 
     :param raw: the event as ``ormsgpack.unpackb`` returns it.
+    :param int_hashes: byte-string hashes to the integer form (§2 history-mode streams).
     :returns: the event dataclass (§3 exclusion flagged, ``packed_tokens`` set).
     :raises DecodeError: wrong shape or type, unknown type, missing field, bad token id.
     """
@@ -142,9 +151,9 @@ def decode_event(raw: Any) -> Event:
         raise DecodeError(f"event is {_typename(raw)}, expected a map or an array")
 
     if etype == "BlockStored":
-        return _block_stored(fields)
+        return _block_stored(fields, int_hashes)
     if etype == "BlockRemoved":
-        return _block_removed(fields)
+        return _block_removed(fields, int_hashes)
     if etype == "AllBlocksCleared":
         medium = fields.get("medium")
         return AllBlocksCleared(None if medium is None else _tier(medium))
@@ -153,7 +162,7 @@ def decode_event(raw: Any) -> Event:
     raise DecodeError(f"unknown event type {etype!r}")
 
 
-def _block_stored(f: dict) -> BlockStored:
+def _block_stored(f: dict, int_hashes: bool) -> BlockStored:
     try:
         raw_hashes, parent = f["block_hashes"], f["parent_block_hash"]
         raw_tokens, block_size = f["token_ids"], f["block_size"]
@@ -170,9 +179,10 @@ def _block_stored(f: dict) -> BlockStored:
         excluded = False
     else:
         excluded = _excluded(f)
-    hashes = _hashes(raw_hashes)
+    hashes = _hashes(raw_hashes, int_hashes)
     if parent is not None:
-        parent = parent & _U64_MASK if type(parent) is int else _hash(parent, "parent_block_hash")
+        parent = (parent & _U64_MASK if type(parent) is int
+                  else _hash(parent, "parent_block_hash", int_hashes))
     packed = _packed_tokens(raw_tokens)
     return BlockStored(hashes, parent, _token_view(packed), block_size, _tier(get("medium")),
                        excluded, packed)
@@ -192,14 +202,14 @@ def _excluded(f: dict) -> bool:
             or (spec_kind is not None and spec_kind != "full_attention"))
 
 
-def _block_removed(f: dict) -> BlockRemoved:
+def _block_removed(f: dict, int_hashes: bool) -> BlockRemoved:
     try:
         raw_hashes = f["block_hashes"]
     except KeyError:
         raise DecodeError("BlockRemoved: missing field block_hashes") from None
     if f.get("group_idx") is not None:
         _optional(f, "group_idx", int)
-    return BlockRemoved(_hashes(raw_hashes), _tier(f.get("medium")))
+    return BlockRemoved(_hashes(raw_hashes, int_hashes), _tier(f.get("medium")))
 
 
 def _optional(f: dict, name: str, kind: type) -> Any:
@@ -211,21 +221,23 @@ def _optional(f: dict, name: str, kind: type) -> Any:
     return value
 
 
-def _hash(value: Any, what: str) -> EngineHash:
-    """§2 hash normalisation: integers to unsigned 64-bit, bytes kept. :raises DecodeError:"""
+def _hash(value: Any, what: str, int_hashes: bool = False) -> EngineHash:
+    """§2 hash normalisation: integers to unsigned 64-bit; bytes kept, or with ``int_hashes``
+    (history-mode streams) turned into vLLM's integer form of the same hash, its last 8 bytes
+    big-endian. :raises DecodeError:"""
     kind = type(value)
     if kind is int:
         return value & _U64_MASK
     if kind is bytes:
-        return value
+        return int.from_bytes(value, "big") & _U64_MASK if int_hashes else value
     raise DecodeError(f"{what} is {_typename(value)}, expected an integer or bytes")
 
 
-def _hashes(raw: Any) -> list[EngineHash]:
+def _hashes(raw: Any, int_hashes: bool) -> list[EngineHash]:
     if type(raw) is not list:
         raise DecodeError(f"block_hashes is {_typename(raw)}, expected an array")
     # Inline fast path for the common all-int case; anything else goes through _hash.
-    return [h & _U64_MASK if type(h) is int else _hash(h, "block hash") for h in raw]
+    return [h & _U64_MASK if type(h) is int else _hash(h, "block hash", int_hashes) for h in raw]
 
 
 def _packed_tokens(raw: Any) -> bytes:

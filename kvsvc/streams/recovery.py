@@ -100,7 +100,7 @@ from kvsvc.streams.counters import (
     trigger_of,
 )
 from kvsvc.streams.serving import NOT_YET, ServingState
-from kvsvc.streams.state import SnapshotResult
+from kvsvc.streams.state import HistoryResult, SnapshotResult
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,32 @@ class AbandonSnapshot:
     attempt: int
 
 
-Action = Union[RequestSnapshot, AbandonSnapshot]
+@dataclass(frozen=True, slots=True)
+class RequestHistory:
+    """Action: open history attempt ``attempt`` (§7h) from ``start_seq``; report it open with
+    ``on_snapshot_opened`` (or ``on_snapshot_failed``), its catch-up batches with
+    ``on_history_batch``, its end with ``on_snapshot_complete`` / ``on_snapshot_failed``.
+
+    :param attempt: the attempt's id (increasing per machine).
+    :param start_seq: ``L`` for a catch-up, 0 for a rebuild.
+    :param urgent: the stream serves nothing meanwhile (False: a periodic catch-up, or a rebuild
+        retry while a live-only subset serves).
+    :param anchor_digest: ``D`` for a catch-up; ``None``: a rebuild.
+    """
+
+    attempt: int
+    start_seq: int
+    urgent: bool
+    anchor_digest: Optional[int]
+
+    @property
+    def catch_up(self) -> bool:
+        """A catch-up (else a rebuild from 0)."""
+        return self.anchor_digest is not None
+
+
+#: What the rule sets ask their owner to do (a history-mode stream asks with RequestHistory).
+Action = Union[RequestSnapshot, RequestHistory, AbandonSnapshot]
 #: What most inputs return: nothing to do.
 NO_ACTIONS: tuple[Action, ...] = ()
 
@@ -288,9 +313,11 @@ class RecoveryRules(Protocol):
         reply; a stale id is ignored; may return an abandon of it (a no-op for the owner when it
         never opened), never a request (the retry comes after the backoff, through :meth:`tick`)."""
 
-    def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
                              requested_at: Optional[float], now: float) -> tuple[Action, ...]:
-        """Called when attempt ``attempt``'s end marker arrived, after the owner drained the
+        """Called when attempt ``attempt``'s end marker arrived (a history catch-up: also when
+        its first message proved no continuity; the result is a ``HistoryResult`` in history
+        mode), after the owner drained the
         live messages already queued; ``requested_at`` is when its request was sent (monotonic
         s, ``None``: unknown); a stale id is ignored; may return abandons and a request."""
 
@@ -553,7 +580,7 @@ class SnapshotRecovery:
             self._attempt_failed(exc, now)
         return self._take()
 
-    def on_snapshot_complete(self, attempt: int, reply: SnapshotResult,
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
                              requested_at: Optional[float], now: float) -> tuple[Action, ...]:
         """The end marker of attempt ``attempt`` arrived: merge the buffered tail and swap (§6,
         §7). The owner takes in the live messages already queued first (fewer batches published
@@ -570,6 +597,7 @@ class SnapshotRecovery:
         """
         if attempt != self._attempt:
             return self._take()
+        assert isinstance(reply, SnapshotResult)
         resync = self._synced
         index = reply.index
         # Not-indexed counts of the snapshot itself are not live ones; a recovery's buffered

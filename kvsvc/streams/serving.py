@@ -236,16 +236,21 @@ class ServingState:
         """The current error reason (stream thread only: it is the only writer)."""
         return self._error
 
-    def apply_live(self, seq: int, events: Sequence[object]) -> Optional[StreamError]:
-        """Apply one live batch to the serving index (§5, §6), under the lock.
+    def apply_live(self, seq: int, events: Sequence[object],
+                   orphans: bool = False) -> Optional[StreamError]:
+        """Apply one live batch to the serving index (§5, §6), under the lock. In history mode
+        (§7h) also a replayed batch of a catch-up, and the index may be one kept while the
+        stream recovers (not served: only ``SYNCHRONIZED`` serves hits).
 
+        :param orphans: the index is a subset (§7h): a block whose parent is unknown becomes an
+            orphan (§5 snapshot rule) instead of an error.
         :returns: ``None`` when applied (``sequence`` is then ``seq``); the index's error
             otherwise, after counting its decode-error label and discarding the index in the
             same lock hold (reason ``"seq <seq>: <error>"``).
         """
         with self._lock:
             try:
-                self._index.apply(events)  # type: ignore[union-attr, arg-type]
+                self._index.apply(events, snapshot=orphans)  # type: ignore[union-attr, arg-type]
             except StreamError as exc:
                 self._decode_errors[error_reason(exc)] += 1
                 self._invalidate_locked(f"seq {seq}: {exc}")
@@ -290,6 +295,26 @@ class ServingState:
             else:
                 self._recoveries += 1
             self._publish_locked()
+
+    def resume(self, sequence: Optional[int]) -> None:
+        """The index kept while the stream recovered is complete again (§7h: a catch-up was
+        applied): state ``SYNCHRONIZED`` with it, in one lock hold; counts a recovery.
+
+        :param sequence: the last applied seq it holds.
+        """
+        with self._lock:
+            self._state = StreamState.SYNCHRONIZED
+            self._error = None
+            self._sequence = sequence
+            self._synchronized_once = True
+            self._recoveries += 1
+            self._publish_locked()
+
+    def count_resync_difference(self, difference: int) -> None:
+        """Add ``difference`` to the resync differences (§7h: batches a periodic catch-up found
+        that never arrived live, counted in batches)."""
+        with self._lock:
+            self._resync_differences += difference
 
     def set_completeness(self, completeness: Completeness) -> None:
         """Change what the serving index is said to hold (§7h: a subset becomes exact on an

@@ -99,6 +99,12 @@ class SnapshotAttempt:
     :ivar requested_at: ``time.monotonic()`` when the request was sent; ``None`` before.
     """
 
+    #: ``ZMQ_RCVHWM`` of the ``DEALER`` (``None``: libzmq's default, 1000 messages). A history
+    #: reply sets 0 (unbounded): its engine sends every buffered batch at once from a ``ROUTER``
+    #: that silently drops messages at its own send high-water mark when the receiver's queue
+    #: is full, which would leave a hole in the reply's seqs (§7h).
+    RCVHWM: Optional[int] = None
+
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, start_seq: int,
                  context: zmq.Context, poller: Optional[zmq.Poller],
                  gate: Optional[SnapshotGate], urgent: bool = True) -> None:
@@ -124,6 +130,8 @@ class SnapshotAttempt:
         self._done = False
         self._closed = False
         self._slice_start = time.perf_counter()
+        #: History-mode streams decode byte hashes to their integer form (§2).
+        self._int_hashes = False
 
     @classmethod
     def open(cls, context: zmq.Context, stream: StreamConfig, limits: KvEventsConfig,
@@ -186,7 +194,8 @@ class SnapshotAttempt:
             except zmq.ZMQError as exc:
                 raise SnapshotError(f"snapshot receive failed: {exc}") from exc
             result = self.feed(frames)
-            if result is not None:
+            if result is not None or self._closed:
+                # (Closed: a history catch-up's batch ended the attempt from inside feed.)
                 return result
         self.check_deadline(time.monotonic())
         return None
@@ -264,6 +273,8 @@ class SnapshotAttempt:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes + MAXMSGSIZE_HEADROOM)
             if immediate:
                 sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.RCVHWM is not None:
+                sock.setsockopt(zmq.RCVHWM, self.RCVHWM)
             sock.connect(self._stream.replay_endpoint)
         except zmq.ZMQError as exc:
             raise SnapshotError(f"snapshot request to {self._stream.replay_endpoint} "
@@ -349,7 +360,7 @@ class SnapshotAttempt:
         groups = (split_batch(payload, rank, self._pace, SPLIT_GROUP_BYTES)
                   if len(payload) >= SPLIT_MIN_BYTES else None)
         if groups is None:
-            whole = decode_batch(payload, rank).events
+            whole = decode_batch(payload, rank, self._int_hashes).events
             check_single_object(payload)  # split_batch checks this itself
             return whole
         events: list[Event] = []
@@ -357,12 +368,12 @@ class SnapshotAttempt:
         try:
             for group in groups:
                 for raw in ormsgpack.unpackb(group)[0]:
-                    append(decode_event(raw))
+                    append(decode_event(raw, self._int_hashes))
                 self._pace()
         except (DecodeError, ValueError):  # ValueError: ormsgpack.MsgpackDecodeError included
             # The whole payload gives the exact answer: the error with its text ("event i:
             # ...", "payload is not valid MessagePack: ...").
-            return decode_batch(payload, rank).events
+            return decode_batch(payload, rank, self._int_hashes).events
         return events
 
 

@@ -130,3 +130,40 @@ class SnapshotResult:
     watermark: Optional[int]
     messages: int
     wire_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryResult:
+    """A complete (or, for a catch-up, decided) history reply (§7h), from the history client
+    to the history rules.
+
+    :param catch_up: the request asked from the anchor ``L`` (else a rebuild from 0).
+    :param continuous: catch-up: the first message had seq ``L`` and the anchor digest ``D``
+        (its batches after ``L`` were handed over one by one as they arrived); ``False`` ends
+        the reply at its first message (or at an empty reply), with ``reason``. A rebuild: True.
+    :param index: rebuild: the private index built from the reply (not yet serving); ``None``
+        for a catch-up.
+    :param first_seq: seq of the first data message; ``None`` for an empty reply.
+    :param last_seq: seq of the last data message; ``None`` for an empty reply.
+    :param last_digest: XXH3-64 of the last data message's payload; ``None`` for an empty reply.
+    :param exact: rebuild: the index is the engine's whole residency (the reply started at seq
+        0, or at a batch starting with an untargeted ``AllBlocksCleared``, and no block became
+        an orphan after that); False: a subset.
+    :param digests: rebuild: ``seq -> payload digest`` of the last replayed batches (at most
+        ``history_client.DIGESTS_KEPT``), to check buffered live batches the reply covers.
+    :param messages: data messages received.
+    :param wire_bytes: total bytes of all reply messages, end marker included.
+    :param reason: why a catch-up was not continuous (``None`` otherwise).
+    """
+
+    catch_up: bool
+    continuous: bool
+    index: Optional[TierIndex]
+    first_seq: Optional[int]
+    last_seq: Optional[int]
+    last_digest: Optional[int]
+    exact: bool
+    digests: dict[int, int]
+    messages: int
+    wire_bytes: int
+    reason: Optional[str] = None

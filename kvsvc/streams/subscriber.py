@@ -37,25 +37,30 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import zmq
+from xxhash import xxh3_64_intdigest
 
-from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
 from kvsvc.errors import DecodeError, SnapshotError, StreamError
+from kvsvc.events import Event
 from kvsvc.lifecycle import DEFAULT_TIMEOUT_S, BackgroundThread
 from kvsvc.streams.counters import DecodeErrorReason, StreamCounters
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.frame import parse_live
 from kvsvc.streams.gate import SnapshotGate
+from kvsvc.streams.history import HistoryRecovery
+from kvsvc.streams.history_client import HistoryAttempt
 from kvsvc.streams.live import DISCONNECTED, HANDSHAKE_SUCCEEDED, LiveConnection
 from kvsvc.streams.recovery import (
     Action,
     RecoveryRules,
     RecoveryView,
+    RequestHistory,
     RequestSnapshot,
     SnapshotRecovery,
 )
 from kvsvc.streams.serving import ServingState, shown_topic
 from kvsvc.streams.snapshot_client import SnapshotAttempt
-from kvsvc.streams.state import SnapshotResult, StreamId, StreamMatch, StreamStatus
+from kvsvc.streams.state import HistoryResult, SnapshotResult, StreamId, StreamMatch, StreamStatus
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +133,15 @@ class StreamSubscriber(BackgroundThread):
         self._topic = stream.topic.encode("utf-8")
         self._serving = ServingState(self.stream_id, stream.block_size, stream.topic)
         self.match = self._serving.match
-        # The §7 rules (snapshot mode); a history-mode stream (§7h) gets its own rule set.
-        self._recovery: RecoveryRules = SnapshotRecovery(stream, limits, self._serving)
+        # The §7 rules (snapshot mode), or the §7h rules of a history-mode stream, whose live
+        # batches also carry their payload digest (the catch-up anchor) and whose byte hashes
+        # take the integer form (§2).
+        self._history = stream.replay_mode is ReplayMode.HISTORY
+        self._recovery: RecoveryRules
+        if self._history:
+            self._recovery = HistoryRecovery(stream, limits, self._serving)
+        else:
+            self._recovery = SnapshotRecovery(stream, limits, self._serving)
 
         # Owned by the stream thread from start() on.
         self._poller: Optional[zmq.Poller] = None
@@ -314,21 +326,30 @@ class StreamSubscriber(BackgroundThread):
         """Carry out the machine's actions, in order (an attempt opened, or one that cannot
         be opened, is reported back to it at once)."""
         for action in actions:
-            if type(action) is RequestSnapshot:
-                self._open_attempt(action)
+            kind = type(action)
+            if kind is RequestSnapshot or kind is RequestHistory:
+                self._open_attempt(action)  # type: ignore[arg-type]
             elif action.attempt == self._attempt_id and self._attempt is not None:
                 self._attempt.close()  # unregisters it and returns its gate permit
                 self._attempt = None
 
-    def _open_attempt(self, request: RequestSnapshot) -> None:
+    def _open_attempt(self, request: "RequestSnapshot | RequestHistory") -> None:
         if self._attempt is not None:  # never left open by the machine; closed to be sure
             self._attempt.close()
             self._attempt = None
         self._attempt_id = request.attempt
         try:
-            self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits,
-                                                 request.start_seq, poller=self._poller,
-                                                 gate=self._gate, urgent=request.urgent)
+            if type(request) is RequestHistory:
+                sink = (self._history_sink(request.attempt) if request.anchor_digest is not None
+                        else None)
+                self._attempt = HistoryAttempt.open_history(
+                    self._context, self.stream, self.limits, request.start_seq,
+                    anchor_digest=request.anchor_digest, on_batch=sink, poller=self._poller,
+                    gate=self._gate, urgent=request.urgent)
+            else:
+                self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits,
+                                                     request.start_seq, poller=self._poller,
+                                                     gate=self._gate, urgent=request.urgent)
         except SnapshotError as exc:
             self._carry(self._recovery.on_snapshot_failed(request.attempt, exc,
                                                           time.monotonic()))
@@ -337,7 +358,20 @@ class StreamSubscriber(BackgroundThread):
         # UNSYNCHRONIZED with the failure as its reason.
         self._carry(self._recovery.on_snapshot_opened(request.attempt, time.monotonic()))
 
-    def _finish_attempt(self, attempt: SnapshotAttempt, result: SnapshotResult) -> None:
+    def _history_sink(self, attempt_id: int) -> Callable[[int, Sequence[Event], int, int], None]:
+        """The catch-up batches of history attempt ``attempt_id`` go to the rules (§7h); what
+        they return is carried out at once (it may close this very attempt)."""
+        recovery = self._recovery
+        assert isinstance(recovery, HistoryRecovery)
+
+        def sink(seq: int, events: Sequence[Event], digest: int, wire_bytes: int) -> None:
+            self._carry(recovery.on_history_batch(attempt_id, seq, events, digest, wire_bytes,
+                                                  time.monotonic()))
+
+        return sink
+
+    def _finish_attempt(self, attempt: SnapshotAttempt,
+                        result: "SnapshotResult | HistoryResult") -> None:
         """The end marker arrived: take in what already sits in the SUB queue first, so that
         fewer batches published before the snapshot arrive after the swap; then report it."""
         attempt_id = self._attempt_id
@@ -398,12 +432,20 @@ class StreamSubscriber(BackgroundThread):
                                                      time.monotonic()))
             return
         seq = frame.seq
+        history = self._history
         try:
-            batch = decode_batch(frame.payload, self.stream.dp_rank)
+            batch = decode_batch(frame.payload, self.stream.dp_rank, history)
         except DecodeError as exc:
             self._carry(self._recovery.on_live_error(DecodeErrorReason.PAYLOAD,
                                                      f"seq {seq}: {exc}", seq, time.monotonic()))
             return
-        actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes, time.monotonic())
+        if history:
+            # §7h anchor: the digest of every applied batch's payload bytes, as published.
+            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,  # type: ignore[call-arg]
+                                                   time.monotonic(),
+                                                   digest=xxh3_64_intdigest(frame.payload))
+        else:
+            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,
+                                                   time.monotonic())
         if actions:
             self._carry(actions)

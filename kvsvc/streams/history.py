@@ -1,0 +1,861 @@
+"""The history-mode recovery rules of one stream (§7h, vLLM and SGLang) without sockets.
+
+:class:`HistoryRecovery` is the second implementation of
+:class:`~kvsvc.streams.recovery.RecoveryRules` (the first, :class:`~kvsvc.streams.recovery.
+SnapshotRecovery`, is §6/§7). It shares the :class:`~kvsvc.streams.recovery.RecoveryTimers`
+(§6 backoff, resync interval), the buffer accounting (:func:`~kvsvc.streams.recovery.
+record_bytes`) and the :class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no
+socket, starts no thread and never reads the clock.
+
+Inputs beyond the snapshot rules' ones: ``on_live_batch`` takes the payload's XXH3-64 digest
+(``digest=``), and ``on_history_batch(attempt, seq, events, digest, wire_bytes, now)`` is each
+batch of a catch-up after its anchor, as it arrives. Replies end with
+``on_snapshot_complete(attempt, HistoryResult, ...)``. Requests are :class:`RequestHistory`
+(a catch-up from ``L`` with the anchor digest, or a rebuild from 0).
+
+The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
+
+- **Anchor.** The working index (serving, or kept while the stream recovers) has ``expected``
+  (next seq it needs, ``L + 1``) and ``digest`` (``D``, of batch ``L``); the digests of the last
+  :data:`RECENT_DIGESTS` applied batches tell a duplicate (same seq, same digest) from an
+  engine that restarted (same seq, another payload).
+- **Live batch, synchronized.** ``seq == expected``: applied (the hot path: one apply, one
+  dict store). A duplicate: dropped. An older seq that is not a duplicate: the engine restarted
+  (``sequence_backwards``): discard, rebuild. ``seq > expected``: a gap: the stream is
+  ``recovering`` (0 hits) with its index kept, and catches up from ``L``.
+- **Disconnect.** Index kept, ``recovering``; the catch-up is requested once the live ``SUB``
+  is connected again (§6: replies are asked for only while it is), never a rebuild.
+- **Catch-up** from ``start_seq = L``: proven by the first message (seq ``L``, digest ``D``);
+  its later batches are applied as they arrive, exactly like live deltas (unknown parent: an
+  error, on an exact index), live batches that fill in meanwhile are applied too (whichever
+  comes first; the other copy is a duplicate), live batches beyond are buffered; at the end
+  marker the buffered ones follow contiguously and the stream serves again. Not proven
+  (another first seq, another digest, an empty reply): discard, rebuild
+  (``history_mismatch``). Every ``resync_interval_ms`` a synchronized stream catches up the
+  same way while it serves; batches it applies that never arrived live are counted as a resync
+  difference (in batches).
+- **Rebuild** from 0 into a private index (built by the history client), swapped in at the end
+  marker, then the buffered live batches: those the reply covers are dropped (a different
+  digest fails the attempt), the rest must follow contiguously. Reply from 0: ``exact``; from
+  ``F > 0``: ``subset`` (orphans for unknown parents); empty: empty index, the first live batch
+  decides (seq 0 exact, else subset).
+- **Subset index.** Its live deltas (and catch-ups) apply with the orphan rule too: a block
+  stored under a parent from before ``F`` is an orphan, not an error (a subset never knows all
+  parents). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
+  on a rebuild from 0.
+- **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
+  the stream serves a live-only subset from the next live batch on (exact if its seq is 0) and
+  retries the rebuild with the §6 backoff, which replaces it when it succeeds. A gap in a
+  live-only stream discards it and starts a new one at that batch; after a disconnect it serves
+  again from the next contiguous live batch.
+- **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
+  complete state (§6): exact from it.
+- **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
+  the per-message timeout, a buffer overflow): the attempt fails with the reason, is retried
+  with the backoff; a periodic catch-up's stream keeps serving, a recovering one serves nothing.
+
+Not thread-safe: owned by the stream thread; :meth:`HistoryRecovery.view` is a racy copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Union
+
+from kvsvc.config import KvEventsConfig, StreamConfig
+from kvsvc.errors import (
+    BufferOverflow,
+    ReplayUnanswered,
+    SnapshotError,
+    SnapshotTimeout,
+    StreamError,
+)
+from kvsvc.events import Batch, Event
+from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.counters import (
+    NOT_INDEXED,
+    DecodeErrorReason,
+    RecoveryTrigger,
+    SnapshotOutcome,
+    error_reason,
+    stats_tuple,
+    trigger_of,
+)
+from kvsvc.streams.recovery import (
+    LIVE_WAIT,
+    NO_ACTIONS,
+    AbandonSnapshot,
+    Action,
+    RequestHistory,
+    RecoveryTimers,
+    RecoveryView,
+    record_bytes,
+)
+from kvsvc.streams.history_client import starts_cleared
+from kvsvc.streams.serving import NOT_YET, ServingState
+from kvsvc.streams.state import Completeness, HistoryResult, SnapshotResult
+
+log = logging.getLogger(__name__)
+
+#: Digests of the last applied batches kept (seq -> digest) to tell a duplicate from a
+#: restarted engine's batch with the same seq.
+RECENT_DIGESTS = 1024
+
+EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+
+
+HistoryAction = Action
+
+
+class HistoryRecovery:
+    """The §7h recovery rules of one history-mode stream (see the module docstring).
+
+    :param stream: the stream's configuration (name and endpoint appear in reasons).
+    :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
+    :param serving: where the serving side effects go.
+    """
+
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
+                 serving: ServingState) -> None:
+        self._stream = stream
+        self._limits = limits
+        self._serving = serving
+        self._name = str(serving.stream_id)
+        self._max_buffered = limits.max_buffered_bytes
+        self._timers = RecoveryTimers(limits.resync_interval_ms)
+        self._out: list[HistoryAction] = []
+        self._synced = False          # serving state SYNCHRONIZED
+        self._held = False            # the serving state holds the working index
+        self._expected: Optional[int] = None   # next seq the working index needs
+        self._digest: Optional[int] = None     # D: digest of batch expected - 1
+        self._recent: dict[int, int] = {}      # seq -> digest of the last applied batches
+        self._completeness = EXACT
+        self._first_decides = False   # empty rebuild reply: the first live batch decides
+        self._live_only = False       # no replay answered: the index is built from live only
+        self._live_only_wait = False  # ... and the next live batch starts it
+        self._live_up = False
+        self._live_wait_noted = False
+        self._waiting_error_logged = False
+        self._attempt: Optional[int] = None
+        self._request: Optional[RequestHistory] = None   # of the attempt in flight
+        self._opening: Optional[RequestHistory] = None   # requested, not reported open yet
+        self._attempt_ids = 0
+        self._caught_up = 0           # batches a periodic catch-up applied before live did
+        self._buffer: list[tuple[int, Batch, int]] = []  # (seq, batch, digest)
+        self._buffer_bytes = 0
+
+    # ------------------------------------------------------------------ read-only state
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Buffer accounting (bytes, §6) of the attempt in flight."""
+        return self._buffer_bytes
+
+    @property
+    def attempt(self) -> Optional[int]:
+        """Id of the attempt in flight, ``None`` when there is none."""
+        return self._attempt
+
+    @property
+    def synchronized(self) -> bool:
+        """The serving index is valid (serving)."""
+        return self._synced
+
+    @property
+    def completeness(self) -> Completeness:
+        """What the working index holds (meaningful while one is held)."""
+        return self._completeness
+
+    @property
+    def anchor(self) -> Optional[tuple[int, int]]:
+        """``(L, D)`` of the working index, ``None`` without one."""
+        if not self._held or self._expected is None or self._digest is None:
+            return None
+        return self._expected - 1, self._digest
+
+    @property
+    def held(self) -> bool:
+        """An index is kept (serving, or recovering by catch-up)."""
+        return self._held
+
+    @property
+    def live_only(self) -> bool:
+        """No replay answered: the index is (or will be) built from live batches alone."""
+        return self._live_only
+
+    def view(self) -> RecoveryView:
+        """A copy of the bookkeeping (racy off the stream thread: tests, debugging)."""
+        return RecoveryView(
+            synchronized=self._synced, expected=self._expected, max_seen=None,
+            live_up=self._live_up, attempt=self._attempt,
+            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
+            buffered_bytes=self._buffer_bytes,
+            buffered_seqs=tuple(seq for seq, _, _ in self._buffer), silence_check=None,
+            awaiting_live=self._live_only_wait, live_messages=self._serving.live_messages)
+
+    def wakeup_at(self) -> Optional[float]:
+        """Monotonic seconds when :meth:`tick` is next due; ``None``: nothing scheduled."""
+        nxt = self._timers.next_attempt_at
+        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
+            return nxt
+        return None
+
+    # ------------------------------------------------------------------ inputs
+
+    def start(self, now: float) -> tuple[HistoryAction, ...]:
+        """The stream thread runs: a rebuild is due at once (§6, §7h), sent once the live
+        channel is up. Counts the ``start`` recovery."""
+        self._timers.next_attempt_at = now
+        self._serving.count_recovery(RecoveryTrigger.START)
+        return self._take()
+
+    def tick(self, now: float) -> tuple[HistoryAction, ...]:
+        """Time passed: start a due attempt (or note that it waits for the live channel)."""
+        nxt = self._timers.next_attempt_at
+        if self._attempt is None and nxt is not None and now >= nxt:
+            if self._live_up:
+                self._begin_attempt()
+            elif not self._live_wait_noted and not self._synced:
+                self._note_live_wait()
+        return self._take()
+
+    def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float,
+                      digest: int = 0) -> tuple[HistoryAction, ...]:
+        """A live batch with the exact topic, framed (§1) and decoded (§2, byte hashes to
+        integers); ``digest`` is the XXH3-64 of its payload (§7h anchor). See the module
+        docstring for what each case does.
+
+        :param wire_bytes: the message's wire size (buffer accounting).
+        """
+        serving = self._serving
+        serving.live_messages += 1
+        serving.last_event_at = now
+        if self._synced:
+            expected = self._expected
+            if expected is None or seq == expected:
+                self._apply_serving(seq, batch, digest, wire_bytes, now)
+                return self._take() if self._out else NO_ACTIONS
+            if seq < expected:
+                self._older(seq, batch, digest, wire_bytes, now)
+            else:
+                self._gap(seq, batch, digest, wire_bytes, now)
+            return self._take()
+        self._live_unsynchronized(seq, batch, digest, wire_bytes, now)
+        return self._take()
+
+    def on_history_batch(self, attempt: int, seq: int, events: Sequence[Event], digest: int,
+                         wire_bytes: int, now: float) -> tuple[HistoryAction, ...]:
+        """A catch-up's batch after its proven anchor (§7h), as it arrives: applied to the
+        working index like a live delta unless live already brought it (then its digest must
+        match). A stale attempt id is ignored."""
+        if attempt != self._attempt or not self._held:
+            return self._take()
+        expected = self._expected
+        assert expected is not None
+        if seq < expected:
+            known = self._recent.get(seq)
+            if known is not None and known != digest:
+                self._discard_and_rebuild(
+                    f"catch-up seq {seq} differs from the live batch applied: the engine "
+                    "restarted", RecoveryTrigger.HISTORY_MISMATCH, now)
+            return self._take()
+        if seq > expected:
+            self._attempt_failed(SnapshotError(f"history reply seq {seq} skips seq {expected}"),
+                                 now)
+            return self._take()
+        if self._apply_held(seq, Batch(0.0, events, None), digest, now):
+            if self._synced:
+                self._caught_up += 1
+        return self._take()
+
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[HistoryAction, ...]:
+        """A live message with the exact topic that failed framing or decoding: counted; the
+        batch is lost to the index, and its replayed copy would fail alike: discard, rebuild
+        (a live-only stream starts again from the next live batch)."""
+        self._serving.live_messages += 1
+        self._serving.count_decode_error(reason)
+        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
+        return self._take()
+
+    def on_live_opened(self) -> tuple[HistoryAction, ...]:
+        """A new live ``SUB`` is connecting: not up until its handshake."""
+        self._live_up = False
+        self._live_wait_noted = False
+        return self._take()
+
+    def on_live_up(self, now: float) -> tuple[HistoryAction, ...]:
+        """The live ``SUB``'s handshake succeeded: replies may be asked for from now on; a new
+        connection may be a new engine, so the backoff is reset; a kept index catches up."""
+        self._live_up = True
+        if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
+            self._timers.new_connection(now)
+        if self._live_wait_noted:
+            self._live_wait_noted = False
+            error = self._serving.error
+            if not self._synced and error is not None:
+                self._serving.set_error(error.partition(LIVE_WAIT)[0])
+        return self._take()
+
+    def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
+        """The live ``SUB`` disconnected (§6): batches may be missed. A synchronized stream
+        keeps its index, serves nothing (``recovering``) and catches up once connected again
+        (a live-only one serves again from the next contiguous live batch)."""
+        self._live_up = False
+        self._abandon_attempt()
+        if self._synced:
+            self._synced = False
+            self._serving.set_recovering()
+            how = ("serving again from the next contiguous live batch" if self._live_only
+                   else f"catching up from seq {self._expected - 1 if self._expected else 0} "
+                        "once reconnected")
+            self._serving.set_error(f"{reason}; {how}")
+            self._log_unsynchronized(f"{reason}; {how}", RecoveryTrigger.DISCONNECT,
+                                     recovering=True)
+        else:
+            self._serving.set_unsynchronized(reason)
+        if not self._live_only or self._timers.next_attempt_at is None:
+            # (A live-only stream keeps its rebuild retry schedule, or retries once connected.)
+            self._timers.next_attempt_at = now
+        return self._take()
+
+    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[HistoryAction, ...]:
+        """The owner opened attempt ``attempt``: an urgent one makes the stream ``RECOVERING``
+        (one info line). A stale id is ignored."""
+        request = self._opening
+        if request is not None and request.attempt == attempt:
+            self._opening = None
+            self._announce(request)
+        return self._take()
+
+    def on_snapshot_failed(self, attempt: int, exc: StreamError,
+                           now: float) -> tuple[HistoryAction, ...]:
+        """Attempt ``attempt`` failed (could not open, per-message timeout, malformed reply):
+        retried after the backoff. A rebuild that got no reply at all
+        (:class:`~kvsvc.errors.ReplayUnanswered`) makes the stream serve a live-only subset
+        meanwhile (§7h). A stale id is ignored."""
+        if attempt == self._attempt:
+            opening = self._opening
+            if opening is not None and opening.attempt == attempt:
+                self._opening = None
+            self._attempt_failed(exc, now)
+        return self._take()
+
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
+                             requested_at: Optional[float], now: float) -> tuple[HistoryAction, ...]:
+        """The end of attempt ``attempt``'s reply (or a catch-up's first message that proved
+        no continuity): finish the catch-up or swap in the rebuilt index (§7h). A stale id is
+        ignored."""
+        if attempt != self._attempt:
+            return self._take()
+        assert isinstance(reply, HistoryResult)
+        duration = now - requested_at if requested_at is not None else 0.0
+        if reply.catch_up:
+            self._catch_up_done(reply, duration, now)
+        else:
+            self._rebuild_done(reply, duration, now)
+        return self._take()
+
+    def on_internal_error(self, error_name: str, now: float) -> tuple[HistoryAction, ...]:
+        """A bug in kvsvc escaped a turn: discard the index and rebuild after a backoff."""
+        self._abandon_attempt()
+        self._invalidate(f"internal error: {error_name}", RecoveryTrigger.INTERNAL_ERROR)
+        self._live_only_wait = self._live_only
+        self._timers.failed(now)
+        return self._take()
+
+    # ------------------------------------------------------------------ live batches
+
+    def _apply_serving(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                       now: float) -> None:
+        """The hot path: the next live batch on a serving index."""
+        if self._expected is None:
+            # After an empty rebuild reply the first live batch decides (§7h).
+            self._expected = seq
+            self._first_decides = False
+            self._set_completeness(EXACT if seq == 0 else SUBSET,
+                                   f"first live batch after an empty reply has seq {seq}")
+        if not self._apply_held(seq, batch, digest, now):
+            return
+        request = self._request
+        if request is not None and not request.catch_up:
+            # A rebuild retry in flight (live-only stream): its index needs this batch too.
+            self._buffer_batch(seq, batch, digest, wire_bytes, now)
+
+    def _apply_held(self, seq: int, batch: Batch, digest: int, now: float) -> bool:
+        """Apply batch ``seq == expected`` to the working index (serving or kept); keeps the
+        anchor. On an apply error the index is gone and a rebuild starts; returns False."""
+        subset = self._completeness is SUBSET
+        events = batch.events
+        failure = self._serving.apply_live(seq, events, subset)
+        if failure is not None:
+            # The serving state discarded the index in the same lock hold.
+            reason = f"seq {seq}: {failure}"
+            live_only = self._live_only
+            self._lost(reason, trigger_of(error_reason(failure)))
+            if live_only:
+                self._live_only_wait = True
+            else:
+                self._restart_recovery(now)
+            return False
+        self._expected = seq + 1
+        self._digest = digest
+        recent = self._recent
+        recent[seq] = digest
+        recent.pop(seq - RECENT_DIGESTS, None)
+        if subset and starts_cleared(events):
+            self._set_completeness(EXACT, f"seq {seq} starts with AllBlocksCleared")
+        return True
+
+    def _older(self, seq: int, batch: Batch, digest: int, wire_bytes: int, now: float) -> None:
+        """A live seq below the expected one on a serving index."""
+        if self._recent.get(seq) == digest:
+            # Applied already (a catch-up brought it first, or a repeat of the same batch).
+            self._serving.duplicates_dropped += 1
+            return
+        self._discard_and_rebuild(f"sequence went backwards: expected seq {self._expected}, "
+                                  f"got {seq} (the engine restarted)",
+                                  RecoveryTrigger.SEQUENCE_BACKWARDS, now)
+        self._buffer_new(seq, batch, digest, wire_bytes, now)
+
+    def _gap(self, seq: int, batch: Batch, digest: int, wire_bytes: int, now: float) -> None:
+        """A live seq above the expected one on a serving index (§7h: catch up)."""
+        reason = f"sequence gap: expected seq {self._expected}, got {seq}"
+        if self._live_only:
+            # §7h: a live-only stream cannot catch up: a new one starts at this batch.
+            self._discard_live_only(seq, batch, digest, wire_bytes, reason, now)
+            return
+        self._synced = False
+        self._serving.set_recovering()
+        self._serving.set_error(f"{reason}; catching up from seq {self._expected - 1}")  # type: ignore[operator]
+        self._log_unsynchronized(f"{reason}; catching up", RecoveryTrigger.SEQUENCE_GAP,
+                                 recovering=True)
+        request = self._request
+        if request is None or not request.catch_up:
+            self._restart_recovery(now)
+        else:
+            # The periodic catch-up in flight fills the gap (or its end asks again).
+            self._promote(request)
+        self._buffer_batch(seq, batch, digest, wire_bytes, now)
+
+    def _live_unsynchronized(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                             now: float) -> None:
+        """A live batch while the stream does not serve."""
+        if starts_cleared(batch.events):
+            self._baseline_from_cleared(seq, batch, digest, now)
+            return
+        if self._live_only_wait:
+            self._start_live_only(seq, batch, digest, wire_bytes, now)
+            return
+        if self._held:
+            expected = self._expected
+            assert expected is not None
+            if seq == expected:
+                if self._apply_held(seq, batch, digest, now) and self._live_only:
+                    # A live-only stream after a disconnect: nothing was missed.
+                    self._resume(f"live batch seq {seq} continues the live-only subset")
+                return
+            if seq < expected:
+                if self._recent.get(seq) == digest:
+                    self._serving.duplicates_dropped += 1
+                    return
+                self._discard_and_rebuild(
+                    f"sequence went backwards: expected seq {expected}, got {seq} (the "
+                    "engine restarted)", RecoveryTrigger.SEQUENCE_BACKWARDS, now)
+            elif self._live_only:
+                self._discard_live_only(seq, batch, digest, wire_bytes,
+                                        f"sequence gap: expected seq {expected}, got {seq}", now)
+                return
+        self._buffer_new(seq, batch, digest, wire_bytes, now)
+
+    def _buffer_new(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                    now: float) -> None:
+        """Buffer a live batch into the attempt in flight (nothing to buffer into otherwise:
+        the next reply covers it); a seq not above the last buffered one means a restart."""
+        if self._attempt is None:
+            return
+        buffer = self._buffer
+        if buffer and seq <= buffer[-1][0]:
+            last = buffer[-1][0]
+            self._discard_and_rebuild(f"sequence went backwards during recovery: got seq {seq} "
+                                      f"after {last}", RecoveryTrigger.SEQUENCE_BACKWARDS, now)
+            if self._attempt is None:
+                return
+        self._buffer_batch(seq, batch, digest, wire_bytes, now)
+
+    def _buffer_batch(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                      now: float) -> None:
+        self._buffer_bytes += record_bytes(batch, wire_bytes)
+        if self._buffer_bytes > self._max_buffered:
+            self._attempt_failed(BufferOverflow(
+                f"buffer overflow: live batches buffered during the history reply exceed "
+                f"max_buffered_bytes={self._max_buffered}"), now)
+            return
+        self._buffer.append((seq, batch, digest))
+
+    def _baseline_from_cleared(self, seq: int, batch: Batch, digest: int, now: float) -> None:
+        """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
+        index = self._new_index()
+        try:
+            index.apply(batch.events)
+        except StreamError as exc:
+            reason = error_reason(exc)
+            self._serving.count_decode_error(reason)
+            self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
+            return
+        self._abandon_attempt()
+        self._live_only_wait = False
+        self._install(index, seq, digest, {}, EXACT, live_events=batch.events,
+                      stats_base=_ZERO_STATS, how=f"AllBlocksCleared batch seq {seq}", now=now)
+
+    def _start_live_only(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                         now: float) -> None:
+        """No replay answered (§7h): a live-only index from this batch on (exact at seq 0)."""
+        index = self._new_index()
+        completeness = EXACT if seq == 0 else SUBSET
+        try:
+            index.apply(batch.events, snapshot=completeness is SUBSET)
+        except StreamError as exc:
+            reason = error_reason(exc)
+            self._serving.count_decode_error(reason)
+            self._serving.set_error(f"seq {seq}: {exc}")
+            return
+        self._live_only_wait = False
+        self._install(index, seq, digest, {}, completeness, live_events=batch.events,
+                      stats_base=_ZERO_STATS,
+                      how=f"live-only subset from seq {seq} (no replay answer)", keep_attempt=True)
+        request = self._request
+        if request is not None and not request.catch_up:
+            self._buffer_batch(seq, batch, digest, wire_bytes, now)
+
+    def _discard_live_only(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
+                           reason: str, now: float) -> None:
+        """§7h: a gap in a live-only stream discards it; a new one starts at this batch."""
+        self._invalidate(f"{reason} in a live-only stream", RecoveryTrigger.SEQUENCE_GAP)
+        self._live_only_wait = True
+        self._start_live_only(seq, batch, digest, wire_bytes, now)
+
+    def _live_only_from(self, buffered: list[tuple[int, Batch, int]], now: float) -> None:
+        """No replay answer: the live-only subset starts from the first batch received (§7h),
+        so the batches buffered during the unanswered rebuild are not lost."""
+        for seq, batch, digest in buffered:
+            self.on_live_batch_replayed(seq, batch, digest, now)
+
+    def on_live_batch_replayed(self, seq: int, batch: Batch, digest: int, now: float) -> None:
+        """A buffered live batch handed over again (after an unanswered rebuild): as
+        :meth:`on_live_batch` without counting it a second time."""
+        if self._synced:
+            expected = self._expected
+            if expected is None or seq == expected:
+                self._apply_serving(seq, batch, digest, 0, now)
+            elif seq > expected:
+                self._gap(seq, batch, digest, 0, now)
+            return
+        self._live_unsynchronized(seq, batch, digest, 0, now)
+
+    # ------------------------------------------------------------------ replies
+
+    def _catch_up_done(self, reply: HistoryResult, duration: float, now: float) -> None:
+        request = self._request
+        assert request is not None
+        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        if not reply.continuous:
+            self._discard_and_rebuild(f"catch-up from seq {request.start_seq} failed: "
+                                      f"{reply.reason}; rebuilding",
+                                      RecoveryTrigger.HISTORY_MISMATCH, now)
+            return
+        periodic = self._synced
+        caught_up = self._caught_up
+        buffered = self._buffer
+        self._abandon_attempt()
+        # The buffered live batches (after a gap) follow the replayed ones.
+        for seq, batch, digest in buffered:
+            expected = self._expected
+            assert expected is not None
+            if seq < expected:
+                known = self._recent.get(seq)
+                if known is not None and known != digest:
+                    self._discard_and_rebuild(
+                        f"live seq {seq} differs from the batch replayed: the engine restarted",
+                        RecoveryTrigger.HISTORY_MISMATCH, now)
+                    return
+                continue
+            if seq > expected:
+                # Published after the reply and lost on the way: ask again from here.
+                log.info("stream %s: catch-up ended at seq %d, buffered live seq %d: catching "
+                         "up again", self._name, expected - 1, seq)
+                self._begin_attempt()
+                return
+            if not self._apply_held(seq, batch, digest, now):
+                return
+        self._timers.synchronized(now, probe=False)
+        if periodic:
+            if caught_up:
+                self._serving.count_resync_difference(caught_up)
+                log.warning("stream %s: periodic catch-up found %d batches that never arrived "
+                            "live (lost events); applied", self._name, caught_up)
+            else:
+                log.debug("stream %s: periodic catch-up matched (seq %d)", self._name,
+                          request.start_seq)
+            return
+        self._resume(f"catch-up from seq {request.start_seq}, {reply.messages} messages")
+
+    def _rebuild_done(self, reply: HistoryResult, duration: float, now: float) -> None:
+        index = reply.index
+        assert index is not None
+        stats_base = stats_tuple(index.stats)
+        digests = dict(reply.digests)
+        tail: list[Event] = []
+        if reply.first_seq is None:
+            expected: Optional[int] = None
+            digest: Optional[int] = None
+            completeness = EXACT
+            how = "empty history reply"
+        else:
+            assert reply.last_seq is not None
+            expected = reply.last_seq + 1
+            digest = reply.last_digest
+            completeness = EXACT if reply.exact else SUBSET
+            how = (f"history reply seq {reply.first_seq}..{reply.last_seq}, "
+                   f"{reply.messages} messages")
+        for seq, batch, live_digest in self._buffer:
+            if expected is None:
+                # Empty reply: the first live batch decides (§7h).
+                completeness = EXACT if seq == 0 else SUBSET
+                expected = seq
+            if seq < expected:
+                known = digests.get(seq)
+                if known is not None and known != live_digest:
+                    self._attempt_failed(SnapshotError(
+                        f"live seq {seq} differs from the batch replayed (the engine "
+                        "restarted)"), now)
+                    return
+                continue
+            if seq != expected:
+                self._attempt_failed(SnapshotError(
+                    f"gap after the history reply: expected seq {expected}, got {seq}"), now)
+                return
+            try:
+                index.apply(batch.events, snapshot=completeness is SUBSET)
+            except StreamError as exc:
+                self._attempt_failed(SnapshotError(f"seq {seq} after the history reply: {exc}"),
+                                     now)
+                return
+            if completeness is SUBSET and starts_cleared(batch.events):
+                completeness = EXACT
+            tail.extend(batch.events)
+            expected = seq + 1
+            digest = live_digest
+            digests[seq] = live_digest
+        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        self._live_only = self._live_only_wait = False
+        self._install(index, None if expected is None else expected - 1, digest, digests,
+                      completeness, live_events=tail, stats_base=stats_base, how=how, now=now)
+
+    # ------------------------------------------------------------------ state changes
+
+    def _install(self, index: TierIndex, sequence: Optional[int], digest: Optional[int],
+                 digests: dict[int, int], completeness: Completeness, *,
+                 live_events: Sequence[object], stats_base: tuple[int, ...], how: str,
+                 keep_attempt: bool = False, now: Optional[float] = None) -> None:
+        """Make ``index`` the serving one (§6 atomic swap) with its anchor; ``now`` given: the
+        next periodic catch-up after ``resync_interval_ms`` (a live-only start keeps the rebuild
+        retry schedule and the attempt in flight, ``keep_attempt``)."""
+        replacing = self._synced
+        if not keep_attempt:
+            self._abandon_attempt()
+        self._serving.swap(index, sequence=sequence, resync=False, difference=0,
+                           live_events=live_events, stats_base=stats_base,
+                           completeness=completeness)
+        self._synced = self._held = True
+        self._completeness = completeness
+        self._first_decides = sequence is None
+        self._expected = None if sequence is None else sequence + 1
+        self._digest = digest
+        recent = {s: d for s, d in digests.items()
+                  if sequence is None or s > sequence - RECENT_DIGESTS}
+        if sequence is not None and digest is not None:
+            recent[sequence] = digest
+        self._recent = recent
+        if now is not None:
+            self._timers.synchronized(now, probe=False)
+        log.info("stream %s: synchronized%s (%s, %s): %d device, %d host blocks", self._name,
+                 " again" if replacing else "", how, completeness.value, index.device_blocks,
+                 index.host_blocks)
+
+    def _resume(self, how: str) -> None:
+        """The kept index is complete again: serve it."""
+        self._synced = True
+        self._serving.resume(None if self._expected is None else self._expected - 1)
+        self._serving.set_completeness(self._completeness)
+        device, host = self._index_blocks()
+        log.info("stream %s: synchronized (%s, %s): %d device, %d host blocks", self._name, how,
+                 self._completeness.value, device, host)
+
+    def _index_blocks(self) -> tuple[int, int]:
+        index = self._serving.index
+        return (index.device_blocks, index.host_blocks) if index is not None else (0, 0)
+
+    def _set_completeness(self, completeness: Completeness, why: str) -> None:
+        if completeness is self._completeness:
+            return
+        self._completeness = completeness
+        self._serving.set_completeness(completeness)
+        log.info("stream %s: index is %s now (%s)", self._name, completeness.value, why)
+
+    def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
+        """An error of the stream: discard the index and rebuild (a live-only stream: start
+        again from the next live batch), or fail the attempt in flight."""
+        if self._held:
+            live_only = self._live_only
+            self._abandon_attempt()
+            self._invalidate(reason, trigger)
+            if live_only:
+                self._live_only_wait = True
+            else:
+                self._restart_recovery(now)
+        elif self._attempt is not None:
+            self._attempt_failed(StreamError(reason), now)
+        else:
+            self._serving.set_error(reason)
+            if not self._waiting_error_logged:
+                self._waiting_error_logged = True
+                log.warning("stream %s: %s (retry already scheduled; further errors until then "
+                            "are logged at debug level)", self._name, reason)
+            else:
+                log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+
+    def _discard_and_rebuild(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
+        """Discard the working index (served or kept) and rebuild from 0 now (§7h)."""
+        self._abandon_attempt()
+        self._invalidate(reason, trigger)
+        self._live_only = self._live_only_wait = False
+        self._restart_recovery(now)
+
+    def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
+        """Discard the working index and its anchor; one log line and one recovery count per
+        loss of synchronization (a kept index just logs)."""
+        self._serving.invalidate(reason)
+        self._lost(reason, trigger)
+
+    def _lost(self, reason: str, trigger: RecoveryTrigger) -> None:
+        """Forget the index (the serving state discarded it already)."""
+        was_synced = self._synced
+        self._synced = self._held = False
+        self._expected = self._digest = None
+        self._recent = {}
+        self._completeness = EXACT
+        self._first_decides = False
+        if was_synced:
+            self._log_unsynchronized(reason, trigger)
+        else:
+            log.warning("stream %s: index discarded: %s", self._name, reason)
+
+    def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
+                            recovering: bool = False) -> None:
+        self._serving.count_recovery(trigger)
+        log.warning("stream %s: %s: %s", self._name,
+                    "recovering" if recovering else "unsynchronized", reason)
+
+    def _note_live_wait(self) -> None:
+        self._live_wait_noted = True
+        cause = self._serving.error or NOT_YET
+        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
+
+    # ------------------------------------------------------------------ attempts
+
+    def _new_index(self) -> TierIndex:
+        return TierIndex(self._stream.block_size, self._stream.hash_seed,
+                         self._limits.max_blocks_per_stream)
+
+    def _take(self) -> tuple[HistoryAction, ...]:
+        out = self._out
+        if not out:
+            return NO_ACTIONS
+        self._out = []
+        return tuple(out)
+
+    def _restart_recovery(self, now: float) -> None:
+        """Abandon any attempt and request the recovery now (or once the live channel is up)."""
+        self._abandon_attempt()
+        self._timers.next_attempt_at = now
+        if self._live_up:
+            self._begin_attempt()
+
+    def _promote(self, request: RequestHistory) -> None:
+        """A periodic attempt in flight is now the stream's recovery."""
+        self._request = RequestHistory(request.attempt, request.start_seq, True,
+                                       request.anchor_digest)
+
+    def _abandon_attempt(self) -> None:
+        if self._opening is not None:
+            request = self._opening
+            self._opening = None
+            self._announce(request)
+        if self._attempt is not None:
+            self._out.append(AbandonSnapshot(self._attempt))
+            self._attempt = None
+        self._request = None
+        self._buffer = []
+        self._buffer_bytes = 0
+        self._caught_up = 0
+
+    def _begin_attempt(self) -> None:
+        """Request a catch-up from ``L`` when an index with an anchor is kept (not live-only),
+        else a rebuild from 0."""
+        self._waiting_error_logged = False
+        anchor = self.anchor if not self._live_only else None
+        self._buffer = []
+        self._buffer_bytes = 0
+        self._caught_up = 0
+        self._attempt_ids += 1
+        self._attempt = self._attempt_ids
+        if anchor is not None:
+            request = RequestHistory(self._attempt, anchor[0], not self._synced, anchor[1])
+        else:
+            request = RequestHistory(self._attempt, 0, not self._synced, None)
+        self._request = request
+        self._out.append(request)
+        self._opening = request
+        self._timers.next_attempt_at = None
+
+    def _announce(self, request: RequestHistory) -> None:
+        what = (f"catch-up requested (start_seq {request.start_seq})" if request.catch_up
+                else "rebuild requested (start_seq 0)")
+        if not request.urgent or self._synced:
+            log.debug("stream %s: periodic %s", self._name, what)
+            return
+        self._serving.set_recovering()
+        log.info("stream %s: recovering: %s", self._name, what)
+
+    def _attempt_failed(self, exc: StreamError, now: float) -> None:
+        """A failed attempt (§6, §7h): close it, keep the reason, retry after the backoff. A
+        periodic one leaves the stream serving; a rebuild without any answer
+        (:class:`~kvsvc.errors.ReplayUnanswered`) makes the stream serve a live-only subset
+        from the first live batch received (§7h)."""
+        request = self._request
+        buffered = self._buffer
+        self._abandon_attempt()
+        outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
+                   SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
+                   SnapshotOutcome.ERROR)
+        self._serving.count_attempt(outcome)
+        delay = self._timers.failed(now)
+        unanswered = (isinstance(exc, ReplayUnanswered) and request is not None
+                      and not request.catch_up)
+        if self._synced:
+            log.warning("stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
+                        "rebuild retry" if request is not None and not request.catch_up
+                        else "periodic catch-up", exc, delay)
+            return
+        reason = str(exc)
+        if unanswered and not self._held:
+            self._live_only = self._live_only_wait = True
+            reason = f"{reason}; serving a live-only subset from the next live batch"
+        self._serving.set_unsynchronized(reason)
+        log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, reason, delay)
+        if unanswered and buffered and not self._held:
+            self._live_only_from(buffered, now)
+
+
+_ZERO_STATS = (0,) * len(NOT_INDEXED)
