@@ -254,7 +254,11 @@ def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig
 
 
 def summarize(path: str, config: KvEventsConfig) -> list[str]:
-    """Human-readable lines describing a validated §8 config."""
+    """Human-readable lines describing a validated §8 config: with discovery the backends it
+    subscribes and each one's replay mode (§9), then every kept static stream with its own
+    ``replay_mode`` (``snapshot`` §7 or ``history`` §7h)."""
+    from kvsvc.cluster.discovery import describe_backends  # as validate_service: on use only
+
     kept = config.kept_streams()
     lines = [f"kv_events_config_file: {path}: valid"]
     if config.discovery is not None and config.discovery.enabled:
@@ -263,13 +267,16 @@ def summarize(path: str, config: KvEventsConfig) -> list[str]:
                      f"event_port_offset={d.event_port_offset}, "
                      f"replay_port_offset={d.replay_port_offset}, "
                      f"refresh_interval_ms={d.refresh_interval_ms})")
+        lines.append(f"discovery backends (replay mode): {describe_backends(d)}; instances of "
+                     "other backends get no streams")
     instances = sorted({s.instance_name for s in kept})
     lines.append(f"streams: {len(config.streams)} configured, {len(kept)} kept "
                  f"(max_streams={config.max_streams}), {len(instances)} instances")
     for s in kept:
         lines.append(f"  {s.instance_name}/dp{s.dp_rank}: block_size={s.block_size} "
                      f"hash_seed={s.hash_seed} endpoint={s.endpoint} "
-                     f"replay_endpoint={s.replay_endpoint} topic={s.topic!r}")
+                     f"replay_endpoint={s.replay_endpoint} topic={s.topic!r} "
+                     f"replay_mode={s.replay_mode.value}")
     lines.append(f"limits: max_blocks_per_stream={config.max_blocks_per_stream} "
                  f"max_message_bytes={config.max_message_bytes} "
                  f"max_buffered_bytes={config.max_buffered_bytes} "

@@ -17,7 +17,8 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, List, Optional
+from types import MappingProxyType
+from typing import Annotated, Any, Dict, List, Mapping, Optional
 
 from pydantic import (
     BaseModel,
@@ -48,6 +49,26 @@ class ReplayMode(enum.StrEnum):
 
     SNAPSHOT = "snapshot"
     HISTORY = "history"
+
+
+class Backend(enum.StrEnum):
+    """An instance's registered ``backend_type`` that kvsvc can index (§9): the engine family
+    whose KV events and replay channel a stream speaks."""
+
+    XLLM = "xllm"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+#: §8/§9 default of ``discovery.backends``: the seed's rule, xLLM instances only.
+DEFAULT_BACKENDS = (Backend.XLLM,)
+#: §8 default of ``discovery.replay_modes``: what each backend answers on its replay endpoint
+#: (xLLM a snapshot of its residency, §7; vLLM and SGLang their buffered history, §7h).
+DEFAULT_REPLAY_MODES: Mapping[Backend, ReplayMode] = MappingProxyType({
+    Backend.XLLM: ReplayMode.SNAPSHOT,
+    Backend.VLLM: ReplayMode.HISTORY,
+    Backend.SGLANG: ReplayMode.HISTORY,
+})
 
 
 class _Strict(BaseModel):
@@ -101,6 +122,42 @@ class DiscoveryConfig(_Strict):
     replay_port_offset: Annotated[StrictInt, Field(ge=0, le=65535)] = 30000
     refresh_interval_ms: Annotated[StrictInt, Field(ge=50, le=60000)] = 1000
     hash_seed: Annotated[StrictInt, Field(ge=0, le=MAX_U64)] = 1024
+    # strict=False on the enum fields below: the JSON file gives them as their string values;
+    # anything else (another string, a number) is still refused, naming the field.
+    backends: List[Annotated[Backend, Field(strict=False)]] = Field(
+        default_factory=lambda: list(DEFAULT_BACKENDS))
+    """Backend types whose instances get streams (§9), each once: ``xllm`` (the default, the
+    seed's rule), ``vllm`` (e.g. registered by xllm-service's ``vllm_sidecar``), ``sglang``.
+    Instances of other backends are skipped (logged once per instance)."""
+    replay_modes: Dict[Annotated[Backend, Field(strict=False)],
+                       Annotated[ReplayMode, Field(strict=False)]] = Field(
+        default_factory=lambda: dict(DEFAULT_REPLAY_MODES))
+    """Backend -> ``snapshot`` (§7) or ``history`` (§7h): the replay mode of the streams of that
+    backend's instances. The keys given override :data:`DEFAULT_REPLAY_MODES` one by one; the
+    others keep their default, so after validation every backend has a mode."""
+
+    @field_validator("backends")
+    @classmethod
+    def _backends_once(cls, value: List[Backend]) -> List[Backend]:
+        if not value:
+            # Discovery would subscribe nothing: say so rather than run an empty index.
+            raise ValueError("must list at least one backend type ("
+                             + ", ".join(repr(b.value) for b in Backend) + ")")
+        seen: set[Backend] = set()
+        for backend in value:
+            if backend in seen:
+                raise ValueError(f"{backend.value!r} listed twice")
+            seen.add(backend)
+        return value
+
+    @field_validator("replay_modes")
+    @classmethod
+    def _modes_over_defaults(cls, value: Dict[Backend, ReplayMode]) -> Dict[Backend, ReplayMode]:
+        return {**DEFAULT_REPLAY_MODES, **value}
+
+    def replay_mode(self, backend: Backend) -> ReplayMode:
+        """The replay mode of ``backend``'s streams (§8 ``replay_modes``, defaults filled in)."""
+        return self.replay_modes[backend]
 
 
 class KvEventsConfig(_Strict):
@@ -178,6 +235,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif part == "[key]":
+            continue  # a bad dict key: the key itself, just before, names it
         elif part in ("function-after", "function-before") or str(part).startswith("function-"):
             continue
         else:

@@ -34,7 +34,12 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import zmq
 
-from kvsvc.config import DEFAULT_MAX_CONCURRENT_SNAPSHOTS, KvEventsConfig, StreamConfig
+from kvsvc.config import (
+    DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
+    KvEventsConfig,
+    ReplayMode,
+    StreamConfig,
+)
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.index.keys import chain_keys, pack_tokens
 from kvsvc.streams.counters import StreamCounters
@@ -279,7 +284,8 @@ class Directory:
             if clash:
                 raise ConfigError("streams", f"stream {sid} already exists")
             raise LifecycleError(f"directory started or stopped while adding stream {sid}")
-        log.info("stream %s added (block_size=%d, running=%s)", sid, cfg.block_size, started)
+        log.info("stream %s added (block_size=%d, replay_mode=%s, running=%s)", sid,
+                 cfg.block_size, cfg.replay_mode.value, started)
         return sid
 
     def remove_stream(self, stream_id: StreamId, timeout_s: float = 5.0) -> bool:
@@ -313,6 +319,17 @@ class Directory:
     def stream_ids(self) -> list[StreamId]:
         """Current stream ids in answer order (instance_name, dp_rank)."""
         return list(self._current().ordered)
+
+    def stream_config(self, stream_id: StreamId) -> Optional[StreamConfig]:
+        """The configuration ``stream_id`` runs with (static, or as discovery handed it over,
+        §9), ``None`` for an unknown stream."""
+        return self._current().configs.get(stream_id)
+
+    def replay_modes(self) -> dict[StreamId, ReplayMode]:
+        """Each current stream's configured replay mode (§8 ``replay_mode``: ``snapshot`` §7
+        or ``history`` §7h), in answer order; what ``/ready`` shows beside its state."""
+        view = self._current()
+        return {sid: view.configs[sid].replay_mode for sid in view.ordered}
 
     def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
         """Each stream's reusable prefix of ``token_ids`` (§10), ordered by (instance_name,

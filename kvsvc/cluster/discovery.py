@@ -17,8 +17,13 @@ Two layers:
 
 Rules of the plan (§9):
 
-- Only ``backend_type == "xllm"`` instances; types DEFAULT and PREFILL always, MIX only while
-  its current role is prefill, never DECODE.
+- Only instances whose ``backend_type`` (``"xllm"`` when the registration has none; compared
+  without regard to case) is in ``discovery.backends`` (§8, default ``["xllm"]``); each stream
+  gets its backend's ``discovery.replay_modes`` entry as its ``replay_mode`` (§7 snapshot or
+  §7h history). Types DEFAULT and PREFILL always, MIX only while its current role is prefill,
+  never DECODE. An instance that would be subscribed but for its backend is listed in
+  :attr:`Plan.other_backends`; :class:`Discovery` logs it once (which backend, and how to
+  enable it) and ``/ready`` shows it.
 - ``SUSPECT`` instances (and removed ones, absent from the snapshot) have no streams;
   ``LEASE_LOST`` instances keep theirs.
 - Instance ``host:port`` with ``dp_size`` n (0 means 1): rank r gets
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional, Protocol
 
@@ -54,7 +59,7 @@ from kvsvc.cluster.model import (
     RegistrySnapshot,
     instance_identity,
 )
-from kvsvc.config import DiscoveryConfig, KvEventsConfig, StreamConfig
+from kvsvc.config import Backend, DiscoveryConfig, KvEventsConfig, StreamConfig
 from kvsvc.directory import Directory
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.lifecycle import BackgroundThread
@@ -62,8 +67,8 @@ from kvsvc.streams.state import StreamId
 
 log = logging.getLogger(__name__)
 
-#: The only ``backend_type`` whose KV events kvsvc understands (§9).
-XLLM_BACKEND = "xllm"
+#: ``backend_type`` values kvsvc can index (§9), lower case, as the registration carries them.
+_BACKENDS = {b.value: b for b in Backend}
 
 _JOIN_TIMEOUT_S = 10.0
 
@@ -84,11 +89,14 @@ class PlannedStream:
         topic and hash seed).
     :param identity: its instance's :func:`instance_identity`.
     :param dp_size: its instance's DP size (a change replaces every rank's stream).
+    :param backend: its instance's backend type; the config's ``replay_mode`` is that
+        backend's (§8 ``discovery.replay_modes``).
     """
 
     config: StreamConfig
     identity: str
     dp_size: int
+    backend: Backend = Backend.XLLM
 
     @property
     def stream_id(self) -> StreamId:
@@ -105,10 +113,14 @@ class Plan:
         (port overflow, endpoint collision naming the other instance, bad name,
         ``max_streams``), read-only. Instances that are simply not subscribed (DECODE, other
         backends, MIX acting as decode, SUSPECT) are not listed.
+    :param other_backends: instance name -> its ``backend_type`` as registered, for the
+        instances that act as prefill and are not SUSPECT but whose backend is not in
+        ``discovery.backends`` (or not one kvsvc can index), read-only, sorted by name.
     """
 
     streams: Mapping[StreamId, PlannedStream]
     excluded: Mapping[str, str]
+    other_backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def instance_names(self) -> list[str]:
         """Names of the instances with streams, sorted."""
@@ -124,9 +136,11 @@ def _acts_as_prefill(instance: Instance) -> bool:
     return False
 
 
-def _subscribed(instance: Instance) -> bool:
-    return (instance.backend_type == XLLM_BACKEND and instance.state != InstanceState.SUSPECT
-            and _acts_as_prefill(instance))
+def backend_of(instance: Instance) -> Optional[Backend]:
+    """The :class:`~kvsvc.config.Backend` of ``instance``'s ``backend_type`` (§9; the registry
+    fills in ``"xllm"`` when the registration has none), compared without regard to case and
+    surrounding blanks; ``None`` for a backend kvsvc cannot index (``"trtllm"``, ...)."""
+    return _BACKENDS.get(instance.backend_type.strip().lower())
 
 
 def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
@@ -144,9 +158,16 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
     # name -> list of (StreamConfig) for eligible instances, before collisions and the cut.
     candidates: dict[str, list[StreamConfig]] = {}
     identities: dict[str, tuple[str, int]] = {}
+    backends: dict[str, Backend] = {}
+    other_backends: dict[str, str] = {}
+    listed = frozenset(discovery.backends)
     for name in sorted(snapshot.instances):
         inst = snapshot.instances[name]
-        if not _subscribed(inst):
+        if inst.state == InstanceState.SUSPECT or not _acts_as_prefill(inst):
+            continue
+        backend = backend_of(inst)
+        if backend is None or backend not in listed:
+            other_backends[name] = inst.backend_type
             continue
         try:
             addr = parse_host_port(inst.name)
@@ -173,12 +194,15 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
             # pydantic's when the config model checked the endpoint).
             excluded[name] = f"no connectable endpoint for host {host!r}: Value error, {exc}"
             continue
+        mode = discovery.replay_mode(backend)
         configs = [StreamConfig(
             instance_name=name, dp_rank=r, block_size=discovery.block_size, endpoint=ep,
-            replay_endpoint=replay_ep, topic=discovery.topic, hash_seed=discovery.hash_seed)
+            replay_endpoint=replay_ep, topic=discovery.topic, hash_seed=discovery.hash_seed,
+            replay_mode=mode)
             for r, (ep, replay_ep) in enumerate(endpoints)]
         candidates[name] = configs
         identities[name] = (instance_identity(inst), dp_size)
+        backends[name] = backend
 
     # Endpoint collisions, across every eligible instance's event and replay endpoints.
     owners: dict[str, str] = {}
@@ -208,8 +232,10 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
             continue
         identity, dp_size = identities[name]
         for cfg in configs:
-            streams[StreamId(name, cfg.dp_rank)] = PlannedStream(cfg, identity, dp_size)
-    return Plan(MappingProxyType(streams), MappingProxyType(dict(sorted(excluded.items()))))
+            streams[StreamId(name, cfg.dp_rank)] = PlannedStream(cfg, identity, dp_size,
+                                                                 backends[name])
+    return Plan(MappingProxyType(streams), MappingProxyType(dict(sorted(excluded.items()))),
+                MappingProxyType(other_backends))
 
 
 #: Labels of discovery's metrics (kvsvc.http.metrics): fixed sets.
@@ -277,6 +303,8 @@ class Discovery(BackgroundThread):
         # Discovery thread only (and refresh() callers while the thread is not running).
         self._applied: dict[StreamId, PlannedStream] = {}
         self._excluded: Mapping[str, str] = MappingProxyType({})
+        # The last plan's instances skipped for their backend (name -> backend_type).
+        self._other_backends: Mapping[str, str] = MappingProxyType({})
         # The streams of the first plan made from a fresh snapshot (readiness' warm-up set).
         self._first_plan: Optional[frozenset[StreamId]] = None
         self._refresh_lock = threading.Lock()
@@ -297,6 +325,11 @@ class Discovery(BackgroundThread):
     def excluded(self) -> Mapping[str, str]:
         """The last plan's excluded instances: name -> reason (read-only)."""
         return self._excluded
+
+    def other_backends(self) -> Mapping[str, str]:
+        """The last plan's instances without streams because of their backend (§9): name ->
+        ``backend_type`` as registered (read-only; :attr:`Plan.other_backends`)."""
+        return self._other_backends
 
     def first_plan(self) -> Optional[frozenset[StreamId]]:
         """The streams of the first plan made from a ``fresh`` registry snapshot (one taken
@@ -320,8 +353,9 @@ class Discovery(BackgroundThread):
         """
         super().start(timeout_s)
         log.info("discovery started (refresh every %d ms, event_port_offset %d, "
-                 "replay_port_offset %d)", self._cfg.refresh_interval_ms,
-                 self._cfg.event_port_offset, self._cfg.replay_port_offset)
+                 "replay_port_offset %d, backends %s)", self._cfg.refresh_interval_ms,
+                 self._cfg.event_port_offset, self._cfg.replay_port_offset,
+                 describe_backends(self._cfg))
 
     def close(self, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
         """Stop the thread and join it. The streams stay in the directory (the directory's own
@@ -361,6 +395,7 @@ class Discovery(BackgroundThread):
             if self._first_plan is None and snapshot.fresh:
                 self._first_plan = frozenset(plan.streams)
             self._log_exclusions(plan.excluded)
+            self._log_other_backends(plan.other_backends)
             self._refreshes += 1
             with self._counter_lock:
                 for kind, sids in (("added", result.added), ("replaced", result.replaced),
@@ -405,8 +440,9 @@ class Discovery(BackgroundThread):
             applied[sid] = ps
             if sid not in replaced:
                 added.append(sid)
-                log.info("discovery: stream %s added (identity %s, dp_size %d, endpoints %s|%s)",
-                         sid, ps.identity, ps.dp_size, ps.config.endpoint,
+                log.info("discovery: stream %s added (identity %s, dp_size %d, backend %s, "
+                         "replay_mode %s, endpoints %s|%s)", sid, ps.identity, ps.dp_size,
+                         ps.backend.value, ps.config.replay_mode.value, ps.config.endpoint,
                          ps.config.replay_endpoint)
         return ApplyResult(tuple(added), tuple(s for s in sorted(replaced) if s in applied),
                            tuple(sorted(removed)), kept, tuple(failed))
@@ -431,3 +467,35 @@ class Discovery(BackgroundThread):
             if name not in excluded:
                 log.info("discovery: instance %s no longer excluded", name)
         self._excluded = excluded
+
+    def _log_other_backends(self, skipped: Mapping[str, str]) -> None:
+        """One WARNING per instance newly skipped for its backend (or registered again with
+        another one), saying how to enable it; one INFO when it is no longer skipped."""
+        before = self._other_backends
+        listed = ", ".join(b.value for b in self._cfg.backends)
+        for name, backend_type in skipped.items():
+            if before.get(name) == backend_type:
+                continue
+            known = _BACKENDS.get(backend_type.strip().lower())
+            if known is None:
+                log.warning("discovery: instance %s not subscribed: kvsvc cannot index "
+                            "backend_type %r (it indexes %s); routing counts it with 0 "
+                            "cache hits", name, backend_type,
+                            ", ".join(b.value for b in Backend))
+            else:
+                log.warning("discovery: instance %s not subscribed: backend_type %r is not "
+                            "in discovery.backends [%s]; add \"%s\" to discovery.backends in "
+                            "the kv_events_config_file to index it (replay mode %s, §9); "
+                            "until then routing counts it with 0 cache hits", name,
+                            backend_type, listed, known.value,
+                            self._cfg.replay_mode(known).value)
+        for name in before:
+            if name not in skipped:
+                log.info("discovery: instance %s no longer skipped for its backend", name)
+        self._other_backends = skipped
+
+
+def describe_backends(discovery: DiscoveryConfig) -> str:
+    """``"xllm (snapshot), vllm (history)"``: the §8 ``discovery.backends`` with each one's
+    replay mode, in the configured order (logs and ``kvsvc check-config``)."""
+    return ", ".join(f"{b.value} ({discovery.replay_mode(b).value})" for b in discovery.backends)

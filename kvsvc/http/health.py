@@ -22,10 +22,14 @@
   (``fresh``, ``is_master``, ``generation``, ``instances``, ``listed_once``,
   ``routing_on_last_snapshot``, ``stale_for_s``: seconds since the last successful list while
   not fresh, else null) and ``not_candidates`` (registered instance -> why it is not a
-  routing candidate now, the router's rule, §11), with discovery also ``discovery.excluded`` (instance -> reason), and
-  ``streams``: every stream's state, error, sequence, resident block counts, completed
-  recoveries and periodic-resync differences (§6), with discovery each stream's ``identity``
-  (the incarnation it was added for).
+  routing candidate now, the router's rule, §11), with discovery also ``discovery.excluded``
+  (instance -> reason) and ``discovery.other_backends`` (instance -> its ``backend_type``, for
+  the instances without streams because their backend is not in ``discovery.backends``, §9),
+  and ``streams``: every stream's state, error, sequence, resident block counts, completed
+  recoveries and periodic-resync differences (§6), ``completeness`` (``"exact"``,
+  ``"subset"`` §7h, ``null`` while not synchronized: what its hits are worth, §10) and
+  ``replay_mode`` (``"snapshot"`` §7 or ``"history"`` §7h), with discovery each stream's
+  ``identity`` (the incarnation it was added for).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from flask import current_app
 
 from kvsvc.http.extensions import service
 from kvsvc.service import Service
-from kvsvc.streams.state import StreamId, StreamStatus
+from kvsvc.config import ReplayMode
+from kvsvc.streams.state import StreamId, StreamState, StreamStatus
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,30 @@ def _warm_up_missing(svc: Service, statuses: list[StreamStatus]) -> list[str]:
             if st.stream in wanted and not st.synchronized_once]
 
 
+def stream_json(status: StreamStatus, replay_mode: Optional[ReplayMode]) -> dict[str, Any]:
+    """One ``/ready`` ``streams`` entry (see the module docstring).
+
+    :param status: the stream's status.
+    :param replay_mode: its configured replay mode (``None``: unknown, shown as null).
+    """
+    return {
+        "instance_name": status.stream.instance_name,
+        "dp_rank": status.stream.dp_rank,
+        "state": status.state.value,
+        "synchronized_once": status.synchronized_once,
+        "sequence": status.sequence,
+        "error": status.error,
+        "device_blocks": status.device_blocks,
+        "host_blocks": status.host_blocks,
+        "recoveries": status.recoveries,
+        "resync_differences": status.resync_differences,
+        # §10: null unless synchronized, whatever the stream last held.
+        "completeness": (status.completeness.value if status.completeness is not None
+                         and status.state is StreamState.SYNCHRONIZED else None),
+        "replay_mode": replay_mode.value if replay_mode is not None else None,
+    }
+
+
 def _health() -> flask.Response:
     return flask.jsonify(status="ok")
 
@@ -125,18 +154,8 @@ def _ready() -> tuple[flask.Response, int]:
     statuses = directory.statuses() if directory is not None else []
     waiting = readiness.evaluate(svc, statuses)
     ready = not waiting
-    streams = [{
-            "instance_name": st.stream.instance_name,
-            "dp_rank": st.stream.dp_rank,
-            "state": st.state.value,
-            "synchronized_once": st.synchronized_once,
-            "sequence": st.sequence,
-            "error": st.error,
-            "device_blocks": st.device_blocks,
-            "host_blocks": st.host_blocks,
-            "recoveries": st.recoveries,
-            "resync_differences": st.resync_differences,
-        } for st in statuses]
+    modes = directory.replay_modes() if directory is not None else {}
+    streams = [stream_json(st, modes.get(st.stream)) for st in statuses]
     body: dict[str, Any] = {
         "ready": ready,
         "running": svc.running,
@@ -161,7 +180,8 @@ def _ready() -> tuple[flask.Response, int]:
         # why (instance -> reason; the router's own rule, §11).
         body["not_candidates"] = svc.router.not_candidates()
     if svc.discovery is not None and directory is not None:
-        body["discovery"] = {"excluded": dict(svc.discovery.excluded())}
+        body["discovery"] = {"excluded": dict(svc.discovery.excluded()),
+                             "other_backends": dict(svc.discovery.other_backends())}
         for entry, st in zip(streams, statuses):
             entry["identity"] = directory.identity(st.stream)
     body["streams"] = streams

@@ -63,7 +63,7 @@ from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import UPSTREAM_ERROR_KINDS, RelayEnd
 from kvsvc.routing.router import Router
 from kvsvc.service import Service
-from kvsvc.streams.state import StreamState
+from kvsvc.streams.state import Completeness, StreamState
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ PROXY_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 
 _STREAM_LABELS = ("instance", "dp_rank")
+#: The ``completeness`` label values of ``kvsvc_stream_completeness`` (§7h, §10).
+COMPLETENESS_VALUES = tuple(c.value for c in Completeness)
 
 
 class Metrics:
@@ -298,6 +300,12 @@ class ServiceCollector(Collector):
         state = GaugeMetricFamily(
             "kvsvc_stream_state", "1 for the stream's current §6 state, 0 for the others.",
             labels=(*_STREAM_LABELS, "state"))
+        complete = GaugeMetricFamily(
+            "kvsvc_stream_completeness",
+            "1 for what the synchronized stream's index holds (exact: the engine's whole "
+            "residency; subset: history was lost, hits may be missed, never false, §7h), 0 for "
+            "the other; both 0 while not synchronized.",
+            labels=(*_STREAM_LABELS, "completeness"))
         once = GaugeMetricFamily(
             "kvsvc_stream_synchronized_once", "1 once the stream has been synchronized.",
             labels=_STREAM_LABELS)
@@ -372,6 +380,9 @@ class ServiceCollector(Collector):
             labels = (st.stream.instance_name, str(st.stream.dp_rank))
             for name in states:
                 state.add_metric((*labels, name), 1.0 if st.state.value == name else 0.0)
+            current = st.completeness if st.state is StreamState.SYNCHRONIZED else None
+            for kind in COMPLETENESS_VALUES:
+                complete.add_metric((*labels, kind), 1.0 if current == kind else 0.0)
             once.add_metric(labels, 1.0 if st.synchronized_once else 0.0)
             if st.sequence is not None:
                 seq.add_metric(labels, float(st.sequence))
@@ -404,9 +415,9 @@ class ServiceCollector(Collector):
             buffered.add_metric(labels, float(c.buffered_bytes))
             dropped.add_metric((*labels, "topic_mismatch"), float(c.topic_mismatches))
             dropped.add_metric((*labels, "duplicate"), float(c.duplicates_dropped))
-        return (state, once, seq, age, blocks, entries, applied, events_skipped, blocks_skipped,
-                decode, recov, syncs, attempts, snap_dur, last_dur, last_bytes, last_msgs,
-                buffered, resync, dropped)
+        return (state, complete, once, seq, age, blocks, entries, applied, events_skipped,
+                blocks_skipped, decode, recov, syncs, attempts, snap_dur, last_dur, last_bytes,
+                last_msgs, buffered, resync, dropped)
 
     # -- registry and discovery --------------------------------------------------------------
 

@@ -89,6 +89,10 @@ class RankHit:
         when ``reason`` is set.
     :ivar reason: ``None``, or why this rank counts 0 (``missing``, ``unsynchronized``,
         ``stale incarnation``, ``no tokens``, ``index disabled``).
+    :ivar completeness: what the hits are worth (§7h, §10): the stream's ``"exact"`` or
+        ``"subset"`` (a subset's hits are used as they are: never more than the engine holds)
+        when they come from its index (``reason`` ``None`` or ``no tokens``); ``None``
+        otherwise.
     """
 
     dp_rank: int
@@ -96,12 +100,14 @@ class RankHit:
     host_only_hit_tokens: int
     hit_ratio: float
     reason: Optional[str]
+    completeness: Optional[str] = None
 
     def to_json(self) -> dict:
         """JSON object of this rank."""
         return {"dp_rank": self.dp_rank, "device_hit_tokens": self.device_hit_tokens,
                 "host_only_hit_tokens": self.host_only_hit_tokens,
-                "hit_ratio": self.hit_ratio, "reason": self.reason}
+                "hit_ratio": self.hit_ratio, "reason": self.reason,
+                "completeness": self.completeness}
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,12 +439,14 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
             if identity is not None and identity != expected:
                 out.append(RankHit(rank, 0, 0, 0.0, REASON_STALE))
                 continue
+        completeness = None if match.completeness is None else str(match.completeness)
         if n_tokens == 0:
-            out.append(RankHit(rank, 0, 0, 0.0, REASON_NO_TOKENS))
+            out.append(RankHit(rank, 0, 0, 0.0, REASON_NO_TOKENS, completeness))
             continue
+        # §7h: a subset stream's hits count as they are (every block in it is resident).
         dev, host = match.device_hit_tokens, match.host_only_hit_tokens
         out.append(RankHit(rank, dev, host, _clamp01((dev + host_weight * host) / n_tokens),
-                           None))
+                           None, completeness))
     return tuple(out)
 
 

@@ -85,6 +85,7 @@ def status(app: flask.Flask):
 STREAM_FAMILIES = {
     # family sample name -> extra label names besides (instance, dp_rank)
     "kvsvc_stream_state": {"state"},
+    "kvsvc_stream_completeness": {"completeness"},
     "kvsvc_stream_synchronized_once": set(),
     "kvsvc_stream_last_applied_sequence": set(),
     "kvsvc_stream_seconds_since_last_event": set(),
@@ -135,6 +136,8 @@ def test_stream_metrics_count_exactly_what_the_engine_sent(raw_engine):
         check_stream_label_sets(m)
         assert [m.stream("kvsvc_stream_state", state=s)
                 for s in ("unsynchronized", "recovering", "synchronized")] == [0, 0, 1]
+        assert [m.stream("kvsvc_stream_completeness", completeness=c)
+                for c in ("exact", "subset")] == [1, 0]  # snapshot mode: exact (§7h)
         assert m.stream("kvsvc_stream_synchronized_once") == 1
         assert m.stream("kvsvc_stream_last_applied_sequence") == 4
         assert m.stream("kvsvc_stream_resident_blocks", tier="device") == 2   # 1, 2

@@ -13,8 +13,11 @@ from kvsvc.config import parse_kv_events_config
 from kvsvc.http.app import create_app
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.settings import load_service_settings
+from kvsvc.http.internal import QUERY_PATH
+from kvsvc.streams.state import Completeness, StreamId
+from tests.integration.test_metrics import scrape
 from tests.publisher import stored
-from tests.util import wait_for
+from tests.util import free_ports, wait_for
 
 INSTANCE = "127.0.0.1:9400"
 STREAM = f"stream {INSTANCE}/dp0 first synchronization"
@@ -100,6 +103,81 @@ def test_ready_stays_200_through_an_etcd_outage_and_a_stream_loss_after_warm_up(
                 body["registry"]["routing_on_last_snapshot"]) == (200, True, [], False, True)
         assert body["registry"]["stale_for_s"] >= 1.0
         assert body["streams"][0]["state"] != "synchronized"
+    finally:
+        raw_engine.release_replies()
+        svc.close(timeout_s=10.0)
+
+
+def subscriber_serving(svc, instance: str):
+    """The ServingState of ``instance``'s rank-0 stream: the value the stream machine sets
+    (§7h; the history rules live in kvsvc.streams, outside this test), set here directly."""
+    return svc.directory.subscriber(StreamId(instance, 0))._serving
+
+
+def test_ready_and_metrics_show_each_streams_completeness_and_replay_mode(raw_engine):
+    """No registry: ``/ready`` lists a snapshot stream (null until synchronized, then exact;
+    subset when its serving state says so; null again once out of synchronization) and a
+    history stream whose engine never answers (null); the gauge says the same."""
+    history = "127.0.0.1:9401"
+    dead_event, dead_replay = free_ports(2)
+    kv_config = parse_kv_events_config({"streams": [
+        {"instance_name": INSTANCE, "block_size": 4,
+         "endpoint": f"tcp://127.0.0.1:{raw_engine.event_port}",
+         "replay_endpoint": f"tcp://127.0.0.1:{raw_engine.replay_port}"},
+        {"instance_name": history, "block_size": 4, "replay_mode": "history",
+         "endpoint": f"tcp://127.0.0.1:{dead_event}",
+         "replay_endpoint": f"tcp://127.0.0.1:{dead_replay}"}],
+        "replay_timeout_ms": 500})
+    raw_engine.set_snapshot([stored([1, 2], None, range(8), 4)], watermark=None)
+    raw_engine.hold_replies()
+    app = create_app(load_service_settings(), kv_config)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    try:
+        client = app.test_client()
+
+        def shown() -> list[tuple]:
+            body = ready(client)[1]
+            return [(s["instance_name"], s["state"], s["completeness"], s["replay_mode"])
+                    for s in body["streams"]]
+
+        def gauge() -> dict[tuple[str, str], float]:
+            m = scrape(client)
+            return {(name, c): m.value("kvsvc_stream_completeness", instance=name,
+                                       dp_rank="0", completeness=c)
+                    for name in (INSTANCE, history) for c in ("exact", "subset")}
+
+        wait_for(lambda: raw_engine.requests, timeout_s=10.0, what="snapshot request")
+        assert [s[2:] for s in shown()] == [(None, "snapshot"), (None, "history")]
+        assert set(gauge().values()) == {0.0}
+        raw_engine.release_replies()
+        wait_for(lambda: shown()[0][1] == "synchronized", timeout_s=10.0, what="synchronized")
+        # The history stream's state is its machine's (never synchronized without an engine).
+        first, second = shown()
+        assert (first, second[0], second[2:]) == (
+            (INSTANCE, "synchronized", "exact", "snapshot"), history, (None, "history"))
+        assert gauge() == {(INSTANCE, "exact"): 1.0, (INSTANCE, "subset"): 0.0,
+                           (history, "exact"): 0.0, (history, "subset"): 0.0}
+
+        subscriber_serving(svc, INSTANCE).set_completeness(Completeness.SUBSET)
+        assert shown()[0] == (INSTANCE, "synchronized", "subset", "snapshot")
+        g = gauge()
+        assert (g[(INSTANCE, "exact")], g[(INSTANCE, "subset")]) == (0.0, 1.0)
+        # The query answer (§10) says the same, with its hits as they are.
+        r = client.post(QUERY_PATH, json={"token_ids": list(range(8))})
+        assert [(m["instance_name"], m["device_hit_tokens"], m["completeness"])
+                for m in r.get_json()["matches"]] == [(INSTANCE, 8, "subset"), (history, 0, None)]
+
+        # A lost batch with the snapshot held back: out of synchronization, null and 0s.
+        raw_engine.hold_replies()
+        raw_engine.wait_subscribed()
+        raw_engine.skip()
+        raw_engine.publish([stored([11], None, [1, 2, 3, 4], 4)])
+        wait_for(lambda: shown()[0][1] != "synchronized", timeout_s=10.0,
+                 what="out of synchronization")
+        assert shown()[0][2] is None
+        g = gauge()
+        assert (g[(INSTANCE, "exact")], g[(INSTANCE, "subset")]) == (0.0, 0.0)
     finally:
         raw_engine.release_replies()
         svc.close(timeout_s=10.0)

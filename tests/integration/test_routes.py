@@ -19,6 +19,7 @@ from kvsvc.settings import load_service_settings
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH
+from kvsvc.streams.state import Completeness, StreamId
 from tests.integration.test_metrics import scrape
 from tests.publisher import ProtocolPublisher, stored
 from tests.integration.test_proxy import refused_name, upstreams
@@ -379,7 +380,7 @@ def test_route_endpoint_reports_hits_and_picks_the_cached_instance(etcd_server, 
         by_name = {c["name"]: c for c in got["candidates"]}
         assert by_name[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
                                              "host_only_hit_tokens": 0, "hit_ratio": 0.8,
-                                             "reason": None}]
+                                             "reason": None, "completeness": "exact"}]
         assert by_name[cold]["ranks"][0]["reason"] == "missing"
         assert (by_name[cached]["queue_cost"], by_name[cold]["queue_cost"]) == (0.5, 1.0)
         assert by_name[cached]["score"] == pytest.approx(0.35, abs=1e-12)
@@ -395,3 +396,40 @@ def test_route_endpoint_reports_hits_and_picks_the_cached_instance(etcd_server, 
         assert r.status_code == 200
         # Nothing was sent anywhere: both instances are unreachable names.
         assert client.post("/v1/internal/route", headers=AUTH, json={"x": 1}).status_code == 400
+
+
+def test_route_entries_show_completeness_and_car_uses_subset_hits_as_they_are(etcd_server, etcd,
+                                                                              zmq_ctx):
+    """§7h/§10: the per-rank entry names what its hits are worth; a subset stream's hits are
+    counted exactly as an exact one's (the same score), never discounted."""
+    event_port, replay_port = free_ports(2)
+    cached, cold = "127.0.0.1:9111", "127.0.0.1:9112"
+    pub = ProtocolPublisher(zmq_ctx, event_port, replay_port)
+    pub.set_snapshot([stored([11, 12], None, [1, 6, 7, 8, 9, 10, 6, 7], 4)], watermark=None)
+    with pub, running(etcd_server, one_stream(cached, event_port, replay_port)) as app:
+        svc = app.extensions[EXTENSION]
+        wait_for(svc.directory.ready, timeout_s=10.0, what="stream synchronized")
+        register(app, etcd, cached, waiting=1)
+        register(app, etcd, cold, waiting=2)
+        client = app.test_client()
+
+        def route() -> dict:
+            r = client.post("/v1/internal/route", headers=AUTH,
+                            json={"token_ids": [1, 6, 7, 8, 9, 10, 6, 7, 5, 5]})
+            assert r.status_code == 200
+            return {c["name"]: c for c in r.get_json()["candidates"]}
+
+        exact = route()
+        assert [r["completeness"] for r in exact[cached]["ranks"]] == ["exact"]
+        assert (exact[cold]["ranks"][0]["reason"], exact[cold]["ranks"][0]["completeness"]) == (
+            "missing", None)
+        # The stream machine says its index is a subset (§7h): same hits, same score.
+        svc.directory.subscriber(StreamId(cached, 0))._serving.set_completeness(
+            Completeness.SUBSET)
+        subset = route()
+        assert subset[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
+                                            "host_only_hit_tokens": 0, "hit_ratio": 0.8,
+                                            "reason": None, "completeness": "subset"}]
+        assert (subset[cached]["hit_ratio"], subset[cached]["score"]) == (
+            exact[cached]["hit_ratio"], exact[cached]["score"])
+        assert subset[cached]["score"] == pytest.approx(0.35, abs=1e-12)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.config import load_kv_events_config, parse_kv_events_config
+from kvsvc.config import Backend, ReplayMode, load_kv_events_config, parse_kv_events_config
 from kvsvc.errors import ConfigError
 
 
@@ -300,3 +300,118 @@ def test_check_config_prints_every_problem_one_per_line(clean_env, tmp_path, cap
         "kvsvc: invalid configuration: max_streams: Input should be greater than or equal to "
         "1, got 0",
     ]
+
+
+# -- replay modes and backends (§7h, §8, §9) ------------------------------------------------------
+
+def test_replay_mode_of_static_streams_defaults_to_snapshot_and_parses_history():
+    cfg = parse_kv_events_config({"streams": [stream("a:1"), stream("b:1", port=6000,
+                                                                    replay_mode="history"),
+                                              stream("c:1", port=7000,
+                                                     replay_mode="snapshot")]})
+    assert [s.replay_mode for s in cfg.streams] == [
+        ReplayMode.SNAPSHOT, ReplayMode.HISTORY, ReplayMode.SNAPSHOT]
+    assert [s.replay_mode.value for s in cfg.streams] == ["snapshot", "history", "snapshot"]
+
+
+@pytest.mark.parametrize("bad", ["History", "replay", "", 1, None, True, ["history"]])
+def test_bad_replay_mode_of_a_static_stream_is_named(bad):
+    err = config_error({"streams": [stream(), stream("b:1", port=6000, replay_mode=bad)]})
+    assert (err.field, err.message) == (
+        "streams[1].replay_mode", f"Input should be 'snapshot' or 'history', got {bad!r}")
+
+
+def test_discovery_backends_and_replay_modes_defaults():
+    d = parse_kv_events_config({"discovery": {}}).discovery
+    assert d.backends == [Backend.XLLM]
+    assert d.replay_modes == {Backend.XLLM: ReplayMode.SNAPSHOT,
+                              Backend.VLLM: ReplayMode.HISTORY,
+                              Backend.SGLANG: ReplayMode.HISTORY}
+    assert [d.replay_mode(b) for b in Backend] == [
+        ReplayMode.SNAPSHOT, ReplayMode.HISTORY, ReplayMode.HISTORY]
+
+
+def test_discovery_replay_modes_override_one_key_and_keep_the_others():
+    d = parse_kv_events_config({"discovery": {
+        "backends": ["vllm", "xllm", "sglang"],
+        "replay_modes": {"sglang": "snapshot"}}}).discovery
+    assert d.backends == [Backend.VLLM, Backend.XLLM, Backend.SGLANG]  # the order given
+    assert d.replay_modes == {Backend.XLLM: ReplayMode.SNAPSHOT,
+                              Backend.VLLM: ReplayMode.HISTORY,
+                              Backend.SGLANG: ReplayMode.SNAPSHOT}
+
+
+@pytest.mark.parametrize("discovery, field, message", [
+    ({"backends": ["trtllm"]}, "discovery.backends[0]",
+     "Input should be 'xllm', 'vllm' or 'sglang', got 'trtllm'"),
+    ({"backends": ["xllm", "VLLM"]}, "discovery.backends[1]",
+     "Input should be 'xllm', 'vllm' or 'sglang', got 'VLLM'"),
+    ({"backends": [0]}, "discovery.backends[0]",
+     "Input should be 'xllm', 'vllm' or 'sglang', got 0"),
+    ({"backends": "vllm"}, "discovery.backends", "Input should be a valid list, got 'vllm'"),
+    ({"backends": []}, "discovery.backends",
+     "must list at least one backend type ('xllm', 'vllm', 'sglang'), got []"),
+    ({"backends": ["vllm", "xllm", "vllm"]}, "discovery.backends",
+     "'vllm' listed twice, got ['vllm', 'xllm', 'vllm']"),
+    ({"replay_modes": {"trtllm": "history"}}, "discovery.replay_modes.trtllm",
+     "Input should be 'xllm', 'vllm' or 'sglang', got 'trtllm'"),
+    ({"replay_modes": {"vllm": "live"}}, "discovery.replay_modes.vllm",
+     "Input should be 'snapshot' or 'history', got 'live'"),
+    ({"replay_modes": {"vllm": None}}, "discovery.replay_modes.vllm",
+     "Input should be 'snapshot' or 'history', got None"),
+    ({"replay_modes": ["history"]}, "discovery.replay_modes",
+     "Input should be a valid dictionary, got ['history']"),
+])
+def test_bad_backends_and_replay_modes_are_named(discovery, field, message):
+    err = config_error({"discovery": discovery})
+    assert (err.field, err.message) == (field, message)
+
+
+def test_vllm_example_configs_are_valid():
+    root = Path(__file__).resolve().parents[2] / "config"
+    static = load_kv_events_config(root / "kv_events_vllm_static_example.json")
+    assert [(s.instance_name, s.dp_rank, s.block_size, s.endpoint, s.replay_endpoint,
+             s.replay_mode.value) for s in static.kept_streams()] == [
+        ("10.0.0.5:9000", 0, 128, "tcp://10.0.0.5:19000", "tcp://10.0.0.5:39000", "snapshot"),
+        ("10.0.0.7:8000", 0, 16, "tcp://10.0.0.7:18000", "tcp://10.0.0.7:38000", "history"),
+        ("10.0.0.7:8000", 1, 16, "tcp://10.0.0.7:18001", "tcp://10.0.0.7:38001", "history")]
+    d = load_kv_events_config(root / "kv_events_vllm_discovery.json").discovery
+    assert (d.block_size, d.backends, d.replay_mode(Backend.VLLM),
+            d.replay_mode(Backend.SGLANG)) == (
+        16, [Backend.VLLM, Backend.SGLANG], ReplayMode.HISTORY, ReplayMode.HISTORY)
+    d = load_kv_events_config(root / "kv_events_discovery_config.json").discovery
+    assert (d.backends, d.replay_mode(Backend.XLLM)) == ([Backend.XLLM], ReplayMode.SNAPSHOT)
+
+
+def test_check_config_prints_each_static_streams_replay_mode(clean_env, capsys):
+    from kvsvc.cli import main
+
+    path = Path(__file__).resolve().parents[2] / "config" / "kv_events_vllm_static_example.json"
+    assert main(["check-config", "--kv_events_config_file", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    streams = [line for line in out if line.startswith("  10.0.0.")]
+    assert [line.split(": ")[0].strip() for line in streams] == [
+        "10.0.0.5:9000/dp0", "10.0.0.7:8000/dp0", "10.0.0.7:8000/dp1"]
+    assert [line.rsplit(" ", 1)[1] for line in streams] == [
+        "replay_mode=snapshot", "replay_mode=history", "replay_mode=history"]
+    assert not any(line.startswith("discovery") for line in out)
+
+
+def test_check_config_prints_discoverys_backends_and_their_replay_modes(clean_env, tmp_path,
+                                                                       capsys):
+    from kvsvc.cli import main
+
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"discovery": {"backends": ["xllm", "vllm"],
+                                              "replay_modes": {"vllm": "snapshot"}}}),
+                    encoding="utf-8")
+    assert main(["check-config", "--etcd_addr", "127.0.0.1:1",
+                 "--kv_events_config_file", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert ("discovery backends (replay mode): xllm (snapshot), vllm (snapshot); instances of "
+            "other backends get no streams") in out
+    path.write_text(json.dumps({"discovery": {}}), encoding="utf-8")
+    assert main(["check-config", "--etcd_addr", "127.0.0.1:1",
+                 "--kv_events_config_file", str(path)]) == 0
+    assert ("discovery backends (replay mode): xllm (snapshot); instances of other backends "
+            "get no streams") in capsys.readouterr().out.splitlines()

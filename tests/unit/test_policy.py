@@ -301,7 +301,7 @@ def test_decision_json_shape():
                         "in_flight_after_report": 0,
                         "ranks": [{"dp_rank": 0, "device_hit_tokens": 40,
                                    "host_only_hit_tokens": 20, "hit_ratio": 0.5,
-                                   "reason": None}]}],
+                                   "reason": None, "completeness": None}]}],
         "excluded": {}}
 
 
