@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # ``python bench/run.py``
     __package__ = "bench"
 
 from bench._common import Result, machine_info  # noqa: E402
+from bench.history import bench_catch_up_vs_rebuild, bench_rebuild_10k  # noqa: E402
 from bench.http_load import bench_http  # noqa: E402
 from bench.ingest import bench_ingest_many, bench_ingest_one  # noqa: E402
 from bench.load_recovering import bench_load_recovering  # noqa: E402
@@ -140,6 +141,8 @@ BENCHES = {
     6: lambda a: bench_snapshot(),
     7: lambda a: bench_idle(a.idle_seconds),
     8: lambda a: bench_load_recovering(),  # issue 6
+    9: lambda a: bench_catch_up_vs_rebuild(),  # issue 12
+    10: lambda a: bench_rebuild_10k(),  # issue 12
 }
 
 
