@@ -15,6 +15,7 @@ from kvsvc.streams.decoder import decode_batch
 from kvsvc.testbed.sim import Flavor, SimEngine
 from kvsvc.testbed.sim.flavors import int_form, vllm_raw_hash
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
+from tests.util import wait_for
 from tests.integration.test_sim import (BS, blocks, consecutive_ports, dealer, hashes,
                                         nothing_within, recv, subscriber)
 
@@ -259,3 +260,49 @@ def test_registration_as_a_vllm_instance():
     value = reg.value()
     assert (value["backend_type"], value["type"], value["dp_size"]) == ("vllm", 0, 2)
     assert reg.key == "XLLM:DEFAULT:127.0.0.1:8000"
+
+
+def test_sim_cli_flavor_sglang_replays_history(zmq_ctx):
+    """``kvsvc sim --flavor sglang --buffer-steps 3``: rank 1 answers history in SGLang's
+    form, the last 3 of its batches."""
+    import argparse
+    import threading
+
+    from kvsvc.testbed.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    port = consecutive_ports(2)
+    replay = consecutive_ports(2)
+    args = parser.parse_args([
+        "--port", str(port), "--dp", "2", "--event-port-offset", "0",
+        "--replay-port-offset", str(replay - port), "--device-blocks", "64",
+        "--flavor", "sglang", "--buffer-steps", "3", "--trace", "conversation",
+        "--requests", "12", "--interval-ms", "0", "--log-level", "warning"])
+    assert (args.flavor, args.buffer_steps, args.no_replay) == ("sglang", 3, False)
+    stop = threading.Event()
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(cli.run(args, stop)), name="sim-cli-test")
+    t.start()
+    try:
+        d = zmq_ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{replay + 1}")
+        # 12 requests round robin: rank 1 publishes up to 6 batches; 3 are kept.
+        seqs: list[int] = []
+
+        def kept() -> bool:
+            reply = history(d, 0)
+            seqs[:] = [int.from_bytes(f[1], "big") for f in reply[:-1]]
+            for f in reply[:-1]:
+                ts, evs, rank = ormsgpack.unpackb(f[2])
+                assert rank == 1 and evs and all(isinstance(e, list) for e in evs)
+            return len(seqs) == 3 and seqs[-1] >= 3
+
+        wait_for(kept, 10.0, interval_s=0.05, what="history of dp1")
+        assert seqs == [seqs[0], seqs[0] + 1, seqs[0] + 2]
+        d.close()
+    finally:
+        stop.set()
+        t.join(10.0)
+    assert not t.is_alive() and result == [0]
