@@ -113,6 +113,9 @@ class DemoOptions:
     :param refresh_interval_ms: the service's discovery refresh (§8), ms.
     :param event_port_offset: §9 live port offset (engines and discovery alike).
     :param replay_port_offset: §9 snapshot port offset.
+    :param flavor: engine flavor (:class:`~kvsvc.testbed.sim.flavors.Flavor` value); ``vllm``
+        and ``sglang`` run history streams (module docstring).
+    :param buffer_steps: history flavors: each rank's replay buffer, batches.
     """
 
     requests: int = 2000

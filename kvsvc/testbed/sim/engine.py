@@ -188,12 +188,14 @@ class _Rank:
 
 class _RankIO(BackgroundThread):
     """The I/O thread ``sim-<label>`` of one rank (the :class:`~kvsvc.lifecycle.BackgroundThread`
-    contract): owns its ``XPUB`` and ``ROUTER`` sockets and the read end of its wake-up
-    socketpair (created, used and closed on the thread). ``start()`` returns once both sockets
-    are bound; ``close()`` sends what is queued, stops the thread and joins it.
+    contract): owns its ``XPUB`` and ``ROUTER`` sockets (no ``ROUTER`` with ``replay=False``)
+    and the read end of its wake-up socketpair (created, used and closed on the thread).
+    ``start()`` returns once its sockets are bound; ``close()`` sends what is queued, stops the thread and joins it.
 
     :param label: ``<engine>/dp<r>`` for thread names and logs.
     :param bind_retry_s: how long a bind retries a port still held (after a restart), seconds.
+    :param flavor: ``xllm`` answers snapshots (§7), ``vllm``/``sglang`` history (§7h).
+    :param replay: False binds no replay ``ROUTER``.
     """
 
     def __init__(self, state: _Rank, ctx: zmq.Context, event_ep: str, replay_ep: str,
