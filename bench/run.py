@@ -7,7 +7,7 @@ processes), prints a table of ratios against the targets plus the absolute figur
 
 ``--only 1,3`` runs a subset; ``--idle-seconds`` shortens benchmark 7 (the issue's 60 s is the
 default); ``--no-write`` leaves RESULTS.md alone. Benchmarks 9 and 10 (issue 12,
-:mod:`bench.history`) also write their own section of RESULTS.md when run with ``--only``. Whole suite: about 3 minutes on 2 cores.
+:mod:`bench.history_replay`) also write their own section of RESULTS.md when run with ``--only``. Whole suite: about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # ``python bench/run.py``
     __package__ = "bench"
 
 from bench._common import Result, machine_info  # noqa: E402
-from bench.history import bench_catch_up_vs_rebuild, bench_rebuild_10k  # noqa: E402
+from bench.history_replay import bench_catch_up_vs_rebuild, bench_rebuild_10k  # noqa: E402
 from bench.http_load import bench_http  # noqa: E402
 from bench.ingest import bench_ingest_many, bench_ingest_one  # noqa: E402
 from bench.load_recovering import bench_load_recovering  # noqa: E402
