@@ -309,7 +309,8 @@ class HistoryPublisher:
     published before a subscription reached the ``PUB``), :meth:`restart` (a new process:
     sockets rebound, seq 0, empty buffer), :meth:`hold_replies` / :meth:`release_replies`,
     ``stall_after`` (send that many data messages of the next reply, then nothing),
-    ``pause_every`` / ``pause_s`` (a pause after every n reply messages), ``reply_frames``
+    ``pause_every`` / ``pause_s`` (a pause after every n reply messages), ``omit`` (seqs left
+    out of the next reply, as a ``ROUTER`` drops them at its high-water mark), ``reply_frames``
     (a callable ``start_seq -> list of frame lists`` replacing the next reply: bad input).
 
     :ivar requests: ``start_seq`` of every replay request received, in order.
@@ -339,6 +340,7 @@ class HistoryPublisher:
         self.pause_every = 0
         self.pause_s = 0.0
         self.reply_frames: Optional[Callable[[int], list[list[bytes]]]] = None
+        self.omit: set[int] = set()
         self._lock = threading.Lock()
         self._pub: Optional[zmq.Socket] = None
         self._stop = threading.Event()
@@ -505,8 +507,9 @@ class HistoryPublisher:
                 self.replies_sent += 1
                 return
             sent = 0
+            omit, self.omit = self.omit, set()
             for seq, payload in list(self.buffer):
-                if seq < start_seq:
+                if seq < start_seq or seq in omit:
                     continue
                 if self.stall_after is not None and sent >= self.stall_after:
                     self.stall_after = None

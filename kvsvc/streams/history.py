@@ -27,9 +27,13 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   is connected again (§6: replies are asked for only while it is), never a rebuild.
 - **Catch-up** from ``start_seq = L``: proven by the first message (seq ``L``, digest ``D``);
   its later batches are applied as they arrive, exactly like live deltas (unknown parent: an
-  error, on an exact index), live batches that fill in meanwhile are applied too (whichever
-  comes first; the other copy is a duplicate), live batches beyond are buffered; at the end
-  marker the buffered ones follow contiguously and the stream serves again. Not proven
+  error, on an exact index). A kept index takes no live batch before the proof (an engine that
+  restarted may have reached exactly the expected seq): live batches are buffered, and at the
+  end marker those after the last replayed seq follow contiguously (the others are duplicates,
+  checked by digest) and the stream serves again. A periodic catch-up's stream keeps applying
+  live batches as they come (whichever copy comes first; the other is a duplicate). A reply
+  with a hole (``truncated``: a ``ROUTER`` dropped messages) keeps what it applied and asks
+  again from there. Not proven
   (another first seq, another digest, an empty reply): discard, rebuild
   (``history_mismatch``). Every ``resync_interval_ms`` a synchronized stream catches up the
   same way while it serves; batches it applies that never arrived live are counted as a resync
@@ -46,8 +50,8 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
 - **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
   the stream serves a live-only subset from the next live batch on (exact if its seq is 0) and
   retries the rebuild with the §6 backoff, which replaces it when it succeeds. A gap in a
-  live-only stream discards it and starts a new one at that batch; after a disconnect it serves
-  again from the next contiguous live batch.
+  live-only stream discards it and starts a new one at that batch; so does a disconnect
+  (nothing proves continuity without a replay), at the next live batch.
 - **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
   complete state (§6): exact from it.
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
@@ -82,6 +86,7 @@ from kvsvc.streams.counters import (
     trigger_of,
 )
 from kvsvc.streams.recovery import (
+    LIVE_SILENCE_GRACE_S,
     LIVE_WAIT,
     NO_ACTIONS,
     AbandonSnapshot,
@@ -143,6 +148,9 @@ class HistoryRecovery:
         self._caught_up = 0           # batches a periodic catch-up applied before live did
         self._buffer: list[tuple[int, Batch, int]] = []  # (seq, batch, digest)
         self._buffer_bytes = 0
+        self._live_at_check = 0       # live_messages at the last swap or catch-up end
+        self._silence: Optional[tuple[float, int]] = None  # (deadline, live_messages)
+        self._awaiting_live = False   # silent live channel: nothing asked until one arrives
 
     # ------------------------------------------------------------------ read-only state
 
@@ -195,10 +203,14 @@ class HistoryRecovery:
 
     def wakeup_at(self) -> Optional[float]:
         """Monotonic seconds when :meth:`tick` is next due; ``None``: nothing scheduled."""
+        at: Optional[float] = None
         nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
-            return nxt
-        return None
+        if (self._attempt is None and nxt is not None and not self._awaiting_live
+                and (self._live_up or not self._live_wait_noted)):
+            at = nxt
+        if self._silence is not None:
+            at = self._silence[0] if at is None else min(at, self._silence[0])
+        return at
 
     # ------------------------------------------------------------------ inputs
 
@@ -210,9 +222,12 @@ class HistoryRecovery:
         return self._take()
 
     def tick(self, now: float) -> tuple[HistoryAction, ...]:
-        """Time passed: start a due attempt (or note that it waits for the live channel)."""
+        """Time passed: end a silent-channel check whose deadline passed, start a due attempt
+        (or note that it waits for the live channel)."""
+        if self._silence is not None:
+            self._check_silence(now)
         nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt:
+        if self._attempt is None and nxt is not None and now >= nxt and not self._awaiting_live:
             if self._live_up:
                 self._begin_attempt()
             elif not self._live_wait_noted and not self._synced:
@@ -230,6 +245,8 @@ class HistoryRecovery:
         serving = self._serving
         serving.live_messages += 1
         serving.last_event_at = now
+        if self._awaiting_live:
+            self._live_alive_again(now)
         if self._synced:
             expected = self._expected
             if expected is None or seq == expected:
@@ -274,6 +291,8 @@ class HistoryRecovery:
         batch is lost to the index, and its replayed copy would fail alike: discard, rebuild
         (a live-only stream starts again from the next live batch)."""
         self._serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
         self._serving.count_decode_error(reason)
         self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
         return self._take()
@@ -300,15 +319,20 @@ class HistoryRecovery:
     def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
         """The live ``SUB`` disconnected (§6): batches may be missed. A synchronized stream
         keeps its index, serves nothing (``recovering``) and catches up once connected again
-        (a live-only one serves again from the next contiguous live batch)."""
+        (a live-only one is discarded: a new one starts at the next live batch)."""
         self._live_up = False
         self._abandon_attempt()
-        if self._synced:
+        if self._synced and self._live_only:
+            # No replay to prove anything after it (the engine may have restarted): a new
+            # live-only index starts at the next live batch (exact if that one is seq 0).
+            self._invalidate(f"{reason}; a new live-only subset starts at the next live batch",
+                             RecoveryTrigger.DISCONNECT)
+            self._live_only_wait = True
+        elif self._synced:
             self._synced = False
             self._serving.set_recovering()
-            how = ("serving again from the next contiguous live batch" if self._live_only
-                   else f"catching up from seq {self._expected - 1 if self._expected else 0} "
-                        "once reconnected")
+            how = (f"catching up from seq {self._expected - 1 if self._expected else 0} "
+                   "once reconnected")
             self._serving.set_error(f"{reason}; {how}")
             self._log_unsynchronized(f"{reason}; {how}", RecoveryTrigger.DISCONNECT,
                                      recovering=True)
@@ -448,33 +472,38 @@ class HistoryRecovery:
             self._start_live_only(seq, batch, digest, wire_bytes, now)
             return
         if self._held:
+            # A kept index takes no live batch before its catch-up proved the anchor: after a
+            # disconnect the engine may have restarted and published up to exactly the
+            # expected seq, and only the anchor's digest tells (the batch is buffered for the
+            # catch-up, or dropped without one: the reply covers it).
             expected = self._expected
-            assert expected is not None
-            if seq == expected:
-                if self._apply_held(seq, batch, digest, now) and self._live_only:
-                    # A live-only stream after a disconnect: nothing was missed.
-                    self._resume(f"live batch seq {seq} continues the live-only subset")
-                return
-            if seq < expected:
+            if expected is not None and seq < expected:
                 if self._recent.get(seq) == digest:
                     self._serving.duplicates_dropped += 1
                     return
                 self._discard_and_rebuild(
                     f"sequence went backwards: expected seq {expected}, got {seq} (the "
                     "engine restarted)", RecoveryTrigger.SEQUENCE_BACKWARDS, now)
-            elif self._live_only:
-                self._discard_live_only(seq, batch, digest, wire_bytes,
-                                        f"sequence gap: expected seq {expected}, got {seq}", now)
-                return
         self._buffer_new(seq, batch, digest, wire_bytes, now)
 
     def _buffer_new(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
                     now: float) -> None:
-        """Buffer a live batch into the attempt in flight (nothing to buffer into otherwise:
-        the next reply covers it); a seq not above the last buffered one means a restart."""
-        if self._attempt is None:
-            return
+        """Buffer a live batch into the attempt in flight; a seq not above the last buffered
+        one means a restart. Without an attempt and without an index (a rebuild is due, or
+        waits for its backoff) the batch is kept too, within ``max_buffered_bytes``: the next
+        rebuild's reply covers it (deduplicated), and if no reply ever comes the live-only
+        subset starts from the first batch received (§7h), not from a later one."""
         buffer = self._buffer
+        if self._attempt is None:
+            if self._held:
+                return  # the catch-up's reply covers it
+            cost = record_bytes(batch, wire_bytes)
+            if buffer and seq <= buffer[-1][0] or self._buffer_bytes + cost > self._max_buffered:
+                buffer.clear()
+                self._buffer_bytes = 0
+            buffer.append((seq, batch, digest))
+            self._buffer_bytes += cost
+            return
         if buffer and seq <= buffer[-1][0]:
             last = buffer[-1][0]
             self._discard_and_rebuild(f"sequence went backwards during recovery: got seq {seq} "
@@ -568,6 +597,13 @@ class HistoryRecovery:
         caught_up = self._caught_up
         buffered = self._buffer
         self._abandon_attempt()
+        if reply.truncated:
+            # The engine dropped part of its reply: what arrived is applied; ask for the rest.
+            log.info("stream %s: %s; catching up again from seq %d", self._name, reply.reason,
+                     self._expected - 1)  # type: ignore[operator]
+            self._caught_up = caught_up
+            self._begin_attempt()
+            return
         # The buffered live batches (after a gap) follow the replayed ones.
         for seq, batch, digest in buffered:
             expected = self._expected
@@ -589,11 +625,19 @@ class HistoryRecovery:
             if not self._apply_held(seq, batch, digest, now):
                 return
         self._timers.synchronized(now, probe=False)
+        live_messages = self._serving.live_messages
+        silent = live_messages == self._live_at_check
+        self._live_at_check = live_messages
         if periodic:
             if caught_up:
                 self._serving.count_resync_difference(caught_up)
                 log.warning("stream %s: periodic catch-up found %d batches that never arrived "
                             "live (lost events); applied", self._name, caught_up)
+                if silent and self._silence is None:
+                    # Not one live message since the last check while the engine published:
+                    # in flight still, or a dead live channel (README "Where the spec is
+                    # silent"); a live message must arrive within the grace period.
+                    self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
             else:
                 log.debug("stream %s: periodic catch-up matched (seq %d)", self._name,
                           request.start_seq)
@@ -618,6 +662,14 @@ class HistoryRecovery:
             completeness = EXACT if reply.exact else SUBSET
             how = (f"history reply seq {reply.first_seq}..{reply.last_seq}, "
                    f"{reply.messages} messages")
+        if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
+            # Complete up to the hole: keep it (not served) and catch up from its last seq;
+            # the catch-up's reply covers the buffered live batches.
+            self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+            self._live_only = self._live_only_wait = False
+            self._hold(index, reply.last_seq, reply.last_digest, digests, completeness,
+                       stats_base, f"{reply.reason}; catching up from seq {reply.last_seq}")
+            return
         for seq, batch, live_digest in self._buffer:
             if expected is None:
                 # Empty reply: the first live batch decides (§7h).
@@ -679,13 +731,36 @@ class HistoryRecovery:
         self._recent = recent
         if now is not None:
             self._timers.synchronized(now, probe=False)
+        self._live_at_check = self._serving.live_messages
         log.info("stream %s: synchronized%s (%s, %s): %d device, %d host blocks", self._name,
                  " again" if replacing else "", how, completeness.value, index.device_blocks,
                  index.host_blocks)
 
+    def _hold(self, index: TierIndex, sequence: int, digest: int, digests: dict[int, int],
+              completeness: Completeness, stats_base: tuple[int, ...], reason: str) -> None:
+        """Keep a rebuilt index complete up to ``sequence`` without serving it and catch up."""
+        was_synced = self._synced
+        self._abandon_attempt()
+        self._serving.hold(index, sequence=sequence, stats_base=stats_base,
+                           completeness=completeness, reason=reason)
+        if was_synced:
+            # (A live-only subset was serving: it stops, the rebuilt index takes over.)
+            self._serving.count_recovery(RecoveryTrigger.SEQUENCE_GAP)
+        self._synced = False
+        self._held = True
+        self._completeness = completeness
+        self._first_decides = False
+        self._expected = sequence + 1
+        self._digest = digest
+        self._recent = {s: d for s, d in digests.items() if s > sequence - RECENT_DIGESTS}
+        self._recent[sequence] = digest
+        log.info("stream %s: rebuilt to seq %d: %s", self._name, sequence, reason)
+        self._begin_attempt()
+
     def _resume(self, how: str) -> None:
         """The kept index is complete again: serve it."""
         self._synced = True
+        self._live_at_check = self._serving.live_messages
         self._serving.resume(None if self._expected is None else self._expected - 1)
         self._serving.set_completeness(self._completeness)
         device, host = self._index_blocks()
@@ -695,6 +770,35 @@ class HistoryRecovery:
     def _index_blocks(self) -> tuple[int, int]:
         index = self._serving.index
         return (index.device_blocks, index.host_blocks) if index is not None else (0, 0)
+
+    def _check_silence(self, now: float) -> None:
+        """End a silent-channel check: passed once a live message arrived since it was armed;
+        failed at its deadline: the index is kept but serves nothing, and nothing is asked for
+        until a live message arrives (a dead live channel, say a topic the engine does not
+        publish, would otherwise leave removals unseen between catch-ups: stale hits)."""
+        assert self._silence is not None
+        deadline, count = self._silence
+        if self._serving.live_messages != count or not self._synced:
+            self._silence = None
+            return
+        if now < deadline:
+            return
+        self._silence = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        self._synced = False
+        reason = (f"live channel silent: the engine published batches up to seq "
+                  f"{self._expected - 1 if self._expected else 0} (found by a catch-up) but no "
+                  f"live batch arrived; check the stream's endpoint and topic "
+                  f"{self._stream.topic!r}")
+        self._serving.set_unsynchronized(reason)
+        self._log_unsynchronized(reason, RecoveryTrigger.LIVE_SILENT)
+
+    def _live_alive_again(self, now: float) -> None:
+        """A live message after a silent channel: catch up (the kept index) now."""
+        self._awaiting_live = False
+        log.info("stream %s: live channel alive again; catching up", self._name)
+        self._timers.next_attempt_at = now
 
     def _set_completeness(self, completeness: Completeness, why: str) -> None:
         if completeness is self._completeness:
@@ -739,8 +843,9 @@ class HistoryRecovery:
         self._lost(reason, trigger)
 
     def _lost(self, reason: str, trigger: RecoveryTrigger) -> None:
-        """Forget the index (the serving state discarded it already)."""
-        was_synced = self._synced
+        """Forget the index (the serving state discarded it already). Counts ``trigger`` when
+        an index goes (a kept one too: its catch-up becomes a rebuild)."""
+        was_synced, was_held = self._synced, self._held
         self._synced = self._held = False
         self._expected = self._digest = None
         self._recent = {}
@@ -748,7 +853,8 @@ class HistoryRecovery:
         self._first_decides = False
         if was_synced:
             self._log_unsynchronized(reason, trigger)
-        else:
+        elif was_held:
+            self._serving.count_recovery(trigger)
             log.warning("stream %s: index discarded: %s", self._name, reason)
 
     def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
@@ -805,8 +911,10 @@ class HistoryRecovery:
         else a rebuild from 0."""
         self._waiting_error_logged = False
         anchor = self.anchor if not self._live_only else None
-        self._buffer = []
-        self._buffer_bytes = 0
+        if anchor is not None or self._held:
+            # (A rebuild keeps what arrived before its request: its reply covers it.)
+            self._buffer = []
+            self._buffer_bytes = 0
         self._caught_up = 0
         self._attempt_ids += 1
         self._attempt = self._attempt_ids
@@ -844,9 +952,11 @@ class HistoryRecovery:
         unanswered = (isinstance(exc, ReplayUnanswered) and request is not None
                       and not request.catch_up)
         if self._synced:
-            log.warning("stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
-                        "rebuild retry" if request is not None and not request.catch_up
-                        else "periodic catch-up", exc, delay)
+            # Once per failure streak at warning: a live-only stream retries for good.
+            (log.warning if self._timers.failures == 1 else log.debug)(
+                "stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
+                "rebuild retry" if request is not None and not request.catch_up
+                else "periodic catch-up", exc, delay)
             return
         reason = str(exc)
         if unanswered and not self._held:

@@ -9,8 +9,12 @@ yields) whose reply is history: every batch still in the engine's replay buffer 
 
 - the frame is checked (§1, §7: frame count, delimiter, 8-byte seq, ``max_message_bytes`` per
   message); a data message whose seq is ``0xFFFFFFFFFFFFFFFF`` is refused;
-- seqs must be contiguous, ``prev + 1``: a repeat, a jump backwards or a skipped seq fails the
-  attempt (an engine's buffer is contiguous; a hole could hide a removal);
+- seqs must be contiguous, ``prev + 1``: a repeat or a jump backwards fails the attempt. A
+  skipped seq ends the attempt early as ``truncated``: the engine's buffer is contiguous, but
+  its ``ROUTER`` silently drops messages at its send high-water mark (libzmq's default, 1000)
+  when it sends a long reply faster than its I/O thread writes it; what arrived before the hole
+  is complete, and the rules catch up from its last seq instead of starting over (the
+  ``DEALER``'s own receive queue is unbounded for history replies, :attr:`HistoryAttempt.RCVHWM`);
 - ``replay_timeout_ms`` bounds the wait for each *next* message (a 10,000-batch history may
   take longer than one timeout in total): the deadline moves on with every message. No message
   at all within it is :class:`~kvsvc.errors.ReplayUnanswered` (§7h "No replay answer").
@@ -157,11 +161,14 @@ class HistoryAttempt(SnapshotAttempt):
             raise SnapshotError("history reply: a data message has seq 0xFFFFFFFFFFFFFFFF")
         last = self._last_seq
         if last is not None and seq != last + 1:
-            what = ("repeated" if seq == last else "went backwards" if seq < last
-                    else "skipped ahead")
-            hint = (" (a ROUTER drops messages silently at its send high-water mark)"
-                    if seq > last else "")
-            raise SnapshotError(f"history reply seq {what}: seq {seq} after {last}{hint}")
+            if seq > last + 1:
+                # The engine's ROUTER dropped messages at its send high-water mark (it does so
+                # silently): everything up to `last` is good, the rest is asked for again.
+                self._done = True
+                return self._result(True, f"history reply skipped from seq {last} to {seq}",
+                                    truncated=True)
+            what = "repeated" if seq == last else "went backwards"
+            raise SnapshotError(f"history reply seq {what}: seq {seq} after {last}")
         payload = reply.payload
         digest = xxh3_64_intdigest(payload)
         self._messages += 1
@@ -219,7 +226,8 @@ class HistoryAttempt(SnapshotAttempt):
         digests[seq] = digest
         digests.pop(seq - DIGESTS_KEPT, None)
 
-    def _result(self, continuous: bool, reason: Optional[str] = None) -> HistoryResult:
+    def _result(self, continuous: bool, reason: Optional[str] = None,
+                truncated: bool = False) -> HistoryResult:
         catch_up = self._anchor is not None
         index = None if catch_up else self._index
         exact = (not catch_up and self._exact
@@ -228,4 +236,4 @@ class HistoryAttempt(SnapshotAttempt):
                              first_seq=self._first_seq, last_seq=self._last_seq,
                              last_digest=self._last_digest, exact=exact,
                              digests=self._digests, messages=self._messages,
-                             wire_bytes=self._wire_bytes, reason=reason)
+                             wire_bytes=self._wire_bytes, reason=reason, truncated=truncated)

@@ -1,4 +1,20 @@
-"""The recovery rules of one stream (§6, §7) as a state machine without sockets ("sans-IO").
+"""The recovery rules of one stream (§6, §7, §7h) as state machines without sockets ("sans-IO").
+
+Two rule sets implement :class:`RecoveryRules`; the stream thread picks one by the stream's
+``replay_mode`` (§8):
+
+- :class:`SnapshotRecovery` (this module), ``snapshot`` mode (§6, §7, xLLM): the replay
+  endpoint answers with the engine's current residency at a watermark; every loss of
+  synchronization discards the index and takes a new snapshot.
+- :class:`~kvsvc.streams.history.HistoryRecovery`, ``history`` mode (§7h, vLLM and SGLang):
+  the replay endpoint answers with the batches still in the engine's buffer. The stream keeps
+  an anchor (last applied seq ``L`` and its payload digest ``D``); a gap, a disconnect and the
+  periodic resync *catch up* from ``L`` (proven by ``D``) while the index is kept, and only a
+  start, a restart or an unproven catch-up *rebuilds* from seq 0, into an ``exact`` or a
+  ``subset`` index; without any replay answer the stream serves a live-only subset. It
+  shares :class:`RecoveryTimers` (§6 backoff, resync interval), :func:`record_bytes` (buffer
+  accounting) and the :class:`~kvsvc.streams.serving.ServingState`; its requests are
+  :class:`RequestHistory`.
 
 :class:`SnapshotRecovery` is fed what happened on the stream's thread and answers what to do
 next. It holds no socket, starts no thread and never reads the clock: every input carries
@@ -70,11 +86,9 @@ Rules (each one fixes a failure the soak test found; README "Where the spec is s
   :data:`LIVE_SILENCE_GRACE_S` unsynchronizes the stream, and no snapshot is requested until a
   live message arrives (then it recovers).
 
-A second rule set (history replay, §7h) is meant to sit beside this one: another
-implementation of :class:`RecoveryRules` (the inputs the stream thread feeds and the actions
-it carries out), sharing the serving state and :class:`RecoveryTimers`, with its own meaning of
-a reply and of the tail merge (:meth:`SnapshotRecovery.on_snapshot_complete`, the duplicate
-rule); the stream thread picks the rule set by the stream's replay mode.
+The history rule set (§7h) has its own meaning of a reply and of the tail merge, its own
+duplicate rule (by digest, not by ``max_seen``) and one more input, ``on_history_batch``;
+see :mod:`kvsvc.streams.history`.
 
 Not thread-safe: owned by the stream thread; :meth:`SnapshotRecovery.view` is a racy copy for
 tests and debugging.
@@ -151,7 +165,7 @@ class AbandonSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestHistory:
+class RequestHistory:  # (history mode, §7h: kvsvc.streams.history)
     """Action: open history attempt ``attempt`` (§7h) from ``start_seq``; report it open with
     ``on_snapshot_opened`` (or ``on_snapshot_failed``), its catch-up batches with
     ``on_history_batch``, its end with ``on_snapshot_complete`` / ``on_snapshot_failed``.
@@ -281,9 +295,10 @@ class RecoveryRules(Protocol):
         requests and abandons."""
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
-                      now: float) -> tuple[Action, ...]:
+                      now: float, digest: int = 0) -> tuple[Action, ...]:
         """Called per live message with the exact topic that framed (§1) and decoded (§2);
-        ``wire_bytes`` is its size on the wire; may return any actions."""
+        ``wire_bytes`` is its size on the wire; ``digest`` the XXH3-64 of its payload (history
+        mode's anchor, §7h; 0 and unused in snapshot mode); may return any actions."""
 
     def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
                       now: float) -> tuple[Action, ...]:
@@ -461,8 +476,9 @@ class SnapshotRecovery:
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
-                      now: float) -> tuple[Action, ...]:
-        """A live batch with the exact topic, framed (§1) and decoded (§2).
+                      now: float, digest: int = 0) -> tuple[Action, ...]:
+        """A live batch with the exact topic, framed (§1) and decoded (§2); ``digest`` is
+        not used in snapshot mode.
 
         Synchronized: applied when ``seq`` is the expected one (and buffered for a resync in
         flight), dropped when covered by the swapped-in snapshot, else a sequence error.

@@ -296,6 +296,24 @@ class ServingState:
                 self._recoveries += 1
             self._publish_locked()
 
+    def hold(self, index: TierIndex, *, sequence: Optional[int], stats_base: tuple[int, ...],
+             completeness: Completeness, reason: str) -> None:
+        """Keep ``index`` as the stream's index without serving it (state ``RECOVERING`` with
+        ``reason``), in one lock hold: §7h, a rebuild whose reply had a hole is complete up to
+        ``sequence`` and catches up from there (:meth:`resume` serves it then).
+
+        :param stats_base: as :meth:`swap`.
+        """
+        with self._lock:
+            self._retire_stats_locked()
+            self._completeness = completeness
+            self._stats_base = stats_base or _ZERO_STATS
+            self._index = index
+            self._state = StreamState.RECOVERING
+            self._error = reason
+            self._sequence = sequence
+            self._publish_locked()
+
     def resume(self, sequence: Optional[int]) -> None:
         """The index kept while the stream recovered is complete again (§7h: a catch-up was
         applied): state ``SYNCHRONIZED`` with it, in one lock hold; counts a recovery.

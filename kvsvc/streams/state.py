@@ -154,6 +154,9 @@ class HistoryResult:
     :param messages: data messages received.
     :param wire_bytes: total bytes of all reply messages, end marker included.
     :param reason: why a catch-up was not continuous (``None`` otherwise).
+    :param truncated: the reply skipped a seq after ``last_seq`` (an engine's ``ROUTER`` drops
+        messages silently at its send high-water mark): what was received is complete up to
+        ``last_seq`` and the reply was not read further; the rules catch up from there.
     """
 
     catch_up: bool
@@ -167,3 +170,4 @@ class HistoryResult:
     messages: int
     wire_bytes: int
     reason: Optional[str] = None
+    truncated: bool = False

@@ -1,5 +1,5 @@
 """The subscriber of one stream: the thread that owns its sockets and carries bytes and time
-into its recovery rules (§1, §6, §7).
+into its recovery rules (§1, §6, §7, §7h).
 
 One :class:`StreamSubscriber` per (instance, DP rank), a
 :class:`~kvsvc.lifecycle.BackgroundThread`. Its thread owns, in one ``zmq.Poller`` loop:
@@ -9,7 +9,12 @@ One :class:`StreamSubscriber` per (instance, DP rank), a
 - during a snapshot, one ``DEALER`` per attempt
   (:class:`~kvsvc.streams.snapshot_client.SnapshotAttempt`).
 
-Each turn it feeds the recovery machine (:class:`~kvsvc.streams.recovery.SnapshotRecovery`):
+Each turn it feeds the recovery machine (:class:`~kvsvc.streams.recovery.SnapshotRecovery`,
+or :class:`~kvsvc.streams.history.HistoryRecovery` for a ``history``-mode stream, §7h, whose
+live batches also carry the XXH3-64 digest of their payload and whose byte hashes are decoded
+to their integer form, §2; its attempts are
+:class:`~kvsvc.streams.history_client.HistoryAttempt`, whose catch-up batches are handed to
+the machine as they arrive):
 the time (``tick``), monitor events (handshake, disconnect), live messages (framed §1 and
 decoded §2 here: ``on_live_batch`` / ``on_live_error``), the end or failure of the attempt in
 flight; and carries the machine's actions out (open or close a snapshot attempt). The poll
@@ -439,13 +444,9 @@ class StreamSubscriber(BackgroundThread):
             self._carry(self._recovery.on_live_error(DecodeErrorReason.PAYLOAD,
                                                      f"seq {seq}: {exc}", seq, time.monotonic()))
             return
-        if history:
-            # §7h anchor: the digest of every applied batch's payload bytes, as published.
-            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,  # type: ignore[call-arg]
-                                                   time.monotonic(),
-                                                   digest=xxh3_64_intdigest(frame.payload))
-        else:
-            actions = self._recovery.on_live_batch(seq, batch, frame.wire_bytes,
-                                                   time.monotonic())
+        # §7h anchor: the digest of every batch's payload bytes, as published (history only).
+        actions = self._recovery.on_live_batch(
+            seq, batch, frame.wire_bytes, time.monotonic(),
+            xxh3_64_intdigest(frame.payload) if history else 0)
         if actions:
             self._carry(actions)

@@ -1,0 +1,715 @@
+"""The history-mode recovery rules (kvsvc.streams.history.HistoryRecovery, PROTOCOL.md §7h)
+and the history reply collection (kvsvc.streams.history_client.HistoryAttempt) driven
+directly, without sockets. Block size 4, seed 1024; block content ``c`` has the tokens
+``[c*100, ...]`` and engine hash ``1000 + c``. Times are monotonic seconds from T0; a live
+batch's digest is given by the test (any distinct ints: the rules only compare them)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import ormsgpack
+import pytest
+
+from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
+from kvsvc.errors import ReplayUnanswered, SnapshotError, SnapshotTimeout
+from kvsvc.events import DEVICE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event
+from kvsvc.index.keys import prompt_keys
+from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.frame import END_MARKER
+from kvsvc.streams.history import RECENT_DIGESTS, HistoryRecovery
+from kvsvc.streams.history_client import HistoryAttempt
+from kvsvc.streams.recovery import (
+    BACKOFF_INITIAL_S,
+    LIVE_SILENCE_GRACE_S,
+    NO_ACTIONS,
+    AbandonSnapshot,
+    RequestHistory,
+)
+from kvsvc.streams.serving import ServingState
+from kvsvc.streams.state import Completeness, HistoryResult, StreamId, StreamState
+
+BS = 4
+SEED = 1024
+T0 = 1000.0
+SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
+                            StreamState.UNSYNCHRONIZED)
+EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+CFG = StreamConfig(instance_name="e:1", block_size=BS, endpoint="tcp://127.0.0.1:5557",
+                   replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED,
+                   replay_mode=ReplayMode.HISTORY)
+
+
+def blk(*contents: int) -> list[int]:
+    return [c * 100 + j for c in contents for j in range(BS)]
+
+
+def put(c: int, parent: Optional[int] = None) -> BlockStored:
+    return BlockStored([1000 + c], None if parent is None else 1000 + parent, blk(c), BS, DEVICE)
+
+
+def drop(c: int) -> BlockRemoved:
+    return BlockRemoved([1000 + c], DEVICE)
+
+
+class Stream:
+    """One machine with its serving state and a clock; ``m`` is the machine. Each requested
+    attempt is reported open at once, as the stream thread does."""
+
+    def __init__(self, **limits) -> None:
+        self.limits = KvEventsConfig(**limits)
+        self.serving = ServingState(StreamId("e:1", 0), BS)
+        self.m = HistoryRecovery(CFG, self.limits, self.serving)
+        self.now = T0
+        self.requests: list[RequestHistory] = []
+
+    def at(self, t: float) -> "Stream":
+        self.now = T0 + t
+        return self
+
+    def _fed(self, actions: tuple) -> tuple:
+        for action in actions:
+            if type(action) is RequestHistory:
+                self.requests.append(action)
+                assert self.m.on_snapshot_opened(action.attempt, self.now) == NO_ACTIONS
+        return actions
+
+    def connect(self) -> tuple:
+        assert self.m.start(self.now) == NO_ACTIONS
+        assert self.m.on_live_opened() == NO_ACTIONS
+        assert self.m.tick(self.now) == NO_ACTIONS   # no request before the handshake (§6)
+        assert self.m.on_live_up(self.now) == NO_ACTIONS
+        return self._fed(self.m.tick(self.now))
+
+    def live(self, seq: int, *events: Event, digest: Optional[int] = None) -> tuple:
+        d = 7_000 + seq if digest is None else digest
+        return self._fed(self.m.on_live_batch(seq, Batch(0.0, list(events) or [drop(99)], 0),
+                                              100, self.now, digest=d))
+
+    def rebuild(self, first: Optional[int], batches: Sequence[Sequence[Event]] = (), *,
+                exact: Optional[bool] = None, digests: Optional[dict] = None) -> tuple:
+        """The end of the rebuild in flight: batches from seq ``first`` (None: empty reply)."""
+        index = TierIndex(BS, SEED, self.limits.max_blocks_per_stream)
+        for events in batches:
+            index.apply(list(events), snapshot=True)
+        n = len(batches)
+        last = None if first is None else first + n - 1
+        result = HistoryResult(
+            catch_up=False, continuous=True, index=index, first_seq=first, last_seq=last,
+            last_digest=None if last is None else 7_000 + last,
+            exact=first == 0 if exact is None else exact,
+            digests=digests if digests is not None else
+            ({} if first is None else {s: 7_000 + s for s in range(first, first + n)}),
+            messages=n, wire_bytes=100)
+        return self._fed(self.m.on_snapshot_complete(self.m.attempt, result, self.now, self.now))
+
+    def catch_up(self, *batches: tuple[int, Sequence[Event]], continuous: bool = True,
+                 reason: Optional[str] = None) -> tuple:
+        """The catch-up in flight: its batches after the anchor, then its end."""
+        actions: tuple = ()
+        attempt = self.m.attempt
+        for seq, events in batches:
+            actions += self._fed(self.m.on_history_batch(attempt, seq, list(events), 7_000 + seq,
+                                                         100, self.now))
+        result = HistoryResult(catch_up=True, continuous=continuous, index=None, first_seq=None,
+                               last_seq=None, last_digest=None, exact=False, digests={},
+                               messages=len(batches) + 1, wire_bytes=100, reason=reason)
+        return actions + self._fed(self.m.on_snapshot_complete(attempt, result, self.now,
+                                                               self.now))
+
+    def synced(self, batches: Sequence[Sequence[Event]], first: int = 0) -> "Stream":
+        assert self.connect() == (RequestHistory(1, 0, True, None),)
+        assert self.rebuild(first, batches) == (AbandonSnapshot(1),)
+        assert self.state() == SYNC
+        return self
+
+    def state(self) -> StreamState:
+        return self.serving.status().state
+
+    def hits(self, *contents: int) -> tuple[bool, int, int]:
+        m = self.serving.match(prompt_keys(blk(*contents), BS, SEED))
+        return m.synchronized, m.device_hit_tokens, m.host_only_hit_tokens
+
+    def completeness(self) -> Optional[Completeness]:
+        return self.serving.status().completeness
+
+
+# ---------------------------------------------------------------------------- rebuilds
+
+
+def test_rebuild_from_seq_0_is_exact_and_keeps_the_anchor():
+    s = Stream().synced([[put(1)], [put(2, 1)]])
+    assert (s.completeness(), s.m.anchor, s.hits(1, 2)) == (EXACT, (1, 7_001), (True, 8, 0))
+    assert s.live(2, put(3, 2)) is NO_ACTIONS          # the hot path: no actions at all
+    assert (s.m.anchor, s.hits(1, 2, 3)) == ((2, 7_002), (True, 12, 0))
+
+
+def test_rebuild_from_f_is_a_subset_with_orphans_and_exact_after_all_blocks_cleared():
+    s = Stream().synced([[put(2, 1)], [put(3)]], first=5)   # parent 1 came before seq 5
+    assert (s.completeness(), s.hits(3), s.hits(1, 2)) == (SUBSET, (True, 4, 0), (True, 0, 0))
+    assert s.live(7, put(4, 2)) == NO_ACTIONS     # under an orphan: no error on a subset
+    assert s.live(8, put(5, 1)) == NO_ACTIONS     # unknown parent: an orphan, no error
+    assert (s.state(), s.serving.status().sequence) == (SYNC, 8)
+    assert s.live(9, AllBlocksCleared(None), put(6)) == NO_ACTIONS
+    assert (s.completeness(), s.hits(3), s.hits(6)) == (EXACT, (True, 0, 0), (True, 4, 0))
+    # Exact now: an unknown parent is an error again, and the stream rebuilds.
+    actions = s.live(10, put(8, 7))
+    assert actions == (RequestHistory(2, 0, True, None),)
+    assert s.serving.counters(0, 0).recoveries_started["index_error"] == 1
+
+
+def test_rebuild_merges_buffered_live_batches_deduplicated_by_seq():
+    s = Stream()
+    s.connect()
+    for seq in (3, 4, 5):
+        s.live(seq, put(seq))
+    assert s.m.view().buffered_seqs == (3, 4, 5)
+    assert s.rebuild(0, [[put(0)], [put(1)], [put(2)], [put(3)], [put(4)]]) == (AbandonSnapshot(1),)
+    assert (s.serving.status().sequence, s.m.anchor) == (5, (5, 7_005))
+    assert s.hits(5) == (True, 4, 0)
+
+
+def test_buffered_live_batch_with_another_digest_than_replayed_fails_the_attempt():
+    s = Stream()
+    s.connect()
+    s.live(1, put(1), digest=123)
+    actions = s.rebuild(0, [[put(0)], [put(1)]])
+    assert actions == (AbandonSnapshot(1),)
+    st = s.serving.status()
+    assert (st.state, st.error) == (UNSYNC, "live seq 1 differs from the batch replayed (the "
+                                            "engine restarted)")
+    assert s.m.view().next_attempt_at == s.now + BACKOFF_INITIAL_S
+
+
+def test_gap_after_the_reply_fails_the_attempt():
+    s = Stream()
+    s.connect()
+    s.live(3, put(3))
+    s.rebuild(0, [[put(0)]])
+    assert s.serving.status().error == "gap after the history reply: expected seq 1, got 3"
+
+
+@pytest.mark.parametrize("first_live, completeness", [(0, EXACT), (5, SUBSET)])
+def test_empty_reply_first_live_batch_decides(first_live, completeness):
+    s = Stream()
+    s.connect()
+    assert s.rebuild(None) == (AbandonSnapshot(1),)
+    assert (s.state(), s.completeness(), s.serving.status().sequence) == (SYNC, EXACT, None)
+    assert s.live(first_live, put(1)) == NO_ACTIONS
+    assert (s.completeness(), s.hits(1), s.m.anchor) == (completeness, (True, 4, 0),
+                                                         (first_live, 7_000 + first_live))
+
+
+# ---------------------------------------------------------------------------- catch-ups
+
+
+def test_gap_catches_up_from_the_anchor_and_buffers_the_live_tail():
+    s = Stream().synced([[put(1)], [put(2, 1)]])
+    actions = s.live(3, put(4, 3))                   # seq 2 missing
+    assert actions == (RequestHistory(2, 1, True, 7_001),)
+    assert (s.state(), s.hits(1)) == (RECOVERING, (False, 0, 0))
+    assert s.serving.status().error == "sequence gap: expected seq 2, got 3; catching up from seq 1"
+    assert s.catch_up((2, [put(3, 2)]), (3, [put(4, 3)])) == (AbandonSnapshot(2),)
+    assert (s.state(), s.hits(1, 2, 3, 4), s.m.anchor) == (SYNC, (True, 16, 0), (3, 7_003))
+    assert [r.start_seq for r in s.requests] == [0, 1]
+    counters = s.serving.counters(0, 0)
+    assert counters.recoveries_started["sequence_gap"] == 1
+    assert s.serving.status().recoveries == 2
+
+
+def test_catch_up_without_continuity_rebuilds():
+    s = Stream().synced([[put(1)]])
+    s.live(2)
+    actions = s.catch_up(continuous=False, reason="reply starts at seq 4, not at the anchor seq 0")
+    assert actions == (AbandonSnapshot(2), RequestHistory(3, 0, True, None))
+    st = s.serving.status()
+    assert (st.state, st.device_blocks) == (RECOVERING, 0)
+    assert s.serving.counters(0, 0).recoveries_started["history_mismatch"] == 1
+
+
+def test_disconnect_keeps_the_index_and_catches_up_once_connected():
+    s = Stream().synced([[put(1)]])
+    assert s.m.on_live_down("disconnected", s.now) == NO_ACTIONS
+    assert (s.state(), s.hits(1)) == (RECOVERING, (False, 0, 0))
+    assert s.m.tick(s.now) == NO_ACTIONS              # not while the SUB is down
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(2, 0, True, 7_000),)
+    assert s.catch_up((1, [put(2, 1)])) == (AbandonSnapshot(2),)
+    assert (s.state(), s.hits(1, 2)) == (SYNC, (True, 8, 0))
+    assert s.serving.counters(0, 0).recoveries_started["disconnect"] == 1
+
+
+def test_live_batches_during_a_catch_up_fill_in_and_duplicates_are_dropped():
+    s = Stream().synced([[put(1)]])
+    s.m.on_live_down("disconnected", s.now)
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    s._fed(s.m.tick(s.now))
+    assert s.live(1, put(2, 1)) == NO_ACTIONS         # buffered: the anchor is not proven yet
+    assert (s.m.view().buffered_seqs, s.m.anchor) == ((1,), (0, 7_000))
+    assert s.catch_up((1, [put(2, 1)]), (2, [put(3, 2)])) == (AbandonSnapshot(2),)
+    assert s.live(2, put(3, 2)) == NO_ACTIONS         # the live copy of seq 2: a duplicate
+    assert (s.serving.duplicates_dropped, s.hits(1, 2, 3)) == (1, (True, 12, 0))
+
+
+def test_periodic_catch_up_keeps_serving_and_counts_batches_never_received():
+    s = Stream(resync_interval_ms=1000).synced([[put(1)]])
+    assert s.at(0.5).m.tick(s.now) == NO_ACTIONS
+    assert s._fed(s.at(1.0).m.tick(s.now)) == (RequestHistory(2, 0, False, 7_000),)
+    assert s.state() == SYNC
+    assert s.live(1, put(2, 1)) == NO_ACTIONS         # serves and applies meanwhile
+    assert s.catch_up((1, [put(2, 1)]), (2, [drop(1)])) == (AbandonSnapshot(2),)
+    st = s.serving.status()
+    assert (st.state, st.resync_differences, st.sequence, s.hits(1)) == (SYNC, 1, 2, (True, 0, 0))
+    assert s.m.view().next_attempt_at == s.now + 1.0
+
+
+def test_periodic_catch_up_failure_keeps_serving():
+    s = Stream(resync_interval_ms=1000).synced([[put(1)]])
+    s._fed(s.at(1.0).m.tick(s.now))
+    assert s.m.on_snapshot_failed(2, SnapshotError("history reply seq 1: bad"), s.now) == \
+        (AbandonSnapshot(2),)
+    assert (s.state(), s.hits(1)) == (SYNC, (True, 4, 0))
+    assert s.m.view().next_attempt_at == s.now + BACKOFF_INITIAL_S
+
+
+def test_live_seq_backwards_rebuilds_unless_a_duplicate():
+    s = Stream().synced([[put(1)], [put(2, 1)]])
+    assert s.live(1, put(2, 1), digest=7_001) == NO_ACTIONS   # same seq, same bytes
+    assert s.serving.duplicates_dropped == 1
+    actions = s.live(1, put(2, 1), digest=555)                # a restarted engine
+    assert actions == (RequestHistory(2, 0, True, None),)
+    assert s.m.view().buffered_seqs == (1,)
+    assert s.serving.counters(0, 0).recoveries_started["sequence_backwards"] == 1
+
+
+def test_recent_digests_are_bounded():
+    s = Stream().synced([[put(1)]])
+    for seq in range(1, RECENT_DIGESTS + 10):
+        s.live(seq)
+    assert len(s.m._recent) == RECENT_DIGESTS
+
+
+# ---------------------------------------------------------------------------- no replay answer
+
+
+def test_no_replay_answer_serves_a_live_only_subset_from_the_first_live_batch():
+    s = Stream()
+    s.connect()
+    s.live(4, put(1))                                 # buffered during the rebuild
+    actions = s.m.on_snapshot_failed(1, ReplayUnanswered("history reply timeout: no reply"),
+                                     s.now)
+    assert actions == (AbandonSnapshot(1),)
+    assert (s.state(), s.completeness(), s.hits(1)) == (SYNC, SUBSET, (True, 4, 0))
+    assert s.m.live_only
+    assert s.live(5, put(2, 9)) == NO_ACTIONS          # unknown parent: an orphan
+    assert s.live(7, put(3)) == NO_ACTIONS             # a gap: a new live-only index
+    assert (s.hits(1), s.hits(3)) == ((True, 0, 0), (True, 4, 0))
+    # The rebuild is retried with the backoff and replaces the live-only index.
+    assert s._fed(s.at(BACKOFF_INITIAL_S).m.tick(s.now)) == (RequestHistory(2, 0, False, None),)
+    s.live(8, put(4))
+    assert s.rebuild(0, [[put(1)], [put(3)]] + [[drop(99)]] * 6) == (AbandonSnapshot(2),)
+    assert (s.completeness(), s.hits(1), s.hits(4), s.m.live_only) == (EXACT, (True, 4, 0),
+                                                                        (True, 4, 0), False)
+
+
+def test_no_replay_answer_first_live_seq_0_is_exact():
+    s = Stream()
+    s.connect()
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    assert s.state() == UNSYNC
+    assert s.serving.status().error == "no reply; serving a live-only subset from the next live batch"
+    assert s.live(0, put(1)) == NO_ACTIONS
+    assert (s.completeness(), s.hits(1)) == (EXACT, (True, 4, 0))
+
+
+# ---------------------------------------------------------------------------- other rules
+
+
+def test_all_blocks_cleared_batch_synchronizes_an_unsynchronized_stream():
+    s = Stream()
+    s.connect()
+    actions = s.live(9, AllBlocksCleared(None), put(1))
+    assert actions == (AbandonSnapshot(1),)
+    assert (s.state(), s.completeness(), s.m.anchor) == (SYNC, EXACT, (9, 7_009))
+
+
+def test_silent_live_channel_unsynchronizes_until_a_live_message():
+    s = Stream(resync_interval_ms=1000).synced([[put(1)]])
+    s._fed(s.at(1.0).m.tick(s.now))
+    s.catch_up((1, [drop(1)]))                        # found by the catch-up only
+    assert s.state() == SYNC
+    s.at(1.0 + LIVE_SILENCE_GRACE_S).m.tick(s.now)
+    st = s.serving.status()
+    assert (st.state, st.error.startswith("live channel silent")) == (UNSYNC, True)
+    assert s.m.tick(s.at(10.0).now) == NO_ACTIONS    # nothing asked until a live message
+    s.live(2, put(2))
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(3, 1, True, 7_001),)
+    assert s.catch_up((2, [put(2)])) == (AbandonSnapshot(3),)
+    assert (s.state(), s.hits(2)) == (SYNC, (True, 4, 0))
+
+
+def test_buffer_overflow_fails_the_attempt():
+    s = Stream(max_buffered_bytes=1024)
+    s.connect()
+    assert s.live(0, put(1)) == NO_ACTIONS
+    assert s.live(1, *[put(c) for c in range(2, 12)]) == (AbandonSnapshot(1),)
+    assert s.serving.status().error.startswith("buffer overflow")
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+def _attempt(start_seq: int, anchor: Optional[int] = None, sink=None, **limits) -> HistoryAttempt:
+    a = HistoryAttempt(CFG, KvEventsConfig(**limits), start_seq, None, None, None)
+    a.configure(anchor, sink)
+    return a
+
+
+def _msg(seq: int, *events: dict) -> tuple[list[bytes], bytes]:
+    payload = ormsgpack.packb([1.0, list(events), 0])
+    return [b"", seq.to_bytes(8, "big"), payload], payload
+
+
+def _ev(c: int, parent: Optional[int] = None) -> dict:
+    return {"type": "BlockStored", "block_hashes": [1000 + c],
+            "parent_block_hash": None if parent is None else 1000 + parent,
+            "token_ids": blk(c), "block_size": BS}
+
+
+def test_client_rebuild_from_0_is_exact_and_from_f_a_subset():
+    a = _attempt(0)
+    assert a.feed(_msg(0, _ev(1))[0]) is None
+    assert a.feed(_msg(1, _ev(2, 1))[0]) is None
+    r = a.feed(list(END_MARKER))
+    assert (r.first_seq, r.last_seq, r.exact, r.messages, sorted(r.digests)) == (0, 1, True, 2, [0, 1])
+    assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
+    b = _attempt(0)
+    b.feed(_msg(5, _ev(2, 1))[0])                     # parent unknown: an orphan
+    r = b.feed(list(END_MARKER))
+    assert (r.first_seq, r.exact, r.index.stats.orphan_blocks) == (5, False, 1)
+    c = _attempt(0)
+    c.feed(_msg(5, _ev(2, 1))[0])
+    c.feed(_msg(6, {"type": "AllBlocksCleared"}, _ev(3))[0])
+    assert c.feed(list(END_MARKER)).exact is True     # complete from seq 6 on
+
+
+def test_client_catch_up_proves_continuity_by_seq_and_digest():
+    from xxhash import xxh3_64_intdigest
+    got = []
+    frames, payload = _msg(3, _ev(1))
+    a = _attempt(3, xxh3_64_intdigest(payload), lambda *args: got.append(args[:1] + args[2:]))
+    assert a.feed(frames) is None
+    f4, p4 = _msg(4, _ev(2, 1))
+    assert a.feed([b"", b"kv", f4[1], p4]) is None    # the 4-frame form with a topic
+    r = a.feed(list(END_MARKER))
+    assert (r.continuous, got) == (True, [(4, xxh3_64_intdigest(p4), len(p4) + 10)])
+    other = _attempt(3, 12345, got.append)
+    r = other.feed(frames)
+    assert (r.continuous, r.reason) == (False, "seq 3 has another payload digest than the batch "
+                                               "applied (the engine restarted)")
+    late = _attempt(2, 12345, got.append)
+    assert late.feed(frames).reason == "reply starts at seq 3, not at the anchor seq 2"
+    empty = _attempt(2, 12345, got.append)
+    assert empty.feed(list(END_MARKER)).continuous is False
+
+
+@pytest.mark.parametrize("seqs, error", [
+    ((0, 1, 0), "history reply seq went backwards: seq 0 after 1"),
+    ((0, 0), "history reply seq repeated: seq 0 after 0"),
+])
+def test_client_refuses_seqs_that_are_not_contiguous(seqs, error):
+    a = _attempt(0)
+    with pytest.raises(SnapshotError) as exc:
+        for i, seq in enumerate(seqs):
+            a.feed(_msg(seq, _ev(10 + i))[0])
+    assert str(exc.value) == error
+
+
+def test_client_ends_a_reply_with_a_hole_as_truncated():
+    a = _attempt(0)
+    a.feed(_msg(0, _ev(1))[0])
+    a.feed(_msg(1, _ev(2, 1))[0])
+    r = a.feed(_msg(5, _ev(3))[0])                    # seq 2..4 dropped by the engine's ROUTER
+    assert (r.truncated, r.continuous, r.last_seq, r.exact, r.reason) == (
+        True, True, 1, True, "history reply skipped from seq 1 to 5")
+    assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
+
+
+def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
+    s = Stream()
+    s.connect()
+    s.live(4, put(4))                                 # buffered: after the hole
+    index = TierIndex(BS, SEED, 1000)
+    index.apply([put(1)], snapshot=True)
+    result = HistoryResult(catch_up=False, continuous=True, index=index, first_seq=0,
+                           last_seq=0, last_digest=7_000, exact=True, digests={0: 7_000},
+                           messages=1, wire_bytes=10, reason="history reply skipped from seq 0 "
+                           "to 3", truncated=True)
+    actions = s._fed(s.m.on_snapshot_complete(1, result, s.now, s.now))
+    assert actions == (AbandonSnapshot(1), RequestHistory(2, 0, True, 7_000))
+    st = s.serving.status()
+    assert (st.state, st.device_blocks, s.hits(1)) == (RECOVERING, 1, (False, 0, 0))
+    truncated = HistoryResult(catch_up=True, continuous=True, index=None, first_seq=0,
+                              last_seq=1, last_digest=7_001, exact=False, digests={},
+                              messages=2, wire_bytes=10, reason="history reply skipped from "
+                              "seq 1 to 3", truncated=True)
+    s.m.on_history_batch(2, 1, [put(2, 1)], 7_001, 10, s.now)
+    actions = s._fed(s.m.on_snapshot_complete(2, truncated, s.now, s.now))
+    assert actions == (AbandonSnapshot(2), RequestHistory(3, 1, True, 7_001))
+    assert s.catch_up((2, [put(3, 2)]), (3, [drop(99)]), (4, [put(4)])) == (AbandonSnapshot(3),)
+    assert (s.state(), s.completeness(), s.hits(1, 2, 3)) == (SYNC, EXACT, (True, 12, 0))
+    assert s.hits(4) == (True, 4, 0)
+
+
+def test_client_timeout_is_per_message():
+    a = _attempt(0, replay_timeout_ms=100)
+    a.deadline = 10.0
+    with pytest.raises(ReplayUnanswered):
+        a.check_deadline(10.0)
+    a.feed(_msg(0, _ev(1))[0])
+    first = a.deadline
+    a.check_deadline(first - 0.001)                   # the wait restarted with the message
+    with pytest.raises(SnapshotTimeout) as exc:
+        a.check_deadline(first)
+    assert not isinstance(exc.value, ReplayUnanswered)
+    assert str(exc.value) == ("history reply timeout: no next message within "
+                              "replay_timeout_ms=100 after 1 messages (last seq 0)")
+
+
+def test_live_batches_before_the_first_request_are_kept_for_the_rebuild():
+    s = Stream()
+    s.m.start(s.now)
+    s.m.on_live_opened()
+    assert s.live(0, put(1)) == NO_ACTIONS          # before the handshake: no request yet
+    s.m.on_live_up(s.now)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(1, 0, True, None),)
+    assert s.m.view().buffered_seqs == (0,)
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    assert (s.state(), s.completeness(), s.hits(1)) == (SYNC, EXACT, (True, 4, 0))
+
+
+def test_restarted_engine_reaching_the_expected_seq_is_found_by_the_anchor_digest():
+    s = Stream().synced([[put(1)], [put(2, 1)]])     # L = 1
+    s.m.on_live_down("disconnected", s.now)
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(2, 1, True, 7_001),)
+    # The new engine's seq 2 is the expected seq: buffered, not applied to the old index.
+    assert s.live(2, put(5), digest=42) == NO_ACTIONS
+    assert s.m.anchor == (1, 7_001)
+    actions = s.catch_up(continuous=False, reason="seq 1 has another payload digest")
+    assert actions == (AbandonSnapshot(2), RequestHistory(3, 0, True, None))
+    assert s.serving.status().device_blocks == 0
+
+
+def test_live_only_disconnect_starts_a_new_live_only_index():
+    s = Stream()
+    s.connect()
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    s.live(3, put(1))
+    assert s.hits(1) == (True, 4, 0)
+    s.m.on_live_down("disconnected", s.now)
+    assert (s.state(), s.hits(1)) == (UNSYNC, (False, 0, 0))
+    s.m.on_live_opened()
+    s.m.on_live_up(s.now)
+    assert s.live(0, put(2)) == NO_ACTIONS            # a restarted engine: seq 0, exact
+    assert (s.completeness(), s.hits(1), s.hits(2)) == (EXACT, (True, 0, 0), (True, 4, 0))
+
+
+def test_history_streams_decode_byte_hashes_to_the_integer_form():
+    from kvsvc.streams.decoder import decode_batch
+    raw, parent = bytes(range(32)), b"\x01" * 32
+    payload = ormsgpack.packb({"ts": 1.0, "data_parallel_rank": 0, "events": [
+        {"type": "BlockStored", "block_hashes": [raw, 5], "parent_block_hash": parent,
+         "token_ids": [], "block_size": 0, "medium": "CPU"},
+        ["BlockRemoved", [raw], "CPU"]]})
+    as_int = int.from_bytes(raw, "big") & ((1 << 64) - 1)
+    st, rm = decode_batch(payload, 0, True).events
+    assert (st.block_hashes, st.parent_block_hash, rm.block_hashes) == (
+        [as_int, 5], int.from_bytes(parent[-8:], "big"), [as_int])
+    st, rm = decode_batch(payload, 0).events            # snapshot mode: bytes stay bytes
+    assert (st.block_hashes, st.parent_block_hash, rm.block_hashes) == ([raw, 5], parent, [raw])
+
+
+# ---------------------------------------------------------------------------- property: no false hit
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(st.sampled_from(["store", "store", "store", "remove", "lose", "disconnect",
+                                "restart", "clear", "answer", "answer", "fail", "tick",
+                                "delay", "unanswered"]),
+               min_size=5, max_size=40)
+
+
+class ModelEngine:
+    """A vLLM-like engine for the rules (§7h): blocks with unique hashes, a seq counter per
+    process, a bounded replay buffer of (seq, events, digest), the residency after each seq."""
+
+    def __init__(self, buffer_steps: int) -> None:
+        self.epoch = 0
+        self.seq = 0
+        self.buffer: list[tuple[int, list[Event], int]] = []
+        self.buffer_steps = buffer_steps
+        self.resident: dict[int, Optional[int]] = {}   # hash -> parent hash
+        self.parents: dict[int, Optional[int]] = {}    # every hash ever stored
+        self.truth: dict[int, dict[int, Optional[int]]] = {}   # seq -> residency after it
+        self.next_hash = 1
+
+    def publish(self, events: list[Event]) -> tuple[int, list[Event], int]:
+        seq = self.seq
+        self.seq += 1
+        digest = self.epoch * 1_000_000 + seq + 1
+        self.buffer.append((seq, events, digest))
+        del self.buffer[:-self.buffer_steps]
+        self.truth[seq] = dict(self.resident)
+        return seq, events, digest
+
+    def store(self, rng_pick: int) -> list[Event]:
+        h = self.next_hash
+        self.next_hash += 1
+        parents = sorted(self.resident)
+        parent = parents[rng_pick % len(parents)] if parents and rng_pick % 3 else None
+        self.resident[h] = parent
+        self.parents[h] = parent
+        return [BlockStored([h], parent, blk(h), BS, DEVICE)]
+
+    def chain(self, h: int) -> list[int]:
+        out = []
+        cur: Optional[int] = h
+        while cur is not None:
+            out.append(cur)
+            cur = self.parents[cur]
+        return out[::-1]
+
+
+def _truth_hits(residency: dict[int, Optional[int]], chain: list[int]) -> int:
+    n = 0
+    for h in chain:
+        if h not in residency:
+            break
+        n += 1
+    return n * BS
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.integers(2, 8), st.lists(st.integers(0, 1000), min_size=40, max_size=40))
+def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
+    """Whatever happens (lost batches, disconnects, restarts, clears, failed replies, a rolled
+    buffer), a synchronized stream's answers equal the engine's residency at the stream's seq
+    when ``exact``, and never exceed it when ``subset``; an unsynchronized one has no hit."""
+    s = Stream(resync_interval_ms=1000)
+    eng = ModelEngine(buffer_steps)
+    for _ in range(picks[-1] % 12):      # history before kvsvc joins (may roll the buffer)
+        eng.publish(eng.store(picks[-2]))
+    s.connect()
+
+    def answer() -> None:
+        req = s.requests[-1] if s.requests else None
+        if req is None or s.m.attempt != req.attempt:
+            return
+        if req.catch_up:
+            tail = [b for b in eng.buffer if b[0] >= req.start_seq]
+            if not tail or tail[0][0] != req.start_seq or tail[0][2] != req.anchor_digest:
+                result = HistoryResult(True, False, None, None, None, None, False, {}, 0, 0,
+                                       "not continuous")
+                s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
+                return
+            for seq, events, digest in tail[1:]:
+                s._fed(s.m.on_history_batch(req.attempt, seq, events, digest, 10, s.now))
+                if s.m.attempt != req.attempt:
+                    return
+            result = HistoryResult(True, True, None, tail[0][0], tail[-1][0], tail[-1][2],
+                                   False, {}, len(tail), 10)
+        else:
+            index = TierIndex(BS, SEED, 10_000)
+            for _, events, _ in eng.buffer:
+                index.apply(events, snapshot=True)
+            b = eng.buffer
+            result = HistoryResult(
+                False, True, index, b[0][0] if b else None, b[-1][0] if b else None,
+                b[-1][2] if b else None,
+                bool(b) and b[0][0] == 0 and index.stats.orphan_blocks == 0,
+                {seq: d for seq, _, d in b}, len(b), 10)
+        s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
+
+    pending: list = []   # published, still on the wire (a PUB delivers in order)
+
+    def deliver(batch) -> None:
+        while pending:
+            seq, events, digest = pending.pop(0)
+            s._fed(s.m.on_live_batch(seq, Batch(0.0, events, 0), 10, s.now, digest=digest))
+        seq, events, digest = batch
+        s._fed(s.m.on_live_batch(seq, Batch(0.0, events, 0), 10, s.now, digest=digest))
+
+    def reconnect() -> None:
+        pending.clear()
+        s._fed(s.m.on_live_down("disconnected", s.now))
+        s._fed(s.m.on_live_opened())
+        s._fed(s.m.on_live_up(s.now))
+        s._fed(s.m.tick(s.now))
+
+    for i, op in enumerate(ops):
+        pick = picks[i]
+        if op == "store":
+            deliver(eng.publish(eng.store(pick)))
+        elif op == "remove" and eng.resident:
+            h = sorted(eng.resident)[pick % len(eng.resident)]
+            del eng.resident[h]
+            deliver(eng.publish([BlockRemoved([h], DEVICE)]))
+        elif op == "lose":
+            if eng.resident and pick % 2:
+                h = sorted(eng.resident)[pick % len(eng.resident)]
+                del eng.resident[h]
+                eng.publish([BlockRemoved([h], DEVICE)])
+            else:
+                eng.publish(eng.store(pick))
+        elif op == "clear":
+            eng.resident.clear()
+            deliver(eng.publish([AllBlocksCleared(None)] + eng.store(pick)))
+        elif op == "disconnect":
+            reconnect()
+        elif op == "restart":
+            eng.epoch += 1
+            eng.seq = 0
+            eng.buffer.clear()
+            eng.resident.clear()
+            eng.truth.clear()
+            pending.clear()
+            s._fed(s.m.on_live_down("disconnected", s.now))
+            s._fed(s.m.on_live_opened())
+            # The new process publishes before kvsvc reconnects: those never arrive live.
+            for _ in range(pick % 4):
+                eng.publish(eng.store(pick))
+            s._fed(s.m.on_live_up(s.now))
+            s._fed(s.m.tick(s.now))
+        elif op == "answer":
+            answer()
+        elif op == "fail" and s.m.attempt is not None:
+            s._fed(s.m.on_snapshot_failed(s.m.attempt, SnapshotError("bad reply"), s.now))
+        elif op == "delay":
+            pending.append(eng.publish(eng.store(pick)))
+        elif op == "unanswered" and s.m.attempt is not None and s.requests \
+                and not s.requests[-1].catch_up:
+            s._fed(s.m.on_snapshot_failed(s.m.attempt, ReplayUnanswered("no reply"), s.now))
+        elif op == "tick":
+            s.at(s.now - T0 + 0.7)
+            s._fed(s.m.tick(s.now))
+        # The check: every chain ever stored, against the residency at the stream's seq.
+        status = s.serving.status()
+        for h in eng.parents:
+            chain = eng.chain(h)
+            m = s.serving.match(prompt_keys(blk(*chain), BS, SEED))
+            if not m.synchronized:
+                assert m.device_hit_tokens == 0
+                continue
+            truth = (eng.truth.get(status.sequence, {}) if status.sequence is not None
+                     else {})
+            expected = _truth_hits(truth, chain)
+            if m.completeness is EXACT:
+                assert m.device_hit_tokens == expected, (ops[:i + 1], h, chain)
+            else:
+                assert m.device_hit_tokens <= expected, (ops[:i + 1], h, chain)
