@@ -136,11 +136,12 @@ def _acts_as_prefill(instance: Instance) -> bool:
     return False
 
 
-def backend_of(instance: Instance) -> Optional[Backend]:
-    """The :class:`~kvsvc.config.Backend` of ``instance``'s ``backend_type`` (§9; the registry
-    fills in ``"xllm"`` when the registration has none), compared without regard to case and
-    surrounding blanks; ``None`` for a backend kvsvc cannot index (``"trtllm"``, ...)."""
-    return _BACKENDS.get(instance.backend_type.strip().lower())
+def backend_named(backend_type: str) -> Optional[Backend]:
+    """The :class:`~kvsvc.config.Backend` a registered ``backend_type`` names (§9; the
+    registry fills in ``"xllm"`` when the registration has none), compared without regard to
+    case and surrounding blanks (``"VLLM"`` is vLLM); ``None`` for a backend kvsvc cannot
+    index (``"trtllm"``, ...)."""
+    return _BACKENDS.get(backend_type.strip().lower())
 
 
 def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
@@ -165,7 +166,7 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
         inst = snapshot.instances[name]
         if inst.state == InstanceState.SUSPECT or not _acts_as_prefill(inst):
             continue
-        backend = backend_of(inst)
+        backend = backend_named(inst.backend_type)
         if backend is None or backend not in listed:
             other_backends[name] = inst.backend_type
             continue
@@ -476,7 +477,7 @@ class Discovery(BackgroundThread):
         for name, backend_type in skipped.items():
             if before.get(name) == backend_type:
                 continue
-            known = _BACKENDS.get(backend_type.strip().lower())
+            known = backend_named(backend_type)
             if known is None:
                 log.warning("discovery: instance %s not subscribed: kvsvc cannot index "
                             "backend_type %r (it indexes %s); routing counts it with 0 "

@@ -134,7 +134,8 @@ def test_serve_ready_query_and_sigint(tmp_path, zmq_ctx, servers):
         assert server.get("/ready").json()["streams"] == [{
             "instance_name": INSTANCE, "dp_rank": 0, "state": "synchronized",
             "synchronized_once": True, "sequence": None, "error": None,
-            "device_blocks": 2, "host_blocks": 0, "recoveries": 1, "resync_differences": 0}]
+            "device_blocks": 2, "host_blocks": 0, "recoveries": 1, "resync_differences": 0,
+            "completeness": "exact", "replay_mode": "snapshot"}]
 
         # The token comes from the file; without it: 401.
         assert server.post(QUERY, json={"token_ids": [1]}).status_code == 401

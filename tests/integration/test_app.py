@@ -233,7 +233,8 @@ def test_ready_503_before_start_lists_streams():
             "streams": [{"instance_name": INSTANCE, "dp_rank": 0, "state": "unsynchronized",
                          "synchronized_once": False, "sequence": None,
                          "error": "not started", "device_blocks": 0, "host_blocks": 0,
-                         "recoveries": 0, "resync_differences": 0}]}
+                         "recoveries": 0, "resync_differences": 0, "completeness": None,
+                         "replay_mode": "snapshot"}]}
 
 
 def test_index_disabled_answers_no_matches_and_is_ready(caplog):

@@ -199,3 +199,36 @@ def test_a_vllm_instance_registered_like_vllm_sidecar_gets_history_streams(etcd_
     finally:
         registry.close()
         etcd.close()
+
+
+def test_ready_lists_instances_of_other_backends(etcd_server):
+    """A running service with the default backends: the sidecar-registered vLLM instance gets
+    no stream and ``/ready`` names it under ``discovery.other_backends``."""
+    from kvsvc.config import parse_kv_events_config
+    from kvsvc.http.app import create_app
+    from kvsvc.http.extensions import EXTENSION
+    from kvsvc.settings import load_service_settings
+    from tests.util import wait_for
+
+    etcd = EtcdClient(etcd_server.addr)
+    kv_config = parse_kv_events_config({"discovery": {"block_size": 16,
+                                                      "refresh_interval_ms": 50}})
+    app = create_app(load_service_settings(etcd_addr=etcd_server.addr, etcd_namespace="t"),
+                     kv_config)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    try:
+        etcd.put(f"/t/XLLM:DEFAULT:{SIDECAR_NAME}", json.dumps(SIDECAR_VALUE),
+                 lease_id=etcd.grant_lease(6))
+        client = app.test_client()
+
+        def skipped() -> dict | None:
+            body = client.get("/ready").get_json()
+            return body if body["discovery"]["other_backends"] else None
+
+        body = wait_for(skipped, timeout_s=10.0, what="vllm instance skipped")
+        assert body["discovery"] == {"excluded": {}, "other_backends": {SIDECAR_NAME: "vllm"}}
+        assert body["streams"] == []
+    finally:
+        svc.close(timeout_s=10.0)
+        etcd.close()
