@@ -28,8 +28,9 @@ above the true reusable tokens, or predicted Device tokens above the true Device
 
 ``--flavor vllm`` (or ``sglang``) runs the same on engines of that flavor
 (:mod:`kvsvc.testbed.sim.flavors`: their batch forms and history replay, §7h), registered with
-``backend_type`` ``"vllm"``, each stream configured with ``replay_mode: "history"`` (a static
-``streams[]`` config: the demo's engines are known). The first tenth of the trace is executed
+``backend_type`` ``"vllm"`` and ``type`` 0 (as xllm-service's ``vllm_sidecar`` registers them),
+found by discovery with ``backends: ["vllm"]`` (their streams run ``replay_mode``
+``history``, the backend's §8 default). The first tenth of the trace is executed
 before the service starts (a late join: the service must rebuild from the engines' history).
 Every answer is audited by its ``completeness`` (§10): an ``exact`` answer must equal the truth;
 a ``subset`` answer must hold no block the engine lacks (its missed tokens are reported); an
@@ -476,27 +477,17 @@ def _build_engines(opts: DemoOptions) -> list[SimEngine]:
     return engines
 
 
-def history_config(opts: DemoOptions, engines: Sequence[SimEngine]) -> dict:
-    """The §8 document for history engines: one static stream per engine rank with
-    ``replay_mode: "history"`` (§7h), endpoints by the §9 rule."""
-    streams = []
-    for eng in engines:
-        for r in range(eng.dp_size):
-            ev, rp = eng.endpoints(r)
-            streams.append({"instance_name": eng.name, "dp_rank": r,
-                            "block_size": opts.block_size, "endpoint": ev,
-                            "replay_endpoint": rp, "topic": eng.topic.decode(),
-                            "replay_mode": "history"})
-    return {"streams": streams, "resync_interval_ms": opts.resync_interval_ms}
-
-
 def discovery_config(opts: DemoOptions) -> dict:
-    """The §8 document of the demo's service: discovery only, no address list."""
-    return {"discovery": {"enabled": True, "block_size": opts.block_size, "topic": "",
-                          "event_port_offset": opts.event_port_offset,
-                          "replay_port_offset": opts.replay_port_offset,
-                          "refresh_interval_ms": opts.refresh_interval_ms},
-            "resync_interval_ms": opts.resync_interval_ms}
+    """The §8 document of the demo's service: discovery only, no address list; for history
+    engines ``backends`` is their backend (§8, §9: their streams take the backend's default
+    replay mode, ``history``)."""
+    discovery = {"enabled": True, "block_size": opts.block_size, "topic": "",
+                 "event_port_offset": opts.event_port_offset,
+                 "replay_port_offset": opts.replay_port_offset,
+                 "refresh_interval_ms": opts.refresh_interval_ms}
+    if opts.history:
+        discovery["backends"] = [Flavor(opts.flavor).backend_type]
+    return {"discovery": discovery, "resync_interval_ms": opts.resync_interval_ms}
 
 
 def _load(engine: SimEngine) -> Load:
@@ -560,13 +551,16 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
                 report.warmup_requests = len(trace) // 10
                 _warm_up(opts, trace[:report.warmup_requests], engines)
                 trace = trace[report.warmup_requests:]
-            cfg = history_config(opts, engines) if opts.history else discovery_config(opts)
+            cfg = discovery_config(opts)
             cfg_path = Path(tmp) / "kv_events.json"
             cfg_path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
             service = ServiceProcess(cfg_path, free_port_run(1), token,
                                      Path(tmp) / "service.log", etcd_addr=etcd_addr)
-            service.start(opts.ready_timeout_s,
-                          {(e.name, r) for e in engines for r in range(e.dp_size)})
+            ready = service.start(opts.ready_timeout_s,
+                                  {(e.name, r) for e in engines for r in range(e.dp_size)})
+            modes = {st.get("replay_mode", "snapshot") for st in ready["streams"]}
+            if modes != {"history" if opts.history else "snapshot"}:
+                raise LifecycleError(f"discovered streams run replay modes {sorted(modes)}")
             print(f"kvsvc demo: {len(engines)} engines registered in etcd {etcd_addr}"
                   f"{' (local)' if etcd is not None else ''}, "
                   f"{sum(e.dp_size for e in engines)} streams discovered, service on "
@@ -624,8 +618,7 @@ def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine],
             report.restarts += 1
             print(f"  [chaos] request {i}: engine sim-0 restarted ({victim.name}, new "
                   f"incarnation {incarnation})", file=out, flush=True)
-            if not opts.history:  # static history streams keep their identity
-                _wait_replaced(service, victim, incarnation, opts.wait_timeout_s + 5.0)
+            _wait_replaced(service, victim, incarnation, opts.wait_timeout_s + 5.0)
         tokens = request_tokens(req, opts.block_size)
         expected = {(eng.name, r): eng.last_seq(r) for eng, r in ranks}
         deadline = time.monotonic() + opts.wait_timeout_s

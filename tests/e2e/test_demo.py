@@ -105,3 +105,18 @@ def test_demo_vllm_late_join_is_exact_with_host_hits(trace):
     text = out.getvalue()
     assert "answers exact / subset / unsynchronized" in text and "162 / 0 / 0" in text
     assert "exact answers equal to the truth" in text and "162/162" in text and "PASS" in text
+
+
+def test_demo_vllm_chaos_catches_up_from_history(trace):
+    """``kvsvc demo --flavor vllm --chaos``: dropped live batches are caught up from the engines'
+    buffers and the restarted engine (new incarnation, found again by discovery with backends
+    ["vllm"]) is rebuilt from seq 0: no false hit, every exact answer equal to the truth."""
+    out = io.StringIO()
+    rep = run_demo(DemoOptions(requests=60, engines=2, trace=trace, device_blocks=48,
+                               host_blocks=48, chaos=True, seed=5, drop_probability=0.05,
+                               flavor="vllm"), out)
+    assert (rep.requests, rep.comparisons, rep.restarts) == (54, 162, 1)
+    assert rep.dropped >= 1
+    assert (rep.false_hits, rep.exact_mismatches) == (0, 0) and rep.passed(chaos=True)
+    assert rep.by_completeness["subset"] == 0        # history from seq 0 was always there
+    assert "[chaos] request 27: engine sim-0 restarted" in out.getvalue()
