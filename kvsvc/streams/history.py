@@ -48,10 +48,15 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   parents). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
   on a rebuild from 0.
 - **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
-  the stream serves a live-only subset from the next live batch on (exact if its seq is 0) and
-  retries the rebuild with the §6 backoff, which replaces it when it succeeds. A gap in a
-  live-only stream discards it and starts a new one at that batch; so does a disconnect
-  (nothing proves continuity without a replay), at the next live batch.
+  the stream serves a live-only subset and retries the rebuild with the §6 backoff, which
+  replaces it when it succeeds. Live batches received during the unanswered rebuild start it
+  (the first received is its first; exact if its seq is 0). None received (an idle engine): it
+  is synchronized at once with an EMPTY live-only index, ``subset``, expected seq unknown (an
+  empty index holds no block, so it is a valid subset: 0 hits, never a false one; and the
+  stream is ready, §10), and its first live batch decides as after an empty reply. A gap in a
+  live-only stream discards it and starts a new one at that batch; so do a disconnect
+  (nothing proves continuity without a replay) and a refused batch, at the next live batch
+  (the rebuild retry goes on; batches kept for it from before a refused one are dropped).
 - **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
   complete state (§6): exact from it.
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
@@ -418,6 +423,10 @@ class HistoryRecovery:
             live_only = self._live_only
             self._lost(reason, trigger_of(error_reason(failure)))
             if live_only:
+                # A rebuild retry in flight goes on, but the batches it kept came before this
+                # one (which may have removed their blocks): none may start a live-only index.
+                self._buffer = []
+                self._buffer_bytes = 0
                 self._live_only_wait = True
             else:
                 self._restart_recovery(now)
@@ -816,6 +825,10 @@ class HistoryRecovery:
             self._invalidate(reason, trigger)
             if live_only:
                 self._live_only_wait = True
+                if self._timers.next_attempt_at is None:
+                    # The rebuild retry in flight was abandoned: ask again (§6 schedule kept
+                    # otherwise), or the replay endpoint would never be tried again.
+                    self._timers.next_attempt_at = now
             else:
                 self._restart_recovery(now)
         elif self._attempt is not None:
@@ -959,6 +972,12 @@ class HistoryRecovery:
                 else "periodic catch-up", exc, delay)
             return
         reason = str(exc)
+        if unanswered and not self._held and not buffered:
+            # Nothing received either (an idle engine without a replay endpoint): serve an
+            # empty live-only subset now, so that the stream is ready (§10) without waiting
+            # for the engine's first batch; that batch decides as after an empty reply.
+            self._start_empty_live_only(reason, delay)
+            return
         if unanswered and not self._held:
             self._live_only = self._live_only_wait = True
             reason = f"{reason}; serving a live-only subset from the next live batch"
@@ -966,6 +985,21 @@ class HistoryRecovery:
         log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, reason, delay)
         if unanswered and buffered and not self._held:
             self._live_only_from(buffered, now)
+
+    def _start_empty_live_only(self, reason: str, delay: float) -> None:
+        """No replay answer and no live batch received (§7h "No replay answer"; README "Where
+        the spec is silent"): serve an EMPTY live-only index, ``subset``, with the expected seq
+        unknown. It holds no block, so it is a valid subset of any residency (0 hits, never a
+        false one). The first live batch then decides as after an empty rebuild reply: seq 0
+        ``exact``, any other seq ``subset`` with the orphan rule. The rebuild keeps its §6
+        backoff retry schedule (``delay`` seconds, already set); a later successful rebuild
+        replaces this index."""
+        self._live_only = True
+        self._live_only_wait = False
+        self._install(self._new_index(), None, None, {}, SUBSET, live_events=(),
+                      stats_base=_ZERO_STATS,
+                      how=f"{reason}: live-only subset, empty until the first live batch; "
+                          f"rebuild retry in {delay:.1f}s", keep_attempt=True)
 
 
 _ZERO_STATS = (0,) * len(NOT_INDEXED)

@@ -366,7 +366,7 @@ def test_no_replay_endpoint_serves_a_live_only_subset(h):
     pub = h.publisher(replay=False)
     pub.publish([put(1)], live=False)
     sub = h.subscriber(pub, replay_timeout_ms=200)
-    wait_for(lambda: "no replay answer" in (sub.status().error or ""), what="no answer")
+    synced_at(sub, None)            # no answer, nothing received: an empty live-only subset
     pub.wait_subscribed()
     pub.publish([put(2, 1)])        # seq 1: its parent is unknown, an orphan
     pub.publish([put(3)])
@@ -380,13 +380,43 @@ def test_no_replay_endpoint_serves_a_live_only_subset(h):
     assert sub.counters().recoveries_started["sequence_gap"] == 1
 
 
-def test_no_replay_endpoint_first_live_seq_0_is_exact(h):
+def _idle_live_only(h) -> tuple[HistoryPublisher, StreamSubscriber]:
+    """An engine without replay endpoint that publishes nothing: the stream is synchronized
+    (ready, §10) with an empty live-only subset, expected seq unknown, 0 hits; the rebuild is
+    retried meanwhile."""
     pub = h.publisher(replay=False)
     sub = h.subscriber(pub, replay_timeout_ms=200)
+    synced_at(sub, None)
+    st = sub.status()
+    assert (st.completeness, st.synchronized_once, st.device_blocks, st.error) == \
+        (SUBSET, True, 0, None)
+    assert hits(sub, 1) == (True, 0, 0)
+    assert sub.counters().snapshot_attempts["timeout"] >= 1
+    return pub, sub
+
+
+def test_no_replay_endpoint_idle_engine_is_ready_then_first_live_seq_0_is_exact(h):
+    pub, sub = _idle_live_only(h)
     pub.wait_subscribed()
     pub.publish([put(1)])
     synced_at(sub, 0)
     assert (sub.status().completeness, hits(sub, 1)) == (EXACT, (True, 4, 0))
+    pub.publish([put(2, 1)])
+    synced_at(sub, 1)
+    assert (sub.status().completeness, hits(sub, 1, 2)) == (EXACT, (True, 8, 0))
+
+
+def test_no_replay_endpoint_idle_engine_is_ready_then_first_live_seq_5_is_a_subset(h):
+    pub, sub = _idle_live_only(h)
+    for c in range(1, 6):
+        pub.publish([put(c)], live=False)     # seqs 0..4 never reached kvsvc
+    pub.wait_subscribed()
+    pub.publish([put(6, 5)])                  # seq 5: its parent is unknown, an orphan
+    pub.publish([put(7)])
+    synced_at(sub, 6)
+    assert (sub.status().completeness, hits(sub, 5, 6), hits(sub, 7), hits(sub, 1)) == \
+        (SUBSET, (True, 0, 0), (True, 4, 0), (True, 0, 0))
+    assert sum(sub.counters().decode_errors.values()) == 0
 
 
 def test_reply_with_a_hole_keeps_what_arrived_and_catches_up(h):

@@ -16,6 +16,7 @@ from kvsvc.errors import ReplayUnanswered, SnapshotError, SnapshotTimeout
 from kvsvc.events import DEVICE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event
 from kvsvc.index.keys import prompt_keys
 from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.counters import DecodeErrorReason
 from kvsvc.streams.frame import END_MARKER
 from kvsvc.streams.history import RECENT_DIGESTS, HistoryRecovery
 from kvsvc.streams.history_client import HistoryAttempt
@@ -314,14 +315,93 @@ def test_no_replay_answer_serves_a_live_only_subset_from_the_first_live_batch():
                                                                         (True, 4, 0), False)
 
 
-def test_no_replay_answer_first_live_seq_0_is_exact():
+def _empty_live_only() -> Stream:
+    """No replay answer and no live batch: an empty live-only index is served at once."""
     s = Stream()
     s.connect()
-    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
-    assert s.state() == UNSYNC
-    assert s.serving.status().error == "no reply; serving a live-only subset from the next live batch"
+    assert s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now) == (AbandonSnapshot(1),)
+    st = s.serving.status()
+    assert (st.state, st.completeness, st.sequence, st.error, st.synchronized_once,
+            st.device_blocks) == (SYNC, SUBSET, None, None, True, 0)
+    assert (s.m.live_only, s.m.anchor, s.hits(1)) == (True, None, (True, 0, 0))
+    return s
+
+
+def test_no_replay_answer_first_live_seq_0_is_exact():
+    s = _empty_live_only()
     assert s.live(0, put(1)) == NO_ACTIONS
-    assert (s.completeness(), s.hits(1)) == (EXACT, (True, 4, 0))
+    assert (s.completeness(), s.hits(1), s.serving.status().sequence) == (EXACT, (True, 4, 0), 0)
+    assert s.live(1, put(2, 1)) == NO_ACTIONS
+    assert (s.completeness(), s.hits(1, 2)) == (EXACT, (True, 8, 0))
+
+
+def test_no_replay_answer_without_live_batch_first_seq_above_0_is_a_subset_with_orphans():
+    s = _empty_live_only()
+    assert s.live(5, put(2, 9)) == NO_ACTIONS          # unknown parent: an orphan, no error
+    assert s.live(6, put(3)) == NO_ACTIONS
+    st = s.serving.status()
+    assert (st.state, st.completeness, st.sequence) == (SYNC, SUBSET, 6)
+    assert (s.hits(9, 2), s.hits(3)) == ((True, 0, 0), (True, 4, 0))
+    assert s.live(8, put(4)) == NO_ACTIONS             # a gap: a new live-only index at seq 8
+    assert (s.hits(3), s.hits(4), s.completeness()) == ((True, 0, 0), (True, 4, 0), SUBSET)
+
+
+def test_empty_live_only_keeps_retrying_the_rebuild_which_replaces_it():
+    s = _empty_live_only()
+    # Not before the §6 backoff, then a rebuild from 0 (not urgent: the stream serves).
+    assert s.m.tick(s.at(BACKOFF_INITIAL_S / 2).now) == NO_ACTIONS
+    assert s._fed(s.at(BACKOFF_INITIAL_S).m.tick(s.now)) == (RequestHistory(2, 0, False, None),)
+    # Unanswered again: still serving the empty subset; the next retry backs off further.
+    assert s.m.on_snapshot_failed(2, ReplayUnanswered("no reply"), s.now) == (AbandonSnapshot(2),)
+    assert (s.state(), s.completeness(), s.m.live_only) == (SYNC, SUBSET, True)
+    assert s.m.tick(s.at(2 * BACKOFF_INITIAL_S).now) == NO_ACTIONS
+    (request,) = s._fed(s.at(3 * BACKOFF_INITIAL_S + 0.001).m.tick(s.now))
+    assert request == RequestHistory(3, 0, False, None)
+    s.live(2, put(2))                                  # applied and kept for the rebuild
+    assert s.hits(2) == (True, 4, 0)
+    assert s.rebuild(0, [[put(1)], [put(5)], [put(2)]]) == (AbandonSnapshot(3),)
+    st = s.serving.status()
+    assert (st.state, st.completeness, st.sequence, s.m.live_only) == (SYNC, EXACT, 2, False)
+    assert (s.hits(1), s.hits(2), s.hits(5)) == ((True, 4, 0), (True, 4, 0), (True, 4, 0))
+
+
+def test_unanswered_rebuild_with_a_buffered_live_batch_starts_the_live_only_index_from_it():
+    s = Stream()
+    s.connect()
+    s.live(3, put(1))                                  # buffered during the rebuild
+    s.m.on_snapshot_failed(1, ReplayUnanswered("no reply"), s.now)
+    st = s.serving.status()
+    assert (st.state, st.completeness, st.sequence, s.hits(1)) == (SYNC, SUBSET, 3, (True, 4, 0))
+
+
+def test_live_only_batch_refused_during_a_rebuild_retry_leaves_no_earlier_batch_to_restart_from():
+    s = _empty_live_only()
+    assert s._fed(s.at(BACKOFF_INITIAL_S).m.tick(s.now)) == (RequestHistory(2, 0, False, None),)
+    s.live(4, put(1))                                  # applied, and kept for the retry
+    assert (s.hits(1), s.m.view().buffered_seqs) == ((True, 4, 0), (4,))
+    # A live batch the index refuses (another block size) while the rebuild retry is in flight:
+    # the index is gone, the retry goes on.
+    bad = BlockStored([1000 + 7], None, blk(7)[:2], 2, DEVICE)
+    assert s.live(5, bad) == NO_ACTIONS
+    assert (s.state(), s.m.attempt) == (UNSYNC, 2)
+    # Unanswered: seq 4 came before the refused seq 5 and must not start an index (seq 5 may
+    # have removed block 1): an empty live-only subset again.
+    s.m.on_snapshot_failed(2, ReplayUnanswered("no reply"), s.now)
+    st = s.serving.status()
+    assert (st.state, st.completeness, st.sequence, s.hits(1)) == (SYNC, SUBSET, None,
+                                                                    (True, 0, 0))
+
+
+def test_live_only_decode_error_keeps_retrying_the_rebuild():
+    s = _empty_live_only()
+    s.live(4, put(1))
+    assert s._fed(s.at(BACKOFF_INITIAL_S).m.tick(s.now)) == (RequestHistory(2, 0, False, None),)
+    actions = s.m.on_live_error(DecodeErrorReason.PAYLOAD, "seq 5: not a batch", 5, s.now)
+    assert actions == (AbandonSnapshot(2),)
+    assert (s.state(), s.hits(1)) == (UNSYNC, (False, 0, 0))
+    # The abandoned retry is asked for again at once (not only a live-only index from the
+    # next live batch, which would never try the replay endpoint again).
+    assert s._fed(s.m.tick(s.now)) == (RequestHistory(3, 0, True, None),)
 
 
 # ---------------------------------------------------------------------------- other rules
