@@ -6,7 +6,8 @@ processes), prints a table of ratios against the targets plus the absolute figur
 (:data:`ANALYSIS`, written from the profiles taken while building the suite).
 
 ``--only 1,3`` runs a subset; ``--idle-seconds`` shortens benchmark 7 (the issue's 60 s is the
-default); ``--no-write`` leaves RESULTS.md alone. Whole suite: about 3 minutes on 2 cores.
+default); ``--no-write`` leaves RESULTS.md alone. Benchmarks 9 and 10 (issue 12,
+:mod:`bench.history_replay`) also write their own section of RESULTS.md when run with ``--only``. Whole suite: about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if __package__ in (None, ""):  # ``python bench/run.py``
     __package__ = "bench"
 
 from bench._common import Result, machine_info  # noqa: E402
+from bench.history_replay import bench_catch_up_vs_rebuild, bench_rebuild_10k  # noqa: E402
 from bench.http_load import bench_http  # noqa: E402
 from bench.ingest import bench_ingest_many, bench_ingest_one  # noqa: E402
 from bench.load_recovering import bench_load_recovering  # noqa: E402
@@ -140,6 +142,8 @@ BENCHES = {
     6: lambda a: bench_snapshot(),
     7: lambda a: bench_idle(a.idle_seconds),
     8: lambda a: bench_load_recovering(),  # issue 6
+    9: lambda a: bench_catch_up_vs_rebuild(),  # issue 12
+    10: lambda a: bench_rebuild_10k(),  # issue 12
 }
 
 
@@ -149,6 +153,46 @@ def _table(results: list[Result]) -> list[str]:
         met = {True: "yes", False: "**no**", None: "n/a"}[r.met]
         rows.append(f"| {r.number} | {r.name} | {r.target} | {r.ratio_text()} | {met} |")
     return rows
+
+
+#: Issue 12's benchmarks: their section of RESULTS.md is written by ``--only 9,10`` too.
+HISTORY_BENCHES = (9, 10)
+HISTORY_BEGIN, HISTORY_END = "<!-- history:begin -->", "<!-- history:end -->"
+
+
+def _section(text: str, begin: str, end: str) -> str:
+    """The part of ``text`` from ``begin`` to ``end`` (markers included), or empty."""
+    if begin in text and end in text:
+        return text[text.index(begin):text.index(end) + len(end)]
+    return ""
+
+
+def history_section(results: list[Result], machine: dict[str, str]) -> str:
+    """RESULTS.md's issue-12 section (benchmarks 9 and 10), between its markers."""
+    mine = [r for r in results if r.number in HISTORY_BENCHES]
+    lines = [HISTORY_BEGIN, "## History replay (issue 12): `python -m bench.run --only 9,10`",
+             "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
+    lines += _table(mine)
+    for r in mine:
+        lines += ["", f"### {r.number}. {r.name}", ""]
+        lines += [f"- {f}" for f in r.figures]
+        lines += [f"- {n}" for n in r.notes]
+    lines.append(HISTORY_END)
+    return "\n".join(lines)
+
+
+def write_history_section(results: list[Result], machine: dict[str, str]) -> None:
+    """Replace (or append) the issue-12 section of ``bench/RESULTS.md``; the rest is kept."""
+    old = RESULTS.read_text() if RESULTS.exists() else ""
+    new = history_section(results, machine)
+    current = _section(old, HISTORY_BEGIN, HISTORY_END)
+    if current:
+        text = old.replace(current, new)
+    else:  # before the routing section, which stays last
+        begin = "<!-- routing:begin -->"
+        text = (old.replace(begin, new + "\n\n" + begin) if begin in old
+                else old.rstrip("\n") + "\n\n" + new + "\n")
+    RESULTS.write_text(text)
 
 
 def write_results(results: list[Result], machine: dict[str, str], wall_s: float) -> None:
@@ -168,8 +212,13 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
         if r.number in ANALYSIS and r.met is not True:
             lines += ["", ANALYSIS[r.number]]
         lines.append("")
-    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing).
     old = RESULTS.read_text() if RESULTS.exists() else ""
+    # Keep issue 12's section (written by `--only 9,10`) unless this run measured it again.
+    if not any(r.number in HISTORY_BENCHES for r in results):
+        section = _section(old, HISTORY_BEGIN, HISTORY_END)
+        if section:
+            lines += [section, ""]
+    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing).
     begin, end = "<!-- routing:begin -->", "<!-- routing:end -->"
     if begin in old and end in old:
         lines += [old[old.index(begin):old.index(end) + len(end)], ""]
@@ -213,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write and not args.only:
         write_results(results, machine, wall)
         print(f"wrote {RESULTS}")
+    elif not args.no_write and any(r.number in HISTORY_BENCHES and r.skipped is None
+                                   for r in results):
+        write_history_section(results, machine)
+        print(f"wrote the history section of {RESULTS}")
     return 1 if failed else 0
 
 

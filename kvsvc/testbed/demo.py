@@ -26,6 +26,18 @@
 A **false hit** is an answer that promises more than the engine has: predicted reusable tokens
 above the true reusable tokens, or predicted Device tokens above the true Device tokens.
 
+``--flavor vllm`` (or ``sglang``) runs the same on engines of that flavor
+(:mod:`kvsvc.testbed.sim.flavors`: their batch forms and history replay, §7h), registered with
+``backend_type`` ``"vllm"`` and ``type`` 0 (as xllm-service's ``vllm_sidecar`` registers them),
+found by discovery with ``backends: ["vllm"]`` (their streams run ``replay_mode``
+``history``, the backend's §8 default). The first tenth of the trace is executed
+before the service starts (a late join: the service must rebuild from the engines' history).
+Every answer is audited by its ``completeness`` (§10): an ``exact`` answer must equal the truth;
+a ``subset`` answer must hold no block the engine lacks (its missed tokens are reported); an
+unsynchronized answer (``completeness`` null) must have no hit. The table shows the answers per
+completeness. Pass: no false hit, every ``exact`` answer equal to the truth, and (without
+``--chaos``) every answer exact.
+
 ``--chaos`` drops 1 % of live messages on every engine (seeded, seqs consumed: the service
 sees gaps) and restarts one engine half-way through as a new process: sockets re-bound, cache
 cleared, seq 0, and a new ``incarnation_id`` registered at the same address, so discovery
@@ -64,6 +76,7 @@ from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.ports import free_instance_port as free_instance_port
 from kvsvc.testbed.ports import free_port_run as free_port_run
 from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.testbed.sim.flavors import Flavor
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.settings import add_flag, add_log_level
@@ -101,6 +114,9 @@ class DemoOptions:
     :param refresh_interval_ms: the service's discovery refresh (§8), ms.
     :param event_port_offset: §9 live port offset (engines and discovery alike).
     :param replay_port_offset: §9 snapshot port offset.
+    :param flavor: engine flavor (:class:`~kvsvc.testbed.sim.flavors.Flavor` value); ``vllm``
+        and ``sglang`` run history streams (module docstring).
+    :param buffer_steps: history flavors: each rank's replay buffer, batches.
     """
 
     requests: int = 2000
@@ -119,6 +135,13 @@ class DemoOptions:
     refresh_interval_ms: int = 200
     event_port_offset: int = 10000
     replay_port_offset: int = 30000
+    flavor: str = "xllm"
+    buffer_steps: int = 10_000
+
+    @property
+    def history(self) -> bool:
+        """True when the engines answer replays with history (§7h: vLLM, SGLang)."""
+        return Flavor(self.flavor).history
 
 
 @dataclass
@@ -142,6 +165,14 @@ class DemoReport:
         tail events, e.g. a dropped last message), summed from ``/ready``, else ``None``.
     :param dropped: live messages dropped by the chaos fault, all engines.
     :param restarts: engine restarts done by the chaos mode.
+    :param by_completeness: answers per ``completeness`` value (§10): ``"exact"``,
+        ``"subset"``, ``"null"`` (unsynchronized) and ``"absent"`` (a service that does not
+        send the field; counted as exact when synchronized).
+    :param exact_mismatches: answers said to be exact (synchronized, completeness exact or
+        absent) that differ from the truth.
+    :param subset_missed_tokens: true reusable tokens that ``subset`` answers did not report.
+    :param history: the engines answer history (§7h); the verdict then also checks the split.
+    :param warmup_requests: requests executed before the service started (late join).
     """
 
     requests: int = 0
@@ -167,6 +198,12 @@ class DemoReport:
     restarts: int = 0
     elapsed_s: float = 0.0
     false_hit_examples: list[str] = field(default_factory=list)
+    by_completeness: dict[str, int] = field(
+        default_factory=lambda: {"exact": 0, "subset": 0, "null": 0, "absent": 0})
+    exact_mismatches: int = 0
+    subset_missed_tokens: int = 0
+    history: bool = False
+    warmup_requests: int = 0
 
     @property
     def exact_rate(self) -> float:
@@ -174,7 +211,10 @@ class DemoReport:
         return self.exact / self.comparisons if self.comparisons else 1.0
 
     def passed(self, chaos: bool) -> bool:
-        """The demo's verdict: all exact without chaos, no false hit with chaos."""
+        """The demo's verdict: all exact without chaos, no false hit with chaos; on history
+        engines also every answer said to be exact equal to the truth."""
+        if self.history and (self.false_hits or self.exact_mismatches):
+            return False
         return self.false_hits == 0 if chaos else self.exact == self.comparisons
 
     def table(self, chaos: bool) -> str:
@@ -207,6 +247,19 @@ class DemoReport:
             ("blocks corrected by periodic resync",
              "-" if self.resync_differences is None else f"{self.resync_differences}"),
             ("live messages dropped / engine restarts", f"{self.dropped} / {self.restarts}"),
+        ]
+        if self.history:
+            c = self.by_completeness
+            rows += [
+                ("requests before the service started (late join)", f"{self.warmup_requests}"),
+                ("answers exact / subset / unsynchronized",
+                 f"{c['exact'] + c['absent']} / {c['subset']} / {c['null']}"
+                 + (f" ({c['absent']} without completeness)" if c["absent"] else "")),
+                ("exact answers equal to the truth",
+                 f"{c['exact'] + c['absent'] - self.exact_mismatches}/{c['exact'] + c['absent']}"),
+                ("tokens missed by subset answers", f"{self.subset_missed_tokens}"),
+            ]
+        rows += [
             ("elapsed", f"{self.elapsed_s:.1f} s"),
             ("verdict", "PASS" if self.passed(chaos) else "FAIL"),
         ]
@@ -247,10 +300,15 @@ class ServiceProcess:
         self.session.headers[TOKEN_HEADER] = token
 
     def start(self, ready_timeout_s: float,
-              expected_streams: Optional[set[tuple[str, int]]] = None) -> dict:
+              expected_streams: Optional[set[tuple[str, int]]] = None,
+              warming_ok: bool = False) -> dict:
         """Start the service and wait until ``GET /ready`` answers 200 (and, with
         ``expected_streams``, lists exactly those (instance_name, dp_rank) streams: with
         discovery an empty stream set is ready too, before anything was found).
+
+        :param warming_ok: also return on a 503 whose only missing parts are streams' first
+            synchronizations (the service runs and answers queries; a soak that measures the
+            late join, or holds a stream that only a live batch can synchronize, starts there).
 
         :returns: the ``/ready`` body.
         :raises LifecycleError: the process exited, or was not ready within the timeout (the
@@ -278,15 +336,17 @@ class ServiceProcess:
                 raise LifecycleError(f"service exited with {self._proc.returncode}:\n{self.log_tail()}")
             try:
                 r = self.session.get(self.base_url + "/ready", timeout=2.0)
-                if r.status_code == 200:
-                    body = r.json()
+                body = r.json() if r.status_code in (200, 503) else {}
+                warming = (r.status_code == 503 and warming_ok and body.get("running")
+                           and all(w.startswith("stream ") for w in body.get("waiting_for", [])))
+                if r.status_code == 200 or warming:
                     found = {(s["instance_name"], s["dp_rank"]) for s in body["streams"]}
                     if expected_streams is None or found == expected_streams:
                         return body
                     last = f"200 but streams {sorted(found)}, expected {sorted(expected_streams)}"
                 else:
                     last = f"{r.status_code} {r.text[:300]}"
-            except requests.RequestException as exc:
+            except (requests.RequestException, ValueError) as exc:
                 last = type(exc).__name__
             time.sleep(0.1)
         raise LifecycleError(f"service not ready within {ready_timeout_s:.0f} s ({last}):\n"
@@ -412,17 +472,22 @@ def _build_engines(opts: DemoOptions) -> list[SimEngine]:
         engines.append(SimEngine(
             f"127.0.0.1:{port}", port + opts.event_port_offset, port + opts.replay_port_offset,
             dp_size=dp, block_size=opts.block_size, device_blocks=opts.device_blocks,
-            host_blocks=opts.host_blocks, seed=opts.seed + i, http_port=port))
+            host_blocks=opts.host_blocks, seed=opts.seed + i, http_port=port,
+            flavor=opts.flavor, buffer_steps=opts.buffer_steps))
     return engines
 
 
 def discovery_config(opts: DemoOptions) -> dict:
-    """The §8 document of the demo's service: discovery only, no address list."""
-    return {"discovery": {"enabled": True, "block_size": opts.block_size, "topic": "",
-                          "event_port_offset": opts.event_port_offset,
-                          "replay_port_offset": opts.replay_port_offset,
-                          "refresh_interval_ms": opts.refresh_interval_ms},
-            "resync_interval_ms": opts.resync_interval_ms}
+    """The §8 document of the demo's service: discovery only, no address list; for history
+    engines ``backends`` is their backend (§8, §9: their streams take the backend's default
+    replay mode, ``history``)."""
+    discovery = {"enabled": True, "block_size": opts.block_size, "topic": "",
+                 "event_port_offset": opts.event_port_offset,
+                 "replay_port_offset": opts.replay_port_offset,
+                 "refresh_interval_ms": opts.refresh_interval_ms}
+    if opts.history:
+        discovery["backends"] = [Flavor(opts.flavor).backend_type]
+    return {"discovery": discovery, "resync_interval_ms": opts.resync_interval_ms}
 
 
 def _load(engine: SimEngine) -> Load:
@@ -434,7 +499,7 @@ def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[Etcd
     regs = []
     for eng in engines:
         reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
-                               token=token)
+                               token=token, backend_type=eng.flavor.backend_type)
         regs.append(reg)
         reg.start()
     for reg in regs:
@@ -460,7 +525,7 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
     if opts.requests < 0 or opts.engines < 1:
         raise ValueError("requests must be >= 0 and engines >= 1")
     trace = load_trace(opts.trace)[:opts.requests]
-    report = DemoReport()
+    report = DemoReport(history=opts.history)
     t0 = time.monotonic()
     engines: list[SimEngine] = []
     regs: list[EtcdRegistration] = []
@@ -481,12 +546,21 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
                 for eng in engines:
                     eng.set_drop_probability(opts.drop_probability)
             regs = _register(engines, etcd_addr, token)
+            if opts.history:
+                # A late join: the engines have published before the service exists.
+                report.warmup_requests = len(trace) // 10
+                _warm_up(opts, trace[:report.warmup_requests], engines)
+                trace = trace[report.warmup_requests:]
+            cfg = discovery_config(opts)
             cfg_path = Path(tmp) / "kv_events.json"
-            cfg_path.write_text(json.dumps(discovery_config(opts), indent=2), encoding="utf-8")
+            cfg_path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
             service = ServiceProcess(cfg_path, free_port_run(1), token,
                                      Path(tmp) / "service.log", etcd_addr=etcd_addr)
-            service.start(opts.ready_timeout_s,
-                          {(e.name, r) for e in engines for r in range(e.dp_size)})
+            ready = service.start(opts.ready_timeout_s,
+                                  {(e.name, r) for e in engines for r in range(e.dp_size)})
+            modes = {st.get("replay_mode", "snapshot") for st in ready["streams"]}
+            if modes != {"history" if opts.history else "snapshot"}:
+                raise LifecycleError(f"discovered streams run replay modes {sorted(modes)}")
             print(f"kvsvc demo: {len(engines)} engines registered in etcd {etcd_addr}"
                   f"{' (local)' if etcd is not None else ''}, "
                   f"{sum(e.dp_size for e in engines)} streams discovered, service on "
@@ -517,6 +591,14 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
     for line in report.false_hit_examples:
         print(f"  false hit: {line}", file=out)
     return report
+
+
+def _warm_up(opts: DemoOptions, trace: list, engines: list[SimEngine]) -> None:
+    """Execute ``trace`` round robin over every engine rank before the service starts."""
+    ranks = [(eng, r) for eng in engines for r in range(eng.dp_size)]
+    for i, req in enumerate(trace):
+        eng, r = ranks[i % len(ranks)]
+        eng.execute(request_tokens(req, opts.block_size), r)
 
 
 def _replay(opts: DemoOptions, trace: list, engines: list[SimEngine],
@@ -597,6 +679,8 @@ def _compare(matches: list[dict], ranks: list[tuple[SimEngine, int]], tokens: li
         else:
             pred_dev, pred_host = m["device_hit_tokens"], m["host_only_hit_tokens"]
             synced = m["synchronized"]
+        if report.history:
+            _audit_completeness(m, (pred_dev, pred_host), (true_dev, true_host), report)
         report.comparisons += 1
         report.unsynchronized_answers += 0 if synced else 1
         report.predicted_device_tokens += pred_dev
@@ -617,6 +701,21 @@ def _compare(matches: list[dict], ranks: list[tuple[SimEngine, int]], tokens: li
                     f"request {report.requests} {key[0]}/dp{key[1]}: predicted {pred_dev}+{pred_host}, "
                     f"true {true_dev}+{true_host}, synchronized {synced}, "
                     f"sequence {m['sequence'] if m else None}, engine seq {eng.last_seq(r)}")
+
+
+def _audit_completeness(m: Optional[dict], pred: tuple[int, int], truth: tuple[int, int],
+                        report: DemoReport) -> None:
+    """Count one answer by its ``completeness`` (§7h, §10): an exact answer (or a
+    synchronized one without the field) that differs from the truth is an exact mismatch; a
+    subset answer's shortfall is counted as missed tokens (a surplus is a false hit, counted by
+    the caller)."""
+    synced = bool(m and m["synchronized"])
+    kind = "null" if not synced else (m or {}).get("completeness", "absent") or "null"
+    report.by_completeness[kind] = report.by_completeness.get(kind, 0) + 1
+    if kind in ("exact", "absent") and pred != truth:
+        report.exact_mismatches += 1
+    elif kind == "subset":
+        report.subset_missed_tokens += max(0, truth[0] + truth[1] - pred[0] - pred[1])
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -640,6 +739,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="Host pool per rank, blocks")
     add_flag(parser, "--wait-timeout-s", type=float, default=d.wait_timeout_s,
              help="bound of the catch-up wait before each request, seconds")
+    add_flag(parser, "--flavor", default=d.flavor, choices=[f.value for f in Flavor],
+             help="engine flavor (kvsvc sim --flavor): vllm and sglang answer replays with "
+                  "history (§7h), their streams run replay_mode history")
+    add_flag(parser, "--buffer-steps", type=int, default=d.buffer_steps,
+             help="vllm/sglang engines: batches kept for history replay")
     add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default=d.etcd,
              help="etcd host:port to register the engines in (empty: start a local etcd; "
                   "needs `apt-get install etcd-server`)")
@@ -658,7 +762,7 @@ def run(args: argparse.Namespace) -> int:
         opts = DemoOptions(requests=args.requests, engines=args.engines, chaos=args.chaos,
                            seed=args.seed, trace=args.trace, device_blocks=args.device_blocks,
                            host_blocks=args.host_blocks, wait_timeout_s=args.wait_timeout_s,
-                           etcd=args.etcd)
+                           etcd=args.etcd, flavor=args.flavor, buffer_steps=args.buffer_steps)
         report = run_demo(opts)
     except KeyboardInterrupt:
         print("kvsvc demo: interrupted; everything stopped", file=sys.stderr)

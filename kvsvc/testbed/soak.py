@@ -42,6 +42,35 @@ rank's current seq; a fault not over after ``fault_timeout_s`` is *unrecovered*.
 Verdict: pass when there is no false hit, no missed hit and no unrecovered fault; ``kvsvc soak``
 exits 0 on pass, 1 on fail, 2 on a usage or start-up error, 130 on Ctrl-C.
 
+``--flavor vllm`` (or ``sglang``): the engines speak that flavor
+(:mod:`kvsvc.testbed.sim.flavors`) and answer replays with history from a buffer of
+``buffer_steps`` batches (§7h); every stream is configured with ``replay_mode: "history"``. The
+last engine (with 2 or more engines) has no replay endpoint. Answers are audited by their
+``completeness`` (§10): a checked ``exact`` answer must equal the truth (as above); a checked
+``subset`` answer must not exceed it (a false hit fails the run), its shortfall is reported as
+missed subset tokens, not as a failure. Faults (:data:`HISTORY_FAULT_KINDS`):
+
+``late_join``   the service starts after every engine has published: one engine fewer batches
+                than ``buffer_steps`` (its whole history: exact), one more (a rolled buffer:
+                subset), the one without replay endpoint (live-only subset); measured from
+                the service's start;
+``drop``        1..3 live batches lost on the wire (still in the engine's buffer: catch-up);
+``rollover``    ``buffer_steps + 5`` live batches lost: the buffer rolled past the stream's
+                last seq (rebuild into a subset);
+``reset``       the engine resets its cache: one batch ``[AllBlocksCleared]`` (a subset stream
+                becomes exact); picks a stream last seen as subset when there is one;
+``disconnect``  as above;
+``restart``     a new engine process that publishes 3..6 batches at once, before the service
+                asks again (rebuild from seq 0: exact);
+``kill``        down ``engine_down_s``, then a new process that publishes 3..6 batches at once;
+``idle``        the rank publishes nothing for 1.5 ``resync_interval_ms`` (periodic catch-ups
+                with nothing new must keep it synchronized); measured from the end of the
+                idle time;
+``delay`` / ``truncate``  as above, on the history reply (a delay stalls the engine's
+                publishing thread, which sends the reply).
+
+The publisher-only restart (cache kept, seq 0) is not a vLLM event and is left out.
+
 Errors: :class:`~kvsvc.errors.ConfigError` (unknown trace), :class:`~kvsvc.errors.LifecycleError`
 (an engine or the service failed), ``ValueError`` (bad options).
 """
@@ -69,6 +98,7 @@ from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
 from kvsvc.events import DEVICE
 from kvsvc.testbed.sim.block_manager import chain_hash
 from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.testbed.sim.flavors import Flavor
 from kvsvc.testbed.traces import TraceRequest, load_trace, request_tokens
 from kvsvc.settings import add_flag, add_log_level
 
@@ -80,6 +110,11 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 FAULT_KINDS = ("drop", "publisher", "restart", "kill", "delay", "truncate", "disconnect")
+#: Faults of a soak on history engines (``--flavor vllm|sglang``; module docstring).
+HISTORY_FAULT_KINDS = ("late_join", "drop", "rollover", "reset", "disconnect", "restart", "kill",
+                       "idle", "delay", "truncate")
+#: History faults injected during the run (``late_join`` happens once, at the start).
+HISTORY_INJECTED = tuple(k for k in HISTORY_FAULT_KINDS if k != "late_join")
 
 #: Recorded residency states kept per rank (an answer older than that is "unauditable").
 HISTORY_STATES = 48
@@ -108,6 +143,8 @@ class SoakOptions:
     :param replay_timeout_ms: the service's §8 ``replay_timeout_ms``.
     :param resync_interval_ms: the service's §8 ``resync_interval_ms``.
     :param ready_timeout_s: bound of the wait for the service's ``/ready``.
+    :param flavor: engine flavor (``xllm``, ``vllm``, ``sglang``; module docstring).
+    :param buffer_steps: history flavors: each rank's replay buffer, batches.
     :param service_log: keep the service's output in this file (default: a temporary file,
         deleted at the end; its tail is printed if the soak fails to run).
     """
@@ -127,11 +164,25 @@ class SoakOptions:
     resync_interval_ms: int = 5000
     ready_timeout_s: float = 60.0
     service_log: str = ""
+    flavor: str = "xllm"
+    buffer_steps: int = 200
+
+    @property
+    def history(self) -> bool:
+        """True when the engines answer replays with history (§7h)."""
+        return Flavor(self.flavor).history
+
+    @property
+    def fault_kinds(self) -> tuple[str, ...]:
+        """The fault kinds of this soak (:data:`FAULT_KINDS` or :data:`HISTORY_FAULT_KINDS`)."""
+        return HISTORY_FAULT_KINDS if self.history else FAULT_KINDS
 
     def validate(self) -> None:
         """:raises ValueError: an option out of range."""
         if self.minutes <= 0 or self.engines < 1 or self.fault_interval_s <= 0:
             raise ValueError("minutes and fault_interval_s must be > 0, engines >= 1")
+        if self.buffer_steps < 10:
+            raise ValueError(f"buffer_steps {self.buffer_steps} must be >= 10")
         if self.block_size < 1 or 512 % self.block_size:
             raise ValueError(f"block_size {self.block_size} must divide 512")
 
@@ -195,6 +246,13 @@ class SoakReport:
     :param unrecovered: faults not over within ``fault_timeout_s``.
     :param recoveries_reported: recoveries after the first synchronization, summed over the
         streams, from the service's ``/ready`` (``None`` when it could not be read).
+    :param kinds: the fault kinds of the run (rows of the table).
+    :param history: history engines (the completeness rows are shown).
+    :param by_completeness: checked answers per ``completeness`` (``exact``, ``subset``,
+        ``absent`` when the service does not send it) and unsynchronized answers (``null``).
+    :param subset_missed_tokens: true reusable tokens checked subset answers did not report.
+    :param idle_unsynchronized: answers of an idle rank (during its idle time) that were not
+        synchronized.
     """
 
     requests: int = 0
@@ -209,13 +267,24 @@ class SoakReport:
     epoch_ambiguous: int = 0
     stale_epoch: int = 0
     hit_tokens_checked: int = 0
-    unsync_s: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in FAULT_KINDS})
-    faults: dict[str, int] = field(default_factory=lambda: {k: 0 for k in FAULT_KINDS})
+    kinds: tuple[str, ...] = FAULT_KINDS
+    unsync_s: dict[str, list[float]] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
     unrecovered: int = 0
     recoveries_reported: Optional[int] = None
     dropped: int = 0
     elapsed_s: float = 0.0
     examples: list[str] = field(default_factory=list)
+    history: bool = False
+    by_completeness: dict[str, int] = field(
+        default_factory=lambda: {"exact": 0, "subset": 0, "absent": 0, "null": 0})
+    subset_missed_tokens: int = 0
+    idle_unsynchronized: int = 0
+
+    def __post_init__(self) -> None:
+        for k in self.kinds:
+            self.unsync_s.setdefault(k, [])
+            self.faults.setdefault(k, 0)
 
     def passed(self) -> bool:
         """No false hit, no missed hit, no unrecovered fault."""
@@ -240,7 +309,17 @@ class SoakReport:
             ("live messages dropped by faults", f"{self.dropped}"),
             ("faults unrecovered", f"{self.unrecovered}"),
         ]
-        for kind in FAULT_KINDS:
+        if self.history:
+            c = self.by_completeness
+            rows += [
+                ("checked answers exact / subset",
+                 f"{c['exact'] + c['absent']} / {c['subset']}"
+                 + (f" ({c['absent']} without completeness)" if c["absent"] else "")),
+                ("unsynchronized answers (completeness null)", f"{c['null']}"),
+                ("tokens missed by checked subset answers", f"{self.subset_missed_tokens}"),
+                ("idle ranks' unsynchronized answers while idle", f"{self.idle_unsynchronized}"),
+            ]
+        for kind in self.kinds:
             d = self.unsync_s[kind]
             rows.append((f"fault {kind}: injected, unsync p50 / p99",
                          f"{self.faults[kind]}, {percentile(d, 50) * 1000:.0f} ms / "
@@ -270,6 +349,8 @@ class RankAudit:
         default_factory=lambda: collections.deque(maxlen=HISTORY_STATES))
     fault: Optional[tuple[str, float]] = None   # (kind, injected at) while a fault is open
     epoch_started: float = 0.0                   # monotonic time the current epoch began
+    idle_until: float = 0.0                      # the rank publishes nothing before this
+    completeness: Optional[str] = None           # of its last synchronized answer
 
     @property
     def key(self) -> tuple[str, int]:
@@ -333,7 +414,7 @@ class Soak:
     def __init__(self, opts: SoakOptions, out: TextIO) -> None:
         self.opts = opts
         self.out = out
-        self.report = SoakReport()
+        self.report = SoakReport(kinds=opts.fault_kinds, history=opts.history)
         self.rng = random.Random(opts.seed)
         self.engines: list[SimEngine] = []
         self.ranks: list[RankAudit] = []
@@ -355,9 +436,12 @@ class Soak:
             # different engines never overlap (nothing is bound until the engines start).
             base = listen_port_run(2 * dp, port_rng, exclude=taken)
             taken.update(range(base, base + 2 * dp))
+            # History soaks: the last engine (of 2 or more) has no replay endpoint.
+            no_replay = o.history and o.engines > 1 and i == o.engines - 1
             self.engines.append(SimEngine(
                 f"127.0.0.1:{base}", base, base + dp, dp_size=dp, block_size=o.block_size,
-                device_blocks=o.device_blocks, host_blocks=o.host_blocks, seed=o.seed + i))
+                device_blocks=o.device_blocks, host_blocks=o.host_blocks, seed=o.seed + i,
+                flavor=o.flavor, buffer_steps=o.buffer_steps, replay_endpoint=not no_replay))
         self.ranks = [RankAudit(e, r) for e in self.engines for r in range(e.dp_size)]
         self.report.streams = len(self.ranks)
 
@@ -366,9 +450,12 @@ class Soak:
         for e in self.engines:
             for r in range(e.dp_size):
                 ev, rp = e.endpoints(r)
-                streams.append({"instance_name": e.name, "dp_rank": r,
-                                "block_size": self.opts.block_size, "endpoint": ev,
-                                "replay_endpoint": rp, "topic": e.topic.decode()})
+                stream = {"instance_name": e.name, "dp_rank": r,
+                          "block_size": self.opts.block_size, "endpoint": ev,
+                          "replay_endpoint": rp, "topic": e.topic.decode()}
+                if self.opts.history:
+                    stream["replay_mode"] = "history"
+                streams.append(stream)
         return {"streams": streams, "replay_timeout_ms": self.opts.replay_timeout_ms,
                 "resync_interval_ms": self.opts.resync_interval_ms}
 
@@ -390,12 +477,21 @@ class Soak:
                     e.start()
                 for rk in self.ranks:
                     rk.record(None)
+                if self.opts.history:
+                    self._warm_up(trace)
                 cfg = Path(tmp) / "kv_events.json"
                 cfg.write_text(json.dumps(self._config(), indent=2), encoding="utf-8")
                 log_path = Path(self.opts.service_log or Path(tmp) / "service.log")
                 service = ServiceProcess(cfg, free_port_run(1), secrets.token_hex(16), log_path)
                 self.service = service
-                service.start(self.opts.ready_timeout_s)
+                t_join = time.monotonic()
+                service.start(self.opts.ready_timeout_s, warming_ok=self.opts.history)
+                if self.opts.history:
+                    # Measured from the service's launch: its streams join engines that
+                    # published before it existed.
+                    for rk in self.ranks:
+                        rk.fault = ("late_join", t_join)
+                    self.report.faults["late_join"] += 1
                 print(f"kvsvc soak: {len(self.engines)} engines, {len(self.ranks)} streams, "
                       f"{self.opts.minutes:g} min, fault every {self.opts.fault_interval_s:g} s, "
                       f"service on {service.base_url}", file=self.out, flush=True)
@@ -421,6 +517,23 @@ class Soak:
         return self.report
 
     # -- the replay -------------------------------------------------------------------------------
+
+    def _warm_up(self, trace: list[TraceRequest]) -> None:
+        """History soaks, before the service starts (the late join): the first rank publishes
+        ``buffer_steps // 2`` batches (its whole history stays in the buffer), the second
+        ``buffer_steps + 20`` (its buffer rolls over), every other rank 10."""
+        counts = [self.opts.buffer_steps // 2, self.opts.buffer_steps + 20]
+        reqs = self._requests(trace)
+        for i, rk in enumerate(self.ranks):
+            n = counts[i] if i < len(counts) else 10
+            published = 0
+            for _ in range(4 * n):  # a request that changes nothing publishes nothing
+                if published >= n:
+                    break
+                res = rk.engine.execute(request_tokens(next(reqs), self.opts.block_size), rk.rank)
+                if res.seq is not None:
+                    rk.record(res.seq)
+                    published += 1
 
     def _requests(self, trace: list[TraceRequest]):
         n = 0
@@ -451,8 +564,9 @@ class Soak:
                 eng = up[i % len(up)]
                 rank = self._next_rank[eng.name] % eng.dp_size
                 self._next_rank[eng.name] += 1
-                self._execute(eng, rank, tokens)
-                self.report.requests += 1
+                if self._rank_of(eng, rank).idle_until <= now:   # an idle rank publishes nothing
+                    self._execute(eng, rank, tokens)
+                    self.report.requests += 1
             i += 1
             if now >= progress:
                 progress = now + 30.0
@@ -467,7 +581,8 @@ class Soak:
             self._revive(time.monotonic())
             self._audit_until_caught_up(service, tokens)
             for rk in self.ranks:
-                if rk.fault and rk.engine.name not in self.down:
+                if (rk.fault and rk.engine.name not in self.down
+                        and rk.idle_until <= time.monotonic()):
                     # A silent rank with an open drop fault needs one more batch to see its gap.
                     self._execute(rk.engine, rk.rank, tokens)
         self.expire_faults(float("inf") if time.monotonic() >= deadline else time.monotonic())
@@ -523,6 +638,9 @@ class Soak:
             truth_now = _truth(hashes, cur_res, bs)
             down = rk.engine.name in self.down
             if not m["synchronized"]:
+                self.report.by_completeness["null"] += 1
+                if rk.idle_until > now:
+                    self.report.idle_unsynchronized += 1
                 if pred != (0, 0):
                     self.report.unsynchronized_hits += 1
                     self._fail("hit while unsynchronized", rk, m, truth_now)
@@ -531,10 +649,23 @@ class Soak:
                 all_caught_up = all_caught_up and down
                 continue
             seq = m["sequence"]
+            completeness = m.get("completeness", "absent") or "absent"
+            rk.completeness = completeness
             if seq == cur_seq and not down:
                 self.report.checked += 1
                 self.report.hit_tokens_checked += pred[0] + pred[1]
-                if pred != truth_now:
+                if self.opts.history:
+                    self.report.by_completeness[completeness] = (
+                        self.report.by_completeness.get(completeness, 0) + 1)
+                if completeness == "subset" and pred != truth_now:
+                    # §7h: a subset misses blocks stored before its history; never more.
+                    if _false(pred, truth_now):
+                        self.report.false_hits += 1
+                        self._fail("false hit (subset)", rk, m, truth_now)
+                    else:
+                        self.report.subset_missed_tokens += (
+                            truth_now[0] + truth_now[1] - pred[0] - pred[1])
+                elif pred != truth_now:
                     older = [_truth(hashes, res, bs) for res in rk.states_at(seq, now)[:-1]]
                     if pred in older:
                         # The same seq in an earlier epoch (a restart the service has not
@@ -546,7 +677,7 @@ class Soak:
                     else:
                         self.report.missed_hits += 1
                         self._fail("missed hit (checked)", rk, m, truth_now)
-                if rk.fault is not None:
+                if rk.fault is not None and now >= rk.fault[1]:   # an idle fault: after the idle
                     kind, t_inj = rk.fault
                     self.report.unsync_s[kind].append(now - t_inj)
                     rk.fault = None
@@ -611,7 +742,7 @@ class Soak:
 
     def _next_kind(self) -> str:
         if not self._kinds:
-            self._kinds = list(FAULT_KINDS)
+            self._kinds = list(HISTORY_INJECTED if self.opts.history else FAULT_KINDS)
             self.rng.shuffle(self._kinds)
         return self._kinds.pop()
 
@@ -626,7 +757,10 @@ class Soak:
             targets = [rk for rk in self.ranks if rk.engine is eng]
         else:
             free_ranks = [rk for rk in self.ranks
-                          if rk.fault is None and rk.engine.name not in self.down]
+                          if rk.fault is None and rk.engine.name not in self.down
+                          and rk.idle_until <= now]
+            if kind == "reset" and any(rk.completeness == "subset" for rk in free_ranks):
+                free_ranks = [rk for rk in free_ranks if rk.completeness == "subset"]
             if not free_ranks:
                 return
             targets = [self.rng.choice(free_ranks)]
@@ -651,9 +785,24 @@ class Soak:
             self._execute(eng, rk.rank, tokens())
         elif kind == "restart":
             eng.restart()
+            # History engines: several batches before the service asks again (§7h rebuild).
+            n = self.rng.randint(3, 6) if self.opts.history else 1
             for t in targets:
                 self._new_epoch(t)
-                self._execute(eng, t.rank, tokens())
+                for _ in range(n):
+                    self._execute(eng, t.rank, tokens())
+        elif kind == "rollover":
+            # More lost batches than the buffer holds: catch-up fails, the rebuild is a subset.
+            n = self.opts.buffer_steps + 5
+            eng.drop_next(rk.rank, n)
+            for _ in range(n + 1):
+                self._execute(eng, rk.rank, tokens())
+        elif kind == "reset":
+            seq = eng.clear_cache(rk.rank)
+            rk.record(seq)
+        elif kind == "idle":
+            rk.idle_until = t_inj + 1.5 * self.opts.resync_interval_ms / 1000.0
+            rk.fault = (kind, rk.idle_until)
         elif kind == "kill":
             eng.close()
             self.down[eng.name] = time.monotonic() + self.opts.engine_down_s
@@ -700,6 +849,11 @@ class Soak:
                 for rk in self.ranks:
                     if rk.engine is eng:
                         rk.record(None)
+                        if self.opts.history:
+                            # Several batches before the service asks again (§7h rebuild).
+                            tokens = self._filler_tokens()
+                            for _ in range(self.rng.randint(3, 6)):
+                                self._execute(eng, rk.rank, tokens())
                 log.info("soak: engine %s back after kill", name)
 
 
@@ -727,6 +881,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="conversation, synthetic or a JSONL path")
     add_flag(parser, "--fault-interval-s", type=float, default=d.fault_interval_s,
              help="seconds between faults")
+    add_flag(parser, "--flavor", default=d.flavor, choices=[f.value for f in Flavor],
+             help="engine flavor: vllm and sglang answer replays with history (§7h), their "
+                  "streams run replay_mode history, with their own faults")
+    add_flag(parser, "--buffer-steps", type=int, default=d.buffer_steps,
+             help="vllm/sglang: replay buffer per rank, batches (small, so it rolls over)")
     add_flag(parser, "--service-log", default="",
              help="keep the service's output in this file (empty: discarded)")
     add_log_level(parser, "warning")
@@ -743,7 +902,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = SoakOptions(minutes=args.minutes, engines=args.engines, seed=args.seed,
                            trace=args.trace, fault_interval_s=args.fault_interval_s,
-                           service_log=args.service_log)
+                           service_log=args.service_log, flavor=args.flavor,
+                           buffer_steps=args.buffer_steps)
         report = run_soak(opts)
     except KeyboardInterrupt:
         print("kvsvc soak: interrupted; everything stopped", file=sys.stderr)

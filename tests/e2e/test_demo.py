@@ -79,3 +79,44 @@ def test_demo_cli_arguments_and_exit_code(trace, monkeypatch):
     assert demo.run(args) == demo.EXIT_OK
     bad = parser.parse_args(["--trace", "no-such-trace"])
     assert demo.run(bad) == demo.EXIT_USAGE
+
+
+def test_demo_vllm_late_join_is_exact_with_host_hits(trace):
+    """``kvsvc demo --flavor vllm``: vLLM-form engines (map batches, int Device and raw-bytes
+    CPU hashes, history replay §7h) joined late by the service (6 of the 60 requests ran
+    before it started); every answer is exact and equals the truth, Host-only hits included
+    (the CPU tier's byte hashes normalised to the Device int form, §2)."""
+    out = io.StringIO()
+    rep = run_demo(DemoOptions(requests=60, engines=2, trace=trace, device_blocks=48,
+                               host_blocks=48, flavor="vllm"), out)
+    assert (rep.warmup_requests, rep.requests, rep.streams, rep.comparisons) == (6, 54, 3, 162)
+    assert rep.by_completeness == {"exact": 162, "subset": 0, "null": 0, "absent": 0}
+    assert (rep.exact, rep.exact_mismatches, rep.false_hits, rep.subset_missed_tokens) == (
+        162, 0, 0, 0)
+    assert rep.passed(chaos=False)
+    assert (rep.true_device_tokens, rep.true_host_only_tokens) == (
+        rep.predicted_device_tokens, rep.predicted_host_only_tokens)
+    # Ground truth (deterministic: no faults, one executor), Host-only hits included.
+    assert (rep.true_device_tokens, rep.true_host_only_tokens) == (177920, 72320)
+    assert (rep.target_true_device_tokens, rep.target_true_host_only_tokens) == (55808, 27520)
+    assert (rep.target_predicted_device_tokens, rep.target_predicted_host_only_tokens) == (
+        55808, 27520)
+    assert (rep.wait_timeouts, rep.unsynchronized_answers) == (0, 0)
+    text = out.getvalue()
+    assert "answers exact / subset / unsynchronized" in text and "162 / 0 / 0" in text
+    assert "exact answers equal to the truth" in text and "162/162" in text and "PASS" in text
+
+
+def test_demo_vllm_chaos_catches_up_from_history(trace):
+    """``kvsvc demo --flavor vllm --chaos``: dropped live batches are caught up from the engines'
+    buffers and the restarted engine (new incarnation, found again by discovery with backends
+    ["vllm"]) is rebuilt from seq 0: no false hit, every exact answer equal to the truth."""
+    out = io.StringIO()
+    rep = run_demo(DemoOptions(requests=60, engines=2, trace=trace, device_blocks=48,
+                               host_blocks=48, chaos=True, seed=5, drop_probability=0.05,
+                               flavor="vllm"), out)
+    assert (rep.requests, rep.comparisons, rep.restarts) == (54, 162, 1)
+    assert rep.dropped >= 1
+    assert (rep.false_hits, rep.exact_mismatches) == (0, 0) and rep.passed(chaos=True)
+    assert rep.by_completeness["subset"] == 0        # history from seq 0 was always there
+    assert "[chaos] request 27: engine sim-0 restarted" in out.getvalue()

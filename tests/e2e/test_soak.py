@@ -20,12 +20,15 @@ from kvsvc.testbed import soak
 from kvsvc.events import DEVICE, HOST
 from kvsvc.testbed.sim.block_manager import chain_hash
 from kvsvc.testbed.sim.engine import SimEngine
-from kvsvc.testbed.soak import FAULT_KINDS, Soak, SoakOptions, percentile
+from kvsvc.testbed.soak import (FAULT_KINDS, HISTORY_FAULT_KINDS, HISTORY_INJECTED, Soak,
+                                SoakOptions, percentile)
 from tests.e2e.test_e2e_gunicorn import serve_env
 from tests.util import free_ports
 
 BS = 4
 SOAK_MINUTES = float(os.environ.get("KVSVC_SOAK_MINUTES", "3"))
+#: The vLLM-flavor soak's length (default 1 minute in CI; by hand: ``kvsvc soak --flavor vllm``).
+VLLM_SOAK_MINUTES = float(os.environ.get("KVSVC_SOAK_VLLM_MINUTES", "1"))
 
 
 def _match(name: str, synced: bool, seq, dev: int, host: int = 0) -> dict:
@@ -91,6 +94,40 @@ def test_auditor_closes_fault_when_caught_up(auditor):
     assert (rk.fault, s.report.unrecovered) == (None, 1)
 
 
+def _history_auditor(auditor):
+    s, hashes = auditor
+    h = Soak(SoakOptions(block_size=BS, fault_interval_s=1.0, flavor="vllm"), io.StringIO())
+    h.engines, h.ranks = s.engines, s.ranks
+    return h, hashes
+
+
+def test_auditor_subset_answers_may_miss_but_never_exceed(auditor):
+    s, hashes = _history_auditor(auditor)
+    sub = dict(_match("e", True, 1, BS, 0), completeness="subset")
+    s.audit([sub], hashes, 0.0)                                   # 1 of 3 true blocks: missed
+    s.audit([dict(sub, device_hit_tokens=2 * BS, host_only_hit_tokens=BS)], hashes, 0.0)
+    s.audit([dict(sub, device_hit_tokens=3 * BS)], hashes, 0.0)  # Host block on Device: false
+    s.audit([dict(_match("e", True, 1, 2 * BS, 0), completeness="exact")], hashes, 0.0)
+    s.audit([dict(_match("e", False, None, 0), completeness=None)], hashes, 0.0)
+    r = s.report
+    assert (r.checked, r.false_hits, r.missed_hits, r.subset_missed_tokens) == (4, 1, 1, 2 * BS)
+    assert r.by_completeness == {"exact": 1, "subset": 3, "absent": 0, "null": 1}
+    assert "checked answers exact / subset" in r.table() and not r.passed()
+
+
+def test_auditor_idle_fault_closes_only_after_the_idle_time(auditor):
+    s, hashes = _history_auditor(auditor)
+    rk = s.ranks[0]
+    rk.idle_until = 12.0
+    rk.fault = ("idle", 12.0)
+    exact = dict(_match("e", True, 1, 2 * BS, BS), completeness="exact")
+    assert s.audit([exact], hashes, 11.0) is True and rk.fault == ("idle", 12.0)
+    s.audit([dict(_match("e", False, None, 0), completeness=None)], hashes, 11.5)
+    assert s.report.idle_unsynchronized == 1
+    s.audit([exact], hashes, 12.25)
+    assert rk.fault is None and s.report.unsync_s["idle"] == [pytest.approx(0.25)]
+
+
 def test_percentile_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert (percentile(values, 50), percentile(values, 99), percentile(values, 100),
@@ -116,6 +153,30 @@ def test_soak_minutes_under_every_fault():
     assert report.recoveries_reported is not None
     assert report.recoveries_reported >= sum(report.faults.values())
     assert report.dropped >= report.faults["drop"] + report.faults["delay"] + report.faults["truncate"]
+
+
+@pytest.mark.timeout(int(VLLM_SOAK_MINUTES * 60) + 150)
+def test_soak_vllm_under_every_history_fault():
+    """The vLLM-flavor soak (§7h): history engines, one without a replay endpoint, every
+    history fault injected at least twice; 0 false, 0 missed, 0 unrecovered; both exact and
+    subset answers checked."""
+    out = io.StringIO()
+    report = soak.run_soak(SoakOptions(minutes=VLLM_SOAK_MINUTES, seed=2, flavor="vllm",
+                                       fault_interval_s=1.0), out)
+    text = out.getvalue()
+    print(text)
+    assert (report.false_hits, report.missed_hits, report.unsynchronized_hits,
+            report.unrecovered, report.idle_unsynchronized) == (0, 0, 0, 0, 0), text
+    assert report.passed() and "PASS" in text
+    assert report.faults["late_join"] == 1 and len(report.unsync_s["late_join"]) == 4
+    assert all(report.faults[k] >= 2 for k in HISTORY_INJECTED), report.faults
+    assert all(len(report.unsync_s[k]) >= report.faults[k] for k in HISTORY_INJECTED)
+    assert set(report.faults) == set(HISTORY_FAULT_KINDS) and "publisher" not in report.faults
+    assert report.by_completeness["exact"] > 500 and report.by_completeness["subset"] > 0
+    assert report.by_completeness["absent"] == 0      # every answer says its completeness
+    assert report.subset_missed_tokens > 0 and report.hit_tokens_checked > 0
+    # rollover drops buffer_steps + 5 batches at a time.
+    assert report.dropped >= report.faults["rollover"] * 205 + report.faults["drop"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,5 +1,11 @@
 """``kvsvc sim``: run one simulated engine instance in the foreground.
 
+``--flavor xllm|vllm|sglang`` (default ``xllm``) picks the wire form and the replay behaviour
+(:mod:`kvsvc.testbed.sim.flavors`): vLLM and SGLang answer replay requests with the last
+``--buffer-steps`` batches (history, §7h); ``--no-replay`` binds no replay endpoint. With
+``--etcd`` a vLLM/SGLang instance registers with ``backend_type`` ``"vllm"``/``"sglang"`` and
+``type`` 0 (as xllm-service's ``vllm_sidecar`` registers vLLM).
+
 Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
 ``port + replay_port_offset + r`` (the §9 port rule, so a service configured by discovery finds
 it). With ``--etcd HOST:PORT`` (also ``--etcd_addr``, ``serve``'s name) it also serves ``GET /health`` on ``--host:--port`` and registers
@@ -37,6 +43,7 @@ from kvsvc.testbed.ports import ephemeral_ports, free_instance_port, instance_po
 from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.testbed.sim.engine import SimEngine
+from kvsvc.testbed.sim.flavors import Flavor
 from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load, RegisteredType
 
@@ -68,6 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="rank r publishes on port + this + r (§9)")
     add_flag(parser, "--replay-port-offset", type=int, default=30000,
              help="rank r serves snapshots on port + this + r (§9)")
+    add_flag(parser, "--flavor", default=Flavor.XLLM.value, choices=[f.value for f in Flavor],
+             help="wire form and replay behaviour: xllm (snapshots, §7), vllm (map batches "
+                  "with data_parallel_rank, GPU/CPU media, int Device and bytes CPU hashes, "
+                  "history replay §7h), sglang ([ts, events, attn_dp_rank], tagged arrays, "
+                  "history replay)")
+    add_flag(parser, "--buffer-steps", type=int, default=10_000,
+             help="vllm/sglang: batches kept per rank for history replay (vLLM's buffer_steps)")
+    add_flag(parser, "--no-replay", action="store_true",
+             help="bind no replay endpoint (an engine started without replay_endpoint)")
+    add_flag(parser, "--vllm-array", action="store_true",
+             help="vllm: publish the older tagged-array batch form instead of the map form")
     add_flag(parser, "--trace", default=None,
              help="replay this trace (conversation, synthetic or a path) after start")
     add_flag(parser, "--requests", type=int, default=0,
@@ -197,7 +215,9 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                            device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                            topic=args.topic, host=args.host,
                            http_port=args.port if args.etcd or args.serve else None,
-                           serving=serving, tokenizer=tokenizer)
+                           serving=serving, tokenizer=tokenizer, flavor=args.flavor,
+                           buffer_steps=args.buffer_steps,
+                           replay_endpoint=not args.no_replay, vllm_array=args.vllm_array)
     except (ValueError, ConfigError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -212,7 +232,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 token=token, heartbeat_interval_s=args.heartbeat_interval_s,
                 min_heartbeat_gap_s=(args.heartbeat_on_change_ms / 1000.0
                                      if args.heartbeat_on_change_ms > 0 else None),
-                master_refresh_s=args.master_refresh_s)
+                master_refresh_s=args.master_refresh_s,
+                backend_type=engine.flavor.backend_type)
             if engine.serving is not None:
                 engine.serving.add_load_listener(registration.load_changed)
             registration.start()
@@ -221,9 +242,11 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
         engine.close()
         return EXIT_FAILED
     try:
-        log.info("sim %s: %d rank(s) running: HTTP port %d, events tcp://%s:%d, snapshots "
-                 "tcp://%s:%d (+ rank); Ctrl-C to stop", engine.name, args.dp, args.port,
-                 args.host, event_port, args.host, replay_port)
+        log.info("sim %s: %d %s rank(s) running: HTTP port %d, events tcp://%s:%d, %s "
+                 "tcp://%s:%d (+ rank); Ctrl-C to stop", engine.name, args.dp,
+                 engine.flavor.value, args.port, args.host, event_port,
+                 "no replay on" if args.no_replay else
+                 ("history" if engine.flavor.history else "snapshots"), args.host, replay_port)
         for i, req in enumerate(requests):
             if stop.is_set():
                 break

@@ -17,6 +17,14 @@ the queue before the snapshot reply, so live ``W`` always leaves before a snapsh
 Encoding the snapshot happens outside the lock, so serving one blocks ``execute`` only for the
 copy. Delayed replies are scheduled, not slept on, so live publishing never stalls.
 
+Flavors (:mod:`kvsvc.testbed.sim.flavors`). ``xllm`` (the default) is described above. ``vllm``
+and ``sglang`` publish their own batch forms and answer the replay request with *history*
+(§7h): each rank keeps its last ``buffer_steps`` published batches (``(seq, payload)``, appended
+by the I/O thread as it publishes them, dropped-by-fault ones included: the engine sent them,
+the network lost them) and the I/O thread answers ``[b"", start_seq]`` with every kept batch
+whose seq >= start_seq, then the end marker, before it publishes anything else (vLLM's
+publisher thread does the same). With ``replay_endpoint=False`` no ``ROUTER`` is bound.
+
 Errors: :class:`~kvsvc.errors.LifecycleError` when an I/O thread does not start (ports taken),
 does not stop in time, or a message is not published in time; ``ValueError`` / ``IndexError``
 for bad arguments.
@@ -41,6 +49,7 @@ from kvsvc.errors import LifecycleError
 from kvsvc.events import DEVICE, HOST
 from kvsvc.lifecycle import BackgroundThread
 from kvsvc.testbed.sim.block_manager import BlockManager, SnapshotBlock, stored_event
+from kvsvc.testbed.sim.flavors import Flavor, encode_batch
 from kvsvc.testbed.sim.health import HealthServer
 from kvsvc.testbed.sim.results import ExecResult, RankStats
 from kvsvc.testbed.sim.serving import Serving, ServingConfig, TextTokenizer
@@ -135,13 +144,16 @@ class _Outgoing:
     seq: Optional[int]
     drop: bool
     ticket: int
+    # History flavors (§7h): the payload the engine keeps in its replay buffer under ``seq``
+    # once it is published (also when the network drops it: the engine still has it).
+    buffered: Optional[bytes] = None
 
 
 class _Rank:
     """Mutable state of one DP rank; every field is guarded by ``lock`` (``cond``'s lock)
     except ``exec_lock``, which serialises execute/restart of the rank."""
 
-    def __init__(self, rank: int, bm: BlockManager, seed: int) -> None:
+    def __init__(self, rank: int, bm: BlockManager, seed: int, buffer_steps: int = 0) -> None:
         self.rank = rank
         self.bm = bm
         self.lock = threading.Lock()
@@ -149,6 +161,10 @@ class _Rank:
         self.exec_lock = threading.Lock()
         self.next_seq = 0
         self.published: Optional[int] = None
+        # History flavors (§7h): the last ``buffer_steps`` published (seq, payload), oldest
+        # first; appended by the I/O thread as it publishes, read by it to answer replays.
+        self.history: collections.deque[tuple[int, bytes]] = collections.deque(
+            maxlen=max(1, buffer_steps))
         self.outq: collections.deque[_Outgoing] = collections.deque()
         # Tickets of queued messages and of the last one handed to the socket (or dropped).
         self.enqueued = 0
@@ -172,19 +188,24 @@ class _Rank:
 
 class _RankIO(BackgroundThread):
     """The I/O thread ``sim-<label>`` of one rank (the :class:`~kvsvc.lifecycle.BackgroundThread`
-    contract): owns its ``XPUB`` and ``ROUTER`` sockets and the read end of its wake-up
-    socketpair (created, used and closed on the thread). ``start()`` returns once both sockets
-    are bound; ``close()`` sends what is queued, stops the thread and joins it.
+    contract): owns its ``XPUB`` and ``ROUTER`` sockets (no ``ROUTER`` with ``replay=False``)
+    and the read end of its wake-up socketpair (created, used and closed on the thread).
+    ``start()`` returns once its sockets are bound; ``close()`` sends what is queued, stops the thread and joins it.
 
     :param label: ``<engine>/dp<r>`` for thread names and logs.
     :param bind_retry_s: how long a bind retries a port still held (after a restart), seconds.
+    :param flavor: ``xllm`` answers snapshots (§7), ``vllm``/``sglang`` history (§7h).
+    :param replay: False binds no replay ``ROUTER``.
     """
 
     def __init__(self, state: _Rank, ctx: zmq.Context, event_ep: str, replay_ep: str,
                  topic: bytes, block_size: int, max_snapshot_message_bytes: int, label: str,
-                 bind_retry_s: float = 0.0) -> None:
+                 bind_retry_s: float = 0.0, flavor: Flavor = Flavor.XLLM,
+                 replay: bool = True) -> None:
         super().__init__(f"sim-{label}")
         self._state = state
+        self._flavor = flavor
+        self._replay = replay
         self._bind_retry_s = bind_retry_s
         self._ctx = ctx
         self._event_ep = event_ep
@@ -254,20 +275,23 @@ class _RankIO(BackgroundThread):
         with self._wake_lock:
             self._wake_w = wake_w
         self._pub = self._new_pub()
-        router = self._router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.SNDHWM, 0)
         self._bind(self._pub, self._event_ep)
-        self._bind(router, self._replay_ep)
         poller = self._poller = zmq.Poller()
         poller.register(self._pub, zmq.POLLIN)
-        poller.register(router, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        log.info("sim %s: publishing on %s, snapshots on %s", self._label, self._event_ep,
-                 self._replay_ep)
+        if self._replay:
+            router = self._router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, 0)
+            self._bind(router, self._replay_ep)
+            poller.register(router, zmq.POLLIN)
+        log.info("sim %s: %s flavor publishing on %s, %s", self._label, self._flavor.value,
+                 self._event_ep,
+                 ("no replay endpoint" if not self._replay else
+                  f"{'history' if self._flavor.history else 'snapshots'} on {self._replay_ep}"))
 
     def _loop(self) -> None:
-        assert self._poller is not None and self._router is not None and self._pub is not None
+        assert self._poller is not None and self._pub is not None
         assert self._wake_r is not None
         poller, router, wake_fd = self._poller, self._router, self._wake_r.fileno()
         while not self.stopping:
@@ -284,9 +308,12 @@ class _RankIO(BackgroundThread):
             self._flush_live(pub)
             if pub in ready:
                 self._read_subscriptions(pub)
-            if router in ready:
-                self._serve_snapshots(router, pub)
-            if self._delayed:
+            if router is not None and router in ready:
+                if self._flavor.history:
+                    self._serve_history(router, pub)
+                else:
+                    self._serve_snapshots(router, pub)
+            if self._delayed and router is not None:
                 self._send_due(router)
         # Messages queued before close() still leave (execute() waits for them).
         self._flush_live(self._pub)
@@ -354,6 +381,8 @@ class _RankIO(BackgroundThread):
                 pub.send_multipart(item.frames)
         with st.cond:
             for item in items:
+                if item.buffered is not None and item.seq is not None:
+                    st.history.append((item.seq, item.buffered))
                 st.flushed = max(st.flushed, item.ticket)
                 if item.seq is not None:
                     st.published = item.seq
@@ -413,6 +442,45 @@ class _RankIO(BackgroundThread):
                 for m in messages:
                     router.send_multipart(m)
 
+    def _serve_history(self, router: zmq.Socket, pub: zmq.Socket) -> None:
+        """§7h: answer each replay request ``[b"", start_seq]`` with every buffered batch whose
+        seq >= start_seq as ``[b"", seq, payload]`` (the payload as published), then the end
+        marker; nothing is said about batches already rolled out of the buffer. Runs on the
+        publishing thread after the live queue was sent, so no live batch leaves during a
+        reply. A delay fault stalls this thread (live publishing too, as on a busy engine); a
+        truncation fault sends only the first messages and no end marker."""
+        st = self._state
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                log.warning("sim %s: ignoring malformed replay request (%d frames)",
+                            self._label, len(frames))
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            self._flush_live(pub)
+            with st.lock:
+                batches = [(s, p) for s, p in st.history if s >= start]
+                delay = st.snapshot_delays.popleft() if st.snapshot_delays else 0.0
+                truncate = st.snapshot_truncations.popleft() if st.snapshot_truncations else None
+                st.n_snapshots += 1
+            messages = [[ident, b"", s.to_bytes(8, "big"), p] for s, p in batches]
+            if truncate is not None:
+                messages = messages[:truncate]
+            else:
+                messages.append([ident, b"", _NO_SEQ_BYTES, b""])
+            log.info("sim %s: history requested from seq %d: %d batches%s%s%s", self._label,
+                     start, len(batches),
+                     f" (seqs {batches[0][0]}..{batches[-1][0]})" if batches else "",
+                     f", truncated to {truncate}" if truncate is not None else "",
+                     f", delayed {delay:.3f} s" if delay else "")
+            if delay > 0 and self._sleep(delay):
+                return
+            for m in messages:
+                router.send_multipart(m)
+
     def _send_due(self, router: zmq.Socket) -> None:
         now = time.monotonic()
         keep = []
@@ -451,6 +519,13 @@ class SimEngine:
         :meth:`waiting_requests`.
     :param tokenizer: text tokenizer of the served requests (a
         :class:`~kvsvc.routing.prompt.PromptTokenizer`), ``None`` for the built-in byte scheme.
+    :param flavor: the wire form and replay behaviour (:mod:`kvsvc.testbed.sim.flavors`):
+        ``xllm`` (snapshots, §7), ``vllm`` or ``sglang`` (history, §7h).
+    :param buffer_steps: history flavors: batches kept per rank for replay (vLLM's
+        ``buffer_steps``, default 10,000); older ones are forgotten silently.
+    :param replay_endpoint: False: no ``ROUTER`` is bound (an engine started without
+        ``replay_endpoint``: replay requests are never answered).
+    :param vllm_array: vLLM only: publish the older tagged-array batch form.
     :raises ValueError: bad sizes or ports, or ``serving`` without ``http_port``.
     """
 
@@ -460,7 +535,9 @@ class SimEngine:
                  host: str = "127.0.0.1", max_snapshot_message_bytes: int = 1 << 20,
                  seed: int = 0, http_port: Optional[int] = None,
                  serving: Optional[ServingConfig] = None,
-                 tokenizer: Optional[TextTokenizer] = None) -> None:
+                 tokenizer: Optional[TextTokenizer] = None,
+                 flavor: Union[Flavor, str] = Flavor.XLLM, buffer_steps: int = 10_000,
+                 replay_endpoint: bool = True, vllm_array: bool = False) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         for label, port in (("event_port", event_port), ("replay_port", replay_port)):
@@ -468,6 +545,12 @@ class SimEngine:
                 raise ValueError(f"{label} {port} + dp_size {dp_size} out of range")
         if max_snapshot_message_bytes < 1024:
             raise ValueError("max_snapshot_message_bytes must be >= 1024")
+        if buffer_steps < 1:
+            raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
+        self.flavor = Flavor(flavor)
+        self.buffer_steps = buffer_steps
+        self.replay_endpoint = replay_endpoint
+        self.vllm_array = vllm_array
         self.name = name
         self.event_port = event_port
         self.replay_port = replay_port
@@ -478,7 +561,8 @@ class SimEngine:
         self.max_snapshot_message_bytes = max_snapshot_message_bytes
         self._given_ctx = context
         self._ctx: Optional[zmq.Context] = None
-        self._ranks = [_Rank(r, BlockManager(block_size, device_blocks, host_blocks), seed)
+        self._ranks = [_Rank(r, BlockManager(block_size, device_blocks, host_blocks), seed,
+                             buffer_steps if self.flavor.history else 0)
                        for r in range(dp_size)]
         self._rr = itertools.count()
         self._rr_lock = threading.Lock()
@@ -525,7 +609,8 @@ class SimEngine:
         assert self._ctx is not None
         ev, rp = self.endpoints(st.rank)
         io = _RankIO(st, self._ctx, ev, rp, self.topic, self.block_size,
-                     self.max_snapshot_message_bytes, f"{self.name}/dp{st.rank}", bind_retry_s)
+                     self.max_snapshot_message_bytes, f"{self.name}/dp{st.rank}", bind_retry_s,
+                     self.flavor, self.replay_endpoint)
         io.start()
         st.io = io
 
@@ -593,22 +678,51 @@ class SimEngine:
                 ex = st.bm.execute(token_ids)
                 seq = None
                 if ex.events:
-                    seq = st.next_seq
-                    st.next_seq += 1
-                    payload = ormsgpack.packb([time.time(), ex.events, rank])
-                    ticket = self._enqueue(st, [self.topic, seq.to_bytes(8, "big"), payload], seq,
-                                           self._decide_drop(st))
+                    seq, ticket = self._publish_locked(st, ex.events)
             if seq is not None:
                 io.wake()
                 self._wait_flushed(st, ticket, f"seq {seq}")
         return ExecResult(rank, seq, ex.device_hit_tokens, ex.host_only_hit_tokens, ex.stored_blocks)
 
+    def _publish_locked(self, st: _Rank, events: list[dict]) -> tuple[int, int]:
+        """Assign the next seq to ``events`` and queue them in the flavor's form; the caller
+        holds ``st.lock``. Returns ``(seq, ticket)``."""
+        seq = st.next_seq
+        st.next_seq += 1
+        payload = encode_batch(self.flavor, time.time(), events, st.rank, self.vllm_array)
+        ticket = self._enqueue(st, [self.topic, seq.to_bytes(8, "big"), payload], seq,
+                               self._decide_drop(st),
+                               payload if self.flavor.history else None)
+        return seq, ticket
+
     @staticmethod
-    def _enqueue(st: _Rank, frames: list[bytes], seq: Optional[int], drop: bool) -> int:
+    def _enqueue(st: _Rank, frames: list[bytes], seq: Optional[int], drop: bool,
+                 buffered: Optional[bytes] = None) -> int:
         # Caller holds st.lock.
         st.enqueued += 1
-        st.outq.append(_Outgoing(frames, seq, drop, st.enqueued))
+        st.outq.append(_Outgoing(frames, seq, drop, st.enqueued, buffered))
         return st.enqueued
+
+    def clear_cache(self, rank: int) -> Optional[int]:
+        """Reset the rank's prefix cache the way an operator's cache reset does: every block
+        is forgotten and one batch ``[AllBlocksCleared]`` is published (vLLM's
+        ``reset_prefix_cache``; §7h: a subset stream becomes exact on it).
+
+        :returns: the batch's seq (consumed even when a drop fault loses the message).
+        :raises LifecycleError: the rank is not running or did not publish within 5 s.
+        """
+        st = self._rank(rank)
+        with st.exec_lock:
+            io = st.io
+            if io is None:
+                raise LifecycleError(f"sim {self.name}/dp{rank}: not running")
+            with st.lock:
+                st.bm.clear()
+                seq, ticket = self._publish_locked(st, [{"type": "AllBlocksCleared"}])
+            io.wake()
+            self._wait_flushed(st, ticket, f"seq {seq}")
+        log.info("sim %s/dp%d: cache reset (AllBlocksCleared at seq %d)", self.name, rank, seq)
+        return seq
 
     def _wait_flushed(self, st: _Rank, ticket: int, what: str) -> None:
         with st.cond:
@@ -711,6 +825,7 @@ class SimEngine:
                     st.bm.clear()
                     st.next_seq = 0
                     st.published = None
+                    st.history.clear()
                     st.outq.clear()
                     st.flushed = st.enqueued
                     st.snapshot_delays.clear()
@@ -723,11 +838,13 @@ class SimEngine:
                     self._start_io(st, _BIND_RETRY_S)
 
     def restart_publisher(self, rank: int) -> None:
-        """Restart only the seq counter of ``rank`` (next batch is seq 0); the cache is kept."""
+        """Restart only the seq counter of ``rank`` (next batch is seq 0); the cache is kept
+        (history flavors: the replay buffer of the old publisher is gone too)."""
         st = self._rank(rank)
         with st.exec_lock, st.cond:
             st.next_seq = 0
             st.published = None
+            st.history.clear()
             st.cond.notify_all()
         log.info("sim %s/dp%d: publisher counter restarted", self.name, rank)
 

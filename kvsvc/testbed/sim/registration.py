@@ -6,7 +6,8 @@ an xLLM engine does it, so the service discovers it with no address list.
 - grants a lease of ``lease_ttl_s`` (3 s) and puts ``[/<ns>/]XLLM:<TYPE>:<host:port>`` with the
   registration JSON (:meth:`EtcdRegistration.value`: ``name``, ``rpc_address``, ``type``,
   ``incarnation_id`` = a fresh uuid per process, ``register_ts_ms``, ``dp_size``,
-  ``backend_type`` ``"xllm"``) under it;
+  ``backend_type``: ``"xllm"``, or ``"vllm"`` / ``"sglang"`` for those flavors, as
+  xllm-service's ``vllm_sidecar`` registers a vLLM instance) under it;
 - keeps the lease alive every ``keepalive_interval_s``; a lease that expired anyway (etcd
   restarted, a long stall) is granted again and the key re-put with the same incarnation (a
   refresh: the service keeps the streams);
@@ -123,6 +124,9 @@ class EtcdRegistration(BackgroundThread):
         previous one.
     :param master_refresh_s: the master's address is re-read from etcd after this long,
         seconds (0: before every heartbeat).
+    :param backend_type: the registration's ``backend_type`` (§9): ``"xllm"``, or ``"vllm"``
+        as xllm-service's ``vllm_sidecar`` registers a vLLM instance (with ``type`` 0,
+        DEFAULT), or ``"sglang"``.
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -133,7 +137,7 @@ class EtcdRegistration(BackgroundThread):
                  keepalive_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
                  min_heartbeat_gap_s: Optional[float] = None,
-                 master_refresh_s: float = 0.0) -> None:
+                 master_refresh_s: float = 0.0, backend_type: str = "xllm") -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -141,6 +145,7 @@ class EtcdRegistration(BackgroundThread):
         self.etcd_addr = etcd_addr
         self.name = name
         self.dp_size = dp_size
+        self.backend_type = backend_type
         self.instance_type = RegisteredType(instance_type)
         self.namespace = namespace
         self.key = f"{key_prefix(namespace)}XLLM:{self.instance_type.name}:{name}"
@@ -187,7 +192,7 @@ class EtcdRegistration(BackgroundThread):
             return {"name": self.name, "rpc_address": self.name,
                     "type": int(self.instance_type), "incarnation_id": self._incarnation_id,
                     "register_ts_ms": self._register_ts_ms, "dp_size": self.dp_size,
-                    "backend_type": "xllm"}
+                    "backend_type": self.backend_type}
 
     def stats(self) -> RegistrationStats:
         """Counters (see :class:`RegistrationStats`)."""
