@@ -43,7 +43,7 @@ _BUSY_REPLY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/j
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """``GET /health`` -> 200 ``{"status": "ok"}``; ``GET /v1/models`` (when serving) -> the
-    engine's model list; ``POST`` -> the engine's :class:`~kvsvc.testbed.sim.serving.Serving`
+    engine's model list; ``GET /metrics`` (when serving) -> its Prometheus text; ``POST`` -> the engine's :class:`~kvsvc.testbed.sim.serving.Serving`
     when it has one; anything else 404. No access log."""
 
     server_version = "kvsvc-sim"
@@ -60,6 +60,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(200, {"object": "list", "data": [{
                 "id": serving.config.model, "object": "model", "created": 0,
                 "owned_by": "kvsvc-sim"}]})
+        elif path == "/metrics" and serving is not None:
+            body = serving.metrics_text()  # TTFT/TPOT histograms, counters (issue 14)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         else:
             self._reply(404, {"error": "not found"})
 

@@ -6,7 +6,8 @@ an xLLM engine does it, so the service discovers it with no address list.
 - grants a lease of ``lease_ttl_s`` (3 s) and puts ``[/<ns>/]XLLM:<TYPE>:<host:port>`` with the
   registration JSON (:meth:`EtcdRegistration.value`: ``name``, ``rpc_address``, ``type``,
   ``incarnation_id`` = a fresh uuid per process, ``register_ts_ms``, ``dp_size``,
-  ``backend_type`` ``"xllm"``) under it;
+  ``backend_type`` ``"xllm"``, and when given the §12 profiling data ``ttft_profiling_data`` /
+  ``tpot_profiling_data`` computed by the serving sim's latency model) under it;
 - keeps the lease alive every ``keepalive_interval_s``; a lease that expired anyway (etcd
   restarted, a long stall) is granted again and the key re-put with the same incarnation (a
   refresh: the service keeps the streams);
@@ -36,7 +37,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import requests
 
@@ -123,6 +124,9 @@ class EtcdRegistration(BackgroundThread):
         previous one.
     :param master_refresh_s: the master's address is re-read from etcd after this long,
         seconds (0: before every heartbeat).
+    :param profiling: extra registration fields, the §12 profiling data
+        (``ttft_profiling_data``, ``tpot_profiling_data``:
+        :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -133,7 +137,8 @@ class EtcdRegistration(BackgroundThread):
                  keepalive_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
                  min_heartbeat_gap_s: Optional[float] = None,
-                 master_refresh_s: float = 0.0) -> None:
+                 master_refresh_s: float = 0.0,
+                 profiling: Optional[Mapping[str, Any]] = None) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -151,6 +156,7 @@ class EtcdRegistration(BackgroundThread):
         self._heartbeat_interval_s = heartbeat_interval_s
         self._min_gap_s = min_heartbeat_gap_s
         self._master_refresh_s = master_refresh_s
+        self._profiling = dict(profiling or {})
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -187,7 +193,7 @@ class EtcdRegistration(BackgroundThread):
             return {"name": self.name, "rpc_address": self.name,
                     "type": int(self.instance_type), "incarnation_id": self._incarnation_id,
                     "register_ts_ms": self._register_ts_ms, "dp_size": self.dp_size,
-                    "backend_type": "xllm"}
+                    "backend_type": "xllm", **self._profiling}
 
     def stats(self) -> RegistrationStats:
         """Counters (see :class:`RegistrationStats`)."""
