@@ -41,6 +41,7 @@ from kvsvc.routing.models import ModelLister
 from kvsvc.routing.policy import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
+from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import Router, served_models
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,14 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
+    # The per-instance request metrics (§12), heard through the proxy's observer seam.
+    ledger = RequestMetricsLedger()
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
     proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
                                 read_timeout_s=settings.upstream_read_timeout_s,
-                                pool_maxsize=settings.worker_threads), in_flight)
+                                pool_maxsize=settings.worker_threads), in_flight,
+                  observer=ledger)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
 

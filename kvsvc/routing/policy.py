@@ -160,6 +160,10 @@ class Decision:
     :ivar reason: why ``prefill`` is ``None`` (empty otherwise).
     :ivar excluded: every registered instance that was not a candidate -> why
         (:attr:`CandidatePools.excluded`).
+    :ivar prefill_estimates_ms: P candidate ``host:port`` -> the policy's predicted prefill
+        time of this request there, milliseconds (SLO_AWARE's ``estimated_ttft``, TTFT's
+        ``ttft_P(uncached)``, §12), handed to the request observers at dispatch
+        (:class:`~kvsvc.routing.observer.RequestInfo`); empty for RR and CAR.
     """
 
     policy: str
@@ -170,6 +174,8 @@ class Decision:
     input_tokens: int
     reason: str = ""
     excluded: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    prefill_estimates_ms: Mapping[str, float] = field(
+        default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict:
         """JSON object of the decision (``POST /v1/internal/route``); ``excluded`` is an

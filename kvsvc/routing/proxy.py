@@ -30,7 +30,12 @@ sends one request with ``stream=True`` and connect/read timeouts:
   answered 5xx, relayed as it is);
 - :class:`UpstreamBody` notes when it relayed its first SSE ``data:`` event and how it ended
   (:class:`RelayEnd`, handed once to the callback given to :meth:`UpstreamBody.when_closed`),
-  so the HTTP layer can time the answer without parsing it.
+  so the HTTP layer can time the answer without parsing it;
+- every attempt is heard by the proxy's :class:`~kvsvc.routing.observer.RequestObserver`
+  (when given, and when :meth:`Proxy.forward` is told how to describe the attempt): dispatch,
+  cancel when it fails before the head, and, through a
+  :class:`~kvsvc.routing.observer.RelayTracker` fed every relayed chunk, first token, each
+  further token and the end (or cancel) when the body closes (§12).
 
 Errors (module boundary: ``requests`` and ``urllib3`` errors are translated here, ``raise ...
 from exc``): :class:`~kvsvc.errors.UpstreamTimeout` when the last attempt (or a body read)
@@ -54,6 +59,13 @@ import urllib3.exceptions
 
 from kvsvc.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from kvsvc.routing.in_flight import Dispatch, InFlight
+from kvsvc.routing.observer import (
+    CANCEL_UPSTREAM_FAILED,
+    InfoFor,
+    RelayTracker,
+    RequestObserver,
+    notify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +166,8 @@ class UpstreamBody:
     :param path: the request path (for logs).
     :param count_error: called with ``(target, kind)`` when the body breaks (kind
         ``broken_body`` or ``timeout``, :data:`UPSTREAM_ERROR_KINDS`).
+    :param tracker: fed every chunk handed on and, from :meth:`close`, how the relay ended
+        (the request observer's events, §12); ``None``: not observed.
 
     :ivar bytes_relayed: body bytes handed on so far.
     :ivar broken: the error that broke the body, ``None`` while it has not.
@@ -161,8 +175,10 @@ class UpstreamBody:
 
     def __init__(self, response: requests.Response, target: str,
                  dispatch: Optional[Dispatch] = None, path: str = "",
-                 count_error: Callable[[str, str], None] = _no_error) -> None:
+                 count_error: Callable[[str, str], None] = _no_error,
+                 tracker: Optional[RelayTracker] = None) -> None:
         self._response = response
+        self._tracker = tracker
         self.target = target
         self.path = path
         self._dispatch = dispatch
@@ -209,6 +225,8 @@ class UpstreamBody:
             self.bytes_relayed += len(chunk)
             if self._event_stream and self.first_data_at is None:
                 self._note_data(chunk)
+            if self._tracker is not None:
+                self._tracker.chunk(chunk)
             yield chunk
 
     def _note_data(self, chunk: bytes) -> None:
@@ -270,6 +288,11 @@ class UpstreamBody:
         finally:
             if self._dispatch is not None:
                 self._dispatch.release()
+            if self._tracker is not None:
+                try:
+                    self._tracker.finish(self._complete, self.broken)
+                except Exception:  # noqa: BLE001 - the WSGI server's close must not fail
+                    log.exception("upstream %s: request observer failed", self.target)
             callback = self._on_close
             if callback is not None:
                 end = RelayEnd(self.target, self.bytes_relayed, self.first_data_at,
@@ -326,11 +349,15 @@ class Proxy:
 
     :param settings: timeouts and pool size.
     :param in_flight: where each attempt is counted while in flight (``None``: not counted).
+    :param observer: hears every attempt's lifecycle (§12, :mod:`kvsvc.routing.observer`);
+        ``None``: nobody.
     """
 
-    def __init__(self, settings: ProxySettings, in_flight: Optional[InFlight] = None) -> None:
+    def __init__(self, settings: ProxySettings, in_flight: Optional[InFlight] = None,
+                 observer: Optional[RequestObserver] = None) -> None:
         self.settings = settings
         self.in_flight = in_flight
+        self.observer = observer
         self._session = requests.Session()
         self._session.trust_env = False        # never an environment HTTP proxy, never .netrc
         self._session.headers.clear()          # only what the client sent goes up
@@ -375,7 +402,8 @@ class Proxy:
 
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
                 headers: Mapping[str, str], max_attempts: int = 2,
-                companions: Sequence[str] = ()) -> UpstreamReply:
+                companions: Sequence[str] = (),
+                info_for: Optional[InfoFor] = None) -> UpstreamReply:
         """POST ``path`` to ``targets[0]``; on a refusal or timeout before the response head,
         once more to ``targets[1]`` (at most ``max_attempts`` upstreams in all).
 
@@ -386,6 +414,8 @@ class Proxy:
         :param max_attempts: upstreams tried at most.
         :param companions: instances counted in flight along with each attempt's target (the
             D named in a P/D body).
+        :param info_for: describes the attempt sent to a target for the proxy's observer
+            (``None``: the attempt is not observed).
         :returns: the reply; its body holds the attempt's in-flight count until closed.
         :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
         :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
@@ -397,6 +427,10 @@ class Proxy:
             data = body_for(target)
             dispatch = (self.in_flight.begin((target, *companions))
                         if self.in_flight is not None else None)
+            info = (info_for(target) if info_for is not None and self.observer is not None
+                    else None)
+            if info is not None:
+                notify(self.observer, "on_dispatch", info)
             try:
                 response = self._session.post(
                     f"http://{target}{path}", data=data, headers=dict(headers),
@@ -417,12 +451,22 @@ class Proxy:
                 why = ("connection refused" if kind == "refused"
                        else "connection reset or closed before the response head")
                 cause = exc
-            except BaseException:
+            except BaseException as exc:
                 if dispatch is not None:
                     dispatch.release()
+                if info is not None:
+                    notify(self.observer, "on_cancel", info,
+                           f"{CANCEL_UPSTREAM_FAILED}: {type(exc).__name__}")
                 raise
             else:
-                body = UpstreamBody(response, target, dispatch, path, self.count_error)
+                tracker = None
+                if info is not None and self.observer is not None:
+                    event_stream = (response.headers.get("Content-Type", "").split(";")[0]
+                                    .strip().lower() == "text/event-stream")
+                    tracker = RelayTracker(self.observer, info, response.status_code,
+                                           event_stream)
+                body = UpstreamBody(response, target, dispatch, path, self.count_error,
+                                    tracker)
                 if response.status_code >= 500:
                     self.count_error(target, "http_5xx")
                 try:
@@ -438,6 +482,8 @@ class Proxy:
             # Failed before the first byte: this attempt is over (a retry is a new dispatch).
             if dispatch is not None:
                 dispatch.release()
+            if info is not None:
+                notify(self.observer, "on_cancel", info, f"{CANCEL_UPSTREAM_FAILED}: {why}")
             retrying = len(tried) < min(max_attempts, len(targets))
             self._mark(target, retrying, kind)
             log.warning("upstream %s failed before the first byte (%s: %s)%s", target, why,

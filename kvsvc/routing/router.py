@@ -20,6 +20,7 @@ proxy. Nothing here knows HTTP statuses or Flask.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from typing import Any, Optional, Protocol, Sequence
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate
 from kvsvc.routing.in_flight import InFlight
+from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision, Policy, candidate_pools
 from kvsvc.routing.prompt import TokenSource
 from kvsvc.routing.proxy import Proxy, UpstreamReply, upstream_headers
@@ -106,6 +108,7 @@ class Router:
         self.models = models
         self._registry = registry
         self._directory = directory
+        self._attempt_ids = itertools.count(1)
 
     def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
         """Route one prompt with in-process state only (§11); sends nothing.
@@ -142,7 +145,10 @@ class Router:
                 client_headers: Sequence[tuple[str, str]]) -> Routed:
         """Send one validated OpenAI request as ``decision`` says: to its best P, once more to
         the next one when the first fails before the response head. Without a D the client's
-        bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried).
+        bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried). Each
+        attempt is described to the proxy's request observer (§12) by a
+        :class:`~kvsvc.routing.observer.RequestInfo` naming its P, its D, the prompt's tokens
+        and the decision's predicted prefill time on that P.
 
         :param decision: :meth:`decide`'s answer for the request's prompt.
         :param path: request path with query string, e.g. ``/v1/completions?x=1``.
@@ -164,9 +170,14 @@ class Router:
             return json.dumps({**doc, "routing": {"prefill_name": target,
                                                   "decode_name": decode}}).encode()
 
+        def info_for(target: str) -> RequestInfo:
+            return RequestInfo(next(self._attempt_ids), target, decode, decision.input_tokens,
+                               decision.prefill_estimates_ms.get(target, 0.0),
+                               decision.policy, decision=decision)
+
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),
-                                   companions=(decode,) if decode else ())
+                                   companions=(decode,) if decode else (), info_for=info_for)
         return Routed(decision, reply, decode)
 
     def close(self) -> None:
