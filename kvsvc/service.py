@@ -9,8 +9,10 @@ before gunicorn forks, STYLE 8):
 - with an enabled ``discovery`` block the :class:`~kvsvc.cluster.discovery.Discovery` thread that
   manages the directory's streams from the registry (§9);
 - the :class:`~kvsvc.routing.router.Router` (§11): the policy from ``--load_balance_policy``,
-  the tokenizer from ``--tokenizer_path`` (loaded now), the proxy's pooled session and the
-  in-flight ledger shared by the proxy and the policy, reading the registry and the directory;
+  the tokenizer from ``--tokenizer_path`` (loaded now), the proxy's pooled session, the
+  in-flight ledger shared by the proxy and the policy, and the request-metrics ledger the
+  proxy's observer seam feeds and SLO_AWARE / TTFT read (§12), reading the registry and the
+  directory;
 - with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
   thread that keeps the instances' own model lists for ``GET /v1/models`` (§11).
 
@@ -38,7 +40,7 @@ from kvsvc.directory import Directory
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import ModelLister
-from kvsvc.routing.policy import make_policy
+from kvsvc.routing.policies import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
 from kvsvc.routing.cache_audit import CacheAudit, block_sizes
@@ -83,14 +85,18 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
         tokens, :mod:`kvsvc.routing.cache_audit`); ``None``: not audited.
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
+    # The per-instance request metrics (§12), heard through the proxy's observer seam and
+    # read by SLO_AWARE and TTFT.
+    ledger = RequestMetricsLedger()
     policy = make_policy(settings.load_balance_policy, settings.car_prefill_lambda,
                          settings.car_host_hit_weight,
-                         max_load_age_s=settings.max_load_age_s)
+                         max_load_age_s=settings.max_load_age_s, ledger=ledger,
+                         target_ttft_ms=settings.target_ttft,
+                         target_tpot_ms=settings.target_tpot,
+                         default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
-    # The per-instance request metrics (§12), heard through the proxy's observer seam.
-    ledger = RequestMetricsLedger()
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
     proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,

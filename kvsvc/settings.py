@@ -74,13 +74,24 @@ class PolicyName(enum.StrEnum):
 
     RR = "RR"
     CAR = "CAR"
+    SLO_AWARE = "SLO_AWARE"
+    TTFT = "TTFT"
 
 
 POLICY_NAMES = tuple(p.value for p in PolicyName)
-#: xllm-service policy names kvsvc refuses, each with the reason given.
-UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({
-    "SLO_AWARE": "SLO_AWARE is not supported by kvsvc yet; use CAR or RR",
-})
+#: xllm-service policy names kvsvc refuses, each with the reason given (none since §12:
+#: SLO_AWARE is served; kept so a future refusal has its one place).
+UNSUPPORTED_POLICIES: Mapping[str, str] = MappingProxyType({})
+#: §12 SLO targets (xllm-service's ``--target_ttft`` / ``--target_tpot``, int32 ms >= 0):
+#: defaults and closed ranges ``(low, high)``, milliseconds.
+DEFAULT_TARGET_TTFT_MS = 1000
+TARGET_TTFT_RANGE_MS = (0, 3_600_000)
+DEFAULT_TARGET_TPOT_MS = 50
+TARGET_TPOT_RANGE_MS = (0, 600_000)
+#: §12 TTFT policy: prefill throughput assumed for an instance without TTFT profiling data,
+#: tokens per second; default and range ``(low, high)``, low excluded.
+DEFAULT_PREFILL_TOKENS_PER_S = 10000.0
+PREFILL_TOKENS_PER_S_RANGE = (0.0, 1e9)
 #: Closed range ``(low, high)`` of both CAR parameters, ``car_prefill_lambda`` and
 #: ``car_host_hit_weight`` (§11).
 CAR_WEIGHT_RANGE = (0.0, 1.0)
@@ -194,8 +205,9 @@ class ServiceSettings(BaseSettings):
         "once across all streams; the others queue, first come first served (see \"Recovery, "
         "in short\")")] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
     load_balance_policy: Annotated[str, Setting(
-        SECTION_ROUTING, "`CAR` (cache-aware, §11) or `RR` (round robin, xllm-service's "
-        "default); `SLO_AWARE` is refused with a message (see \"Routing\")",
+        SECTION_ROUTING, "`CAR` (cache-aware, §11), `RR` (round robin, xllm-service's "
+        "default), `SLO_AWARE` (xllm-service's SLO policy, §12) or `TTFT` (lowest predicted "
+        "time to first token, §12); see \"Routing\"",
         choices=POLICY_NAMES, flag_checks_choices=False)] = PolicyName.CAR.value
     car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                   Setting(SECTION_ROUTING,
@@ -205,6 +217,20 @@ class ServiceSettings(BaseSettings):
                                    Setting(SECTION_ROUTING,
                                            "CAR weight of a Host-only hit token against a "
                                            "Device hit token")] = 0.5
+    target_ttft: Annotated[int, Field(ge=TARGET_TTFT_RANGE_MS[0], le=TARGET_TTFT_RANGE_MS[1]),
+                           Setting(SECTION_ROUTING, "SLO_AWARE: time-to-first-token target; "
+                                   "above it prefill may go to a lightly loaded decode "
+                                   "instance (xllm-service's flag, §12)",
+                                   unit="ms")] = DEFAULT_TARGET_TTFT_MS
+    target_tpot: Annotated[int, Field(ge=TARGET_TPOT_RANGE_MS[0], le=TARGET_TPOT_RANGE_MS[1]),
+                           Setting(SECTION_ROUTING, "SLO_AWARE: time-per-output-token target "
+                                   "of the decode choice (xllm-service's flag, §12)",
+                                   unit="ms")] = DEFAULT_TARGET_TPOT_MS
+    default_prefill_tokens_per_s: Annotated[float, Field(
+        gt=PREFILL_TOKENS_PER_S_RANGE[0], le=PREFILL_TOKENS_PER_S_RANGE[1]), Setting(
+        SECTION_ROUTING, "TTFT: prefill throughput assumed for an instance that registered "
+        "no usable `ttft_profiling_data` (§12)",
+        unit="tokens/s")] = DEFAULT_PREFILL_TOKENS_PER_S
     max_load_age_s: Annotated[float, Field(gt=MAX_LOAD_AGE_RANGE_S[0],
                                            le=MAX_LOAD_AGE_RANGE_S[1]), Setting(
         SECTION_ROUTING, "an instance is a candidate only while its last load report (a "

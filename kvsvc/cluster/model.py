@@ -75,6 +75,30 @@ class LoadMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfilingData:
+    """An instance's registered profiling data (§12, xllm-service's ``InstanceMetaInfo``):
+    the points the time predictors are fitted from.
+
+    :ivar ttft: ``ttft_profiling_data`` points ``(tokens, ms)``: prompt tokens (int >= 0) and
+        the measured time to first token, milliseconds (finite, >= 0).
+    :ivar tpot: ``tpot_profiling_data`` points ``(avg_len, batch, ms)``: average sequence
+        length (int >= 0), batch size (int >= 0) and the measured time per output token,
+        milliseconds (finite, >= 0).
+    :ivar problems: one line per field that was present but not usable as it was, e.g.
+        ``"ttft_profiling_data: 2 of 5 points dropped (item 1: not [tokens, ms] numbers)"``
+        (the predictors add too-few-points problems of their own).
+    """
+
+    ttft: tuple[tuple[int, float], ...] = ()
+    tpot: tuple[tuple[int, int, float], ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+#: No profiling data registered.
+NO_PROFILING = ProfilingData()
+
+
+@dataclass(frozen=True, slots=True)
 class Instance:
     """One registered instance as the registry sees it (§9).
 
@@ -89,6 +113,8 @@ class Instance:
     :ivar rpc_address: the engine's RPC address, None when absent.
     :ivar state: §9 state.
     :ivar load: latest load, None until one arrives.
+    :ivar profiling: the registration's ``ttft_profiling_data`` / ``tpot_profiling_data``
+        (§12), the valid points and what was wrong with the others.
     """
 
     name: str
@@ -101,6 +127,58 @@ class Instance:
     rpc_address: Optional[str]
     state: InstanceState
     load: Optional[LoadMetrics]
+    profiling: ProfilingData = NO_PROFILING
+
+
+def _number(v: object, integer: bool) -> Optional[float]:
+    """``v`` as a finite number >= 0 (an integral one when ``integer``), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v) if not isinstance(v, int) or abs(v) < 2**53 else math.inf
+    if not 0.0 <= f < math.inf or (integer and f != int(f)):
+        return None
+    return f
+
+
+def parse_profiling(obj: Mapping[str, Any]) -> ProfilingData:
+    """The §12 profiling fields of a registration object; never raises (bad data must not make
+    an instance unroutable: its predictor falls back, :mod:`kvsvc.routing.predictor`).
+
+    ``ttft_profiling_data``: a list of ``[tokens, ms]``; ``tpot_profiling_data``: a list of
+    ``[avg_len, batch, ms]``. Counts must be integral numbers >= 0, times finite numbers >= 0;
+    an item of another shape or with another value is dropped (xllm-service drops items of
+    the wrong length and fails the whole registration on a wrong type) and the field gets one
+    problem line naming the first bad item. A field that is absent or ``null`` is no data and
+    no problem; one that is not a list is a problem.
+    """
+    problems: list[str] = []
+
+    def points(name: str, width: int, shape: str) -> list[tuple[float, ...]]:
+        raw = obj.get(name)
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            problems.append(f"{name}: not a list of {shape} ({type(raw).__name__})")
+            return []
+        good: list[tuple[float, ...]] = []
+        first_bad: Optional[int] = None
+        for i, item in enumerate(raw):
+            vals = ([_number(v, j < width - 1) for j, v in enumerate(item)]
+                    if isinstance(item, list) and len(item) == width else [None])
+            if any(v is None for v in vals):
+                first_bad = i if first_bad is None else first_bad
+                continue
+            good.append(tuple(v for v in vals if v is not None))
+        if first_bad is not None:
+            problems.append(f"{name}: {len(raw) - len(good)} of {len(raw)} points dropped "
+                            f"(item {first_bad}: {raw[first_bad]!r:.60} is not {shape} with "
+                            "counts integral >= 0 and a time >= 0 ms)")
+        return good
+
+    ttft = tuple((int(p[0]), p[1]) for p in points("ttft_profiling_data", 2, "[tokens, ms]"))
+    tpot = tuple((int(p[0]), int(p[1]), p[2])
+                 for p in points("tpot_profiling_data", 3, "[avg_len, batch, ms]"))
+    return ProfilingData(ttft, tpot, tuple(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +267,7 @@ class Registration:
     dp_size: int
     backend_type: str
     rpc_address: Optional[str]
+    profiling: ProfilingData = NO_PROFILING
 
 
 def _check_name(name: str) -> None:
@@ -205,7 +284,8 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
     :param name: the ``<name>`` of the key (must be ``host:port``).
     :param value: the raw value bytes (UTF-8 JSON object).
     :returns: the registration; absent ``dp_size`` (or 0) is 1, absent ``backend_type`` is
-        ``"xllm"``, empty ``incarnation_id``/``rpc_address`` are None.
+        ``"xllm"``, empty ``incarnation_id``/``rpc_address`` are None; the §12 profiling
+        fields by :func:`parse_profiling` (never refused).
     :raises MalformedRegistration: not a JSON object, a field of the wrong type, ``name``/``type``
         disagreeing with the key, a name that is not ``host:port``, ``register_ts_ms`` < 0,
         ``dp_size`` outside 0-65536.
@@ -242,7 +322,8 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
     backend = opt("backend_type", str) or "xllm"
     rpc = opt("rpc_address", str) or None
     return Registration(type=key_type, incarnation_id=incarnation, register_ts_ms=ts,
-                         dp_size=dp or 1, backend_type=backend, rpc_address=rpc)
+                         dp_size=dp or 1, backend_type=backend, rpc_address=rpc,
+                         profiling=parse_profiling(obj))
 
 
 def parse_load(value: bytes) -> "CheckedLoad":

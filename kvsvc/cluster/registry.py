@@ -322,7 +322,7 @@ class Registry:
                            incarnation_id=r.reg.incarnation_id,
                            register_ts_ms=r.reg.register_ts_ms, dp_size=r.reg.dp_size,
                            backend_type=r.reg.backend_type, rpc_address=r.reg.rpc_address,
-                           state=r.state, load=r.load)
+                           state=r.state, load=r.load, profiling=r.reg.profiling)
             for name, r in sorted(self._records.items())}
         self._snap = RegistrySnapshot(instances=MappingProxyType(instances), fresh=self._fresh,
                                       is_master=self._election.is_master,

@@ -29,7 +29,10 @@ The router's own load: every policy takes this worker's requests in flight
 :func:`~kvsvc.routing.in_flight.waiting_estimate` (the reported value when nothing is in flight,
 §11 exactly), RR only shows the counts.
 
-Errors: :class:`~kvsvc.errors.ConfigError` for an unknown policy name or an out-of-range
+§12's SLO_AWARE and TTFT build on these (:mod:`kvsvc.routing.slo`, :mod:`kvsvc.routing.ttft`);
+:func:`kvsvc.routing.policies.make_policy` builds the one ``--load_balance_policy`` names.
+
+Errors: :class:`~kvsvc.errors.ConfigError` for an out-of-range
 ``lambda``/``host_weight``/``max_load_age_s``; choosing never raises (no candidate gives a
 :class:`Decision` with ``prefill=None``).
 """
@@ -54,9 +57,7 @@ from kvsvc.settings import (
     CAR_WEIGHT_RANGE,
     DEFAULT_MAX_LOAD_AGE_S,
     MAX_LOAD_AGE_RANGE_S,
-    POLICY_NAMES,
     PolicyName,
-    UNSUPPORTED_POLICIES,
 )
 from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot, waiting_estimate
 from kvsvc.streams.state import StreamId, StreamMatch
@@ -121,6 +122,17 @@ class CandidateScore:
     :ivar in_flight_after_report: the part of ``in_flight`` dispatched after the instance's
         load report, which CAR's queue term adds to ``waiting_requests_num`` (less one after
         a report of an empty queue, :func:`waiting_estimate`).
+    :ivar estimated_prefill_ms: SLO_AWARE and TTFT, P side: the instance's estimated queued
+        prefill time, milliseconds (SLO_AWARE: its requests' ``estimated_prefill_time``;
+        TTFT: that combined with the last load report, :mod:`kvsvc.routing.ttft`); D side of
+        SLO_AWARE: the same value (the prefill redirect compares it); ``None`` otherwise.
+    :ivar predicted_prefill_ms: SLO_AWARE and TTFT, P side: this request's own predicted
+        prefill time there (SLO_AWARE: ``ttft(input_tokens)``; TTFT: ``ttft(uncached)``),
+        milliseconds; ``None`` otherwise.
+    :ivar predicted_ttft_ms: SLO_AWARE and TTFT, P side: ``estimated_prefill_ms +
+        predicted_prefill_ms`` (TTFT's score), milliseconds; ``None`` otherwise.
+    :ivar predicted_tpot_ms: SLO_AWARE, D side: the predicted time per output token with
+        this request added (truncated to whole ms, as the source), ``None`` otherwise.
     """
 
     name: str
@@ -134,6 +146,10 @@ class CandidateScore:
     gpu_cache_usage_perc: float
     in_flight: int = 0
     in_flight_after_report: int = 0
+    estimated_prefill_ms: Optional[float] = None
+    predicted_prefill_ms: Optional[float] = None
+    predicted_ttft_ms: Optional[float] = None
+    predicted_tpot_ms: Optional[float] = None
 
     def to_json(self) -> dict:
         """JSON object of this candidate (``POST /v1/internal/route``)."""
@@ -143,7 +159,11 @@ class CandidateScore:
                 "waiting_requests_num": self.waiting_requests_num,
                 "gpu_cache_usage_perc": self.gpu_cache_usage_perc,
                 "in_flight": self.in_flight,
-                "in_flight_after_report": self.in_flight_after_report}
+                "in_flight_after_report": self.in_flight_after_report,
+                "estimated_prefill_ms": self.estimated_prefill_ms,
+                "predicted_prefill_ms": self.predicted_prefill_ms,
+                "predicted_ttft_ms": self.predicted_ttft_ms,
+                "predicted_tpot_ms": self.predicted_tpot_ms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,23 +521,30 @@ class CacheAware:
                                         in_flight.total(inst.name),
                                         in_flight.after(inst.name, inst.load.received_at)))
         ranking = tuple(p_scored[i][1] for i in p_order)
-        decode = None
-        if pools.decode:
-            d_queue = _queue_costs(pools.decode, in_flight)
-            d_scores = [_usage(inst) + q for inst, q in zip(pools.decode, d_queue)]
-            d_order, d_tied = self._pick(d_scores, DECODE_SIDE)
-            for i in d_order:
-                inst = pools.decode[i]
-                assert inst.load is not None
-                cands.append(CandidateScore(inst.name, DECODE_SIDE, (), None, d_queue[i],
-                                            d_scores[i], i in d_tied,
-                                            inst.load.waiting_requests_num,
-                                            inst.load.gpu_cache_usage_perc,
-                                            in_flight.total(inst.name),
-                                            in_flight.after(inst.name, inst.load.received_at)))
-            decode = pools.decode[d_order[0]]
+        decode = self._choose_decode(pools, in_flight, cands)
         return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens,
                         excluded=pools.excluded)
+
+    def _choose_decode(self, pools: CandidatePools, in_flight: InFlightSnapshot,
+                       cands: list[CandidateScore]) -> Optional[Instance]:
+        """§11's D choice (lowest ``gpu_cache_usage_perc + waiting / max waiting``, ties
+        rotating): appends the D candidates to ``cands``, best first; the chosen D, ``None``
+        when the D side is empty. Shared by CAR and TTFT (§12: "D as CAR")."""
+        if not pools.decode:
+            return None
+        d_queue = _queue_costs(pools.decode, in_flight)
+        d_scores = [_usage(inst) + q for inst, q in zip(pools.decode, d_queue)]
+        d_order, d_tied = self._pick(d_scores, DECODE_SIDE)
+        for i in d_order:
+            inst = pools.decode[i]
+            assert inst.load is not None
+            cands.append(CandidateScore(inst.name, DECODE_SIDE, (), None, d_queue[i],
+                                        d_scores[i], i in d_tied,
+                                        inst.load.waiting_requests_num,
+                                        inst.load.gpu_cache_usage_perc,
+                                        in_flight.total(inst.name),
+                                        in_flight.after(inst.name, inst.load.received_at)))
+        return pools.decode[d_order[0]]
 
     def _pick(self, scores: list[float], side: str) -> tuple[list[int], set[int]]:
         """Order candidate indexes best first: the chosen tie member, then the rest by
@@ -545,30 +572,3 @@ def _queue_costs(pool: Sequence[Instance], in_flight: InFlightSnapshot) -> list[
     if top == 0:
         return [0.0] * len(waits)
     return [w / top for w in waits]
-
-
-def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
-                max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> Policy:
-    """The policy selected by ``--load_balance_policy`` (xllm-service's names).
-
-    :param name: ``RR`` or ``CAR`` (``SLO_AWARE`` is refused with its own message).
-    :param prefill_lambda: ``--car_prefill_lambda``, CAR only.
-    :param host_hit_weight: ``--car_host_hit_weight``, CAR only.
-    :param max_load_age_s: ``--max_load_age_s``, both policies.
-    :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
-    """
-    if name in UNSUPPORTED_POLICIES:
-        raise ConfigError("--load_balance_policy", UNSUPPORTED_POLICIES[name])
-    if name == PolicyName.RR:
-        rr = RoundRobin(max_load_age_s)
-        log.info("routing policy RR (max load age %g s)", rr.max_load_age_s)
-        return rr
-    if name == PolicyName.CAR:
-        policy = CacheAware(prefill_lambda, host_hit_weight, max_load_age_s)
-        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f, max load age %g s)",
-                 policy.prefill_lambda, policy.host_hit_weight, policy.max_load_age_s)
-        # CAR without a KV index is warned about by the service once, at start (it is built
-        # twice under `serve`: to validate, then in the worker).
-        return policy
-    raise ConfigError("--load_balance_policy",
-                      f"must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

@@ -298,7 +298,7 @@ def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, raw_engine):
     token source, the §8 file, the discovery/etcd rule, the routing flags."""
     cases = [
         ({}, "missing", "internal_api_token_file"),
-        ({"KVSVC_LOAD_BALANCE_POLICY": "SLO_AWARE"}, None, "KVSVC_LOAD_BALANCE_POLICY"),
+        ({"KVSVC_LOAD_BALANCE_POLICY": "LEAST_LOAD"}, None, "KVSVC_LOAD_BALANCE_POLICY"),
         ({"KVSVC_CAR_PREFILL_LAMBDA": "2"}, None, "KVSVC_CAR_PREFILL_LAMBDA"),
         ({"KVSVC_LOG_FORMAT": "xml"}, None, "KVSVC_LOG_FORMAT"),
         ({"KVSVC_ETCD_ADDR": "nohostport"}, None, "KVSVC_ETCD_ADDR"),

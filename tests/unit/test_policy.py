@@ -26,8 +26,10 @@ from kvsvc.routing.policy import (
     RankHit,
     RoundRobin,
     candidate_pools,
-    make_policy,
 )
+from kvsvc.routing.policies import make_policy
+from kvsvc.routing.slo import SloAware
+from kvsvc.routing.ttft import TtftPolicy
 from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
 from kvsvc.streams.state import StreamId, StreamMatch
 
@@ -299,6 +301,9 @@ def test_decision_json_shape():
                         "score": 0.25, "tied": False, "waiting_requests_num": 0,
                         "gpu_cache_usage_perc": 0.0, "in_flight": 0,
                         "in_flight_after_report": 0,
+                        # §12's predictions: SLO_AWARE and TTFT only.
+                        "estimated_prefill_ms": None, "predicted_prefill_ms": None,
+                        "predicted_ttft_ms": None, "predicted_tpot_ms": None,
                         "ranks": [{"dp_rank": 0, "device_hit_tokens": 40,
                                    "host_only_hit_tokens": 20, "hit_ratio": 0.5,
                                    "reason": None}]}],
@@ -415,13 +420,27 @@ def test_make_policy_names_and_ranges(caplog):
     assert isinstance(make_policy("RR"), RoundRobin)
     car = make_policy("CAR", 0.25, 0.75)
     assert (car.name, car.prefill_lambda, car.host_hit_weight) == ("CAR", 0.25, 0.75)
-    with pytest.raises(ConfigError) as err:
-        make_policy("SLO_AWARE")
-    assert (err.value.field, err.value.message) == (
-        "--load_balance_policy", "SLO_AWARE is not supported by kvsvc yet; use CAR or RR")
+    slo = make_policy("SLO_AWARE", target_ttft_ms=800, target_tpot_ms=40)
+    assert isinstance(slo, SloAware)
+    assert (slo.name, slo.target_ttft_ms, slo.target_tpot_ms) == ("SLO_AWARE", 800, 40)
+    ttft = make_policy("TTFT", host_hit_weight=0.25, default_prefill_tokens_per_s=5000)
+    assert isinstance(ttft, TtftPolicy)
+    assert (ttft.name, ttft.host_hit_weight, ttft.default_prefill_tokens_per_s) == (
+        "TTFT", 0.25, 5000.0)
     with pytest.raises(ConfigError) as err:
         make_policy("LEAST_LOAD")
-    assert err.value.message == "must be one of RR, CAR, got 'LEAST_LOAD'"
+    assert (err.value.field, err.value.message) == (
+        "--load_balance_policy", "must be one of RR, CAR, SLO_AWARE, TTFT, got 'LEAST_LOAD'")
+    for name, kwargs, field in (("SLO_AWARE", {"target_ttft_ms": -1}, "--target_ttft"),
+                                ("SLO_AWARE", {"target_tpot_ms": 10**9}, "--target_tpot"),
+                                ("SLO_AWARE", {"target_tpot_ms": 1.5}, "--target_tpot"),
+                                ("TTFT", {"default_prefill_tokens_per_s": 0},
+                                 "--default_prefill_tokens_per_s"),
+                                ("TTFT", {"default_prefill_tokens_per_s": float("inf")},
+                                 "--default_prefill_tokens_per_s")):
+        with pytest.raises(ConfigError) as err:
+            make_policy(name, **kwargs)
+        assert err.value.field == field
     for kwargs, field in (({"prefill_lambda": 1.5}, "car_prefill_lambda"),
                           ({"prefill_lambda": -0.1}, "car_prefill_lambda"),
                           ({"host_hit_weight": float("nan")}, "car_host_hit_weight"),
@@ -431,7 +450,9 @@ def test_make_policy_names_and_ranges(caplog):
         assert err.value.field == field
     # Building a policy warns about nothing: CAR without a KV index is the service's one
     # start-up line (tests/unit/test_cli_flags.py), not repeated by every build.
-    with caplog.at_level(logging.WARNING, logger="kvsvc.routing.policy"):
+    with caplog.at_level(logging.WARNING, logger="kvsvc.routing"):
         make_policy("CAR")
         make_policy("RR")
+        make_policy("SLO_AWARE")
+        make_policy("TTFT")
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []

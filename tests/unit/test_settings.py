@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from kvsvc import settings as settings_module
 from kvsvc.cli import build_parser, main, resolve_serve_settings, serve_environment
 from kvsvc.errors import ConfigError
-from kvsvc.routing import policy
+from kvsvc.routing import policies as policy
 from kvsvc.settings import (
     CAR_WEIGHT_RANGE,
     POLICY_NAMES,
@@ -124,6 +124,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "detect_disconnected_instance_interval": 2.5, "self_address": "10.0.0.1:8888",
         "max_concurrent_snapshots": 3, "load_balance_policy": "RR", "car_prefill_lambda": 0.25,
         "car_host_hit_weight": 1.0, "max_load_age_s": 30.0,
+        "target_ttft": 800, "target_tpot": 40, "default_prefill_tokens_per_s": 5000.0,
         "tokenizer_path": str(tmp_path / "tok"), "model": "m1,m2",
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
         "max_request_bytes": 4096, "worker_threads": 16,

@@ -1,0 +1,177 @@
+"""``TTFT`` (§12, kvsvc's own): the P with the lowest predicted time to first token,
+
+    ``predicted_ttft(P) = queued_ms(P) + prefill_ms(P, uncached)``
+
+with ``uncached = input_tokens - device_hit - host_weight * host_only_hit`` from CAR's hit terms
+(:func:`~kvsvc.routing.policy.rank_hits`: the minimum over DP ranks, subset hits as they are,
+0 hits for a missing, unsynchronized or stale rank), i.e. ``input_tokens * (1 - hit_ratio)``.
+The D is chosen as CAR does (§11); scores within :data:`~kvsvc.routing.policy.TIE_EPSILON` ms
+of the minimum rotate among the tied. Cache reuse and queueing are weighed in one unit, time:
+no lambda to tune.
+
+``prefill_ms(P, n)``: the instance's TTFT predictor ``c0 + c1 n + c2 n^2``
+(:mod:`kvsvc.routing.predictor`, clamped at 0) when its ``ttft_profiling_data`` gives a fit,
+else ``n / default_prefill_tokens_per_s`` seconds (``--default_prefill_tokens_per_s``).
+
+``queued_ms(P)``, the prefill work ahead of the request (README "Routing"): the router's own
+requests still in prefill on P (dispatched, no first token relayed yet: the request-metrics
+ledger, :mod:`kvsvc.routing.request_metrics`), each with the prefill time predicted when it was
+dispatched, corrected by P's last load report (``waiting_requests_num`` ``W``, received at
+``t_r``):
+
+    ``queued_ms(P) = max(before_ms, W * unit_ms) + after_ms``
+
+- ``before_ms``: the predicted times of the own pending requests dispatched up to ``t_r``:
+  they are inside that report (queued ones among ``W``, the running one not), so they and the
+  report describe the same work; the larger of the two is taken (the report also counts other
+  senders' requests; the ledger also counts the running one, and knows each one's size).
+- ``unit_ms``: the mean predicted time of the own pending requests when there are any (the
+  traffic the instance sees), else ``prefill_ms(P, input_tokens)`` of the request being routed
+  (a queued request of unknown size costs a full prefill of this size).
+- ``after_ms``: the own pending requests dispatched after ``t_r``: no report has seen them yet,
+  so they are added on top (like CAR's waiting estimate, :mod:`kvsvc.routing.in_flight`).
+
+With nothing pending the estimate is ``W * prefill_ms(P, input_tokens)``: the report alone;
+with no report newer than the router's own dispatches it is the ledger alone. Nothing here does
+I/O; the choice reads the ledger's snapshot (copied under its lock) and the registry's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import MappingProxyType
+from typing import Optional, Sequence
+
+from kvsvc.cluster.model import Instance, RegistrySnapshot
+from kvsvc.errors import ConfigError
+from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot
+from kvsvc.routing.policy import (
+    PREFILL_SIDE,
+    CacheAware,
+    CandidateScore,
+    Decision,
+    Identities,
+    RankHit,
+    candidate_pools,
+    rank_hits,
+)
+from kvsvc.routing.predictor import PredictorCache, TimePredictor
+from kvsvc.routing.request_metrics import (
+    EMPTY_REQUEST_METRICS,
+    PendingPrefill,
+    RequestMetricsLedger,
+)
+from kvsvc.settings import (
+    DEFAULT_MAX_LOAD_AGE_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    PREFILL_TOKENS_PER_S_RANGE,
+    PolicyName,
+)
+from kvsvc.streams.state import StreamMatch
+
+log = logging.getLogger(__name__)
+
+def check_tokens_per_s(value: float) -> float:
+    """``--default_prefill_tokens_per_s`` as a float in ``(0, 1e9]``.
+
+    :raises ConfigError: naming the flag, when out of range or not a number.
+    """
+    low, high = PREFILL_TOKENS_PER_S_RANGE
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not low < value <= high):
+        raise ConfigError("--default_prefill_tokens_per_s",
+                          f"must be a number in ({low:g}, {high:g}] tokens/s, got {value!r}")
+    return float(value)
+
+def prefill_ms(predictor: TimePredictor, tokens: float, default_tokens_per_s: float) -> float:
+    """Predicted prefill time of ``tokens`` tokens, ms >= 0: the TTFT fit when there is one
+    (clamped at 0), else ``tokens / default_tokens_per_s`` seconds."""
+    if predictor.has_ttft:
+        return max(0.0, predictor.predict_ttft(tokens))
+    return 1000.0 * tokens / default_tokens_per_s
+
+def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms: float
+              ) -> float:
+    """``max(before_ms, W * unit_ms) + after_ms`` (module docstring), milliseconds >= 0.
+
+    :param inst: the candidate (with its load report; without one ``W`` is 0).
+    :param pending: the router's own requests still in prefill there.
+    :param full_prefill_ms: ``prefill_ms`` of the routed request's whole prompt there (the
+        unit when nothing is pending).
+    """
+    load = inst.load
+    t_r = load.received_at if load is not None else -math.inf
+    waiting = load.waiting_requests_num if load is not None else 0
+    before = sum(p.estimated_prefill_ms for p in pending if p.dispatched_at <= t_r)
+    after = sum(p.estimated_prefill_ms for p in pending if p.dispatched_at > t_r)
+    unit = (sum(p.estimated_prefill_ms for p in pending) / len(pending) if pending
+            else full_prefill_ms)
+    return max(before, waiting * unit) + after
+
+class TtftPolicy(CacheAware):
+    """``TTFT`` (§12, module docstring). Thread-safe.
+
+    :param ledger: the service's request-metrics ledger (the queued prefill estimate).
+    :param host_hit_weight: ``--car_host_hit_weight``, [0, 1].
+    :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, ``(0, 1e9]``.
+    :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
+    :raises ConfigError: a value out of range, naming its flag or field.
+    """
+
+    name = PolicyName.TTFT.value
+
+    def __init__(self, ledger: Optional[RequestMetricsLedger] = None,
+                 host_hit_weight: float = 0.5,
+                 default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
+        super().__init__(0.5, host_hit_weight, max_load_age_s)
+        self.default_prefill_tokens_per_s = check_tokens_per_s(default_prefill_tokens_per_s)
+        self.ledger = ledger
+        self.predictors = PredictorCache(
+            self.name, f"assumes {self.default_prefill_tokens_per_s:g} tokens/s there "
+                       "(--default_prefill_tokens_per_s, §12)")
+
+    def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
+               matches: Optional[list[StreamMatch]],
+               identities: Optional[Identities] = None,
+               in_flight: InFlightSnapshot = NO_IN_FLIGHT, *, now: float) -> Decision:
+        """See :meth:`kvsvc.routing.policy.Policy.choose` and the module docstring. Each P
+        candidate's ``score`` is its predicted TTFT (ms); ``hit_ratio`` CAR's."""
+        pools = candidate_pools(snapshot, now, self.max_load_age_s)
+        n_tokens = len(token_ids) if token_ids is not None else 0
+        if not pools.prefill:
+            return Decision(self.name, None, None, (), (), n_tokens, pools.reason,
+                            pools.excluded)
+        self.predictors.forget_except(set(snapshot.instances))
+        metrics = self.ledger.snapshot() if self.ledger is not None else EMPTY_REQUEST_METRICS
+        by_stream = (None if matches is None else
+                     {(m.instance_name, m.dp_rank): m for m in matches})
+        rows: list[tuple[float, Instance, tuple[RankHit, ...], float, float, float]] = []
+        for inst in pools.prefill:
+            ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
+            hit = min(r.hit_ratio for r in ranks)
+            predictor = self.predictors.get(inst)
+            own = prefill_ms(predictor, n_tokens * (1.0 - hit),
+                             self.default_prefill_tokens_per_s)
+            queue = queued_ms(inst, metrics.pending_of(inst.name),
+                              prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s))
+            rows.append((queue + own, inst, ranks, hit, queue, own))
+        order, tied = self._pick([r[0] for r in rows], PREFILL_SIDE)
+        cands: list[CandidateScore] = []
+        for i in order:
+            score, inst, ranks, hit, queue, own = rows[i]
+            assert inst.load is not None  # candidate_pools keeps only instances with a load
+            cands.append(CandidateScore(inst.name, PREFILL_SIDE, ranks, hit, None, score,
+                                        i in tied, inst.load.waiting_requests_num,
+                                        inst.load.gpu_cache_usage_perc,
+                                        in_flight.total(inst.name),
+                                        in_flight.after(inst.name, inst.load.received_at),
+                                        estimated_prefill_ms=queue, predicted_prefill_ms=own,
+                                        predicted_ttft_ms=score))
+        ranking = tuple(rows[i][1] for i in order)
+        estimates = MappingProxyType({rows[i][1].name: rows[i][5] for i in order})
+        decode = self._choose_decode(pools, in_flight, cands)
+        return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens,
+                        excluded=pools.excluded, prefill_estimates_ms=estimates)
+
