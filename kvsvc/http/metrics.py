@@ -320,6 +320,12 @@ class ServiceCollector(Collector):
             labels=("instance", "outcome"))
         for (name, outcome), count in sorted(snap.outcomes.items()):
             outcomes.add_metric((name, outcome), float(count))
+        exact = CounterMetricFamily(
+            "kvsvc_cache_predictions_exact",
+            "The audited answers predicted from synchronized exact streams (every rank of the "
+            "P counted, none subset), by instance and outcome.", labels=("instance", "outcome"))
+        for (name, outcome), count in sorted(snap.exact_outcomes.items()):
+            exact.add_metric((name, outcome), float(count))
         causes = CounterMetricFamily(
             "kvsvc_cache_prediction_misses",
             "Audited answers off by more than one block, by instance and likely cause.",
@@ -332,7 +338,7 @@ class ServiceCollector(Collector):
             "e.g. RR; no_usage: the answer carried no cached_tokens).", labels=("reason",))
         for reason in UNAUDITED_REASONS:
             unaudited.add_metric((reason,), float(snap.unaudited.get(reason, 0)))
-        return hist, abs_error, outcomes, causes, unaudited
+        return hist, abs_error, outcomes, exact, causes, unaudited
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -251,23 +251,21 @@ class AuditSnapshot:
     """The audit's counters at one instant (copied under its lock).
 
     :ivar outcomes: ``(instance, outcome)`` -> answers audited.
+    :ivar exact_outcomes: the same for the answers predicted from synchronized exact streams.
     :ivar causes: ``(instance, cause)`` -> misses beyond one block.
     :ivar unaudited: reason -> answers not audited (:data:`UNAUDITED_REASONS`).
     :ivar bucket_counts: per :data:`DIFF_BUCKETS_TOKENS` bound then +Inf, non-cumulative.
     :ivar diff_sum: sum of ``diff`` over audited answers, tokens.
-    :ivar exact_audited: audited answers predicted from synchronized exact streams.
-    :ivar exact_within: the part of them within one block.
     :ivar abs_error_sum: sum of ``|diff|``, tokens.
     :ivar recent: the last records, oldest first.
     """
 
     outcomes: Mapping[tuple[str, str], int]
+    exact_outcomes: Mapping[tuple[str, str], int]
     causes: Mapping[tuple[str, str], int]
     unaudited: Mapping[str, int]
     bucket_counts: tuple[int, ...]
     diff_sum: float
-    exact_audited: int
-    exact_within: int
     abs_error_sum: int
     recent: tuple[PredictionRecord, ...]
 
@@ -275,6 +273,17 @@ class AuditSnapshot:
     def audited(self) -> int:
         """Answers audited."""
         return sum(self.outcomes.values())
+
+    @property
+    def exact_audited(self) -> int:
+        """Audited answers predicted from synchronized exact streams."""
+        return sum(self.exact_outcomes.values())
+
+    @property
+    def exact_within(self) -> int:
+        """The part of :attr:`exact_audited` within one block."""
+        return sum(n for (_, outcome), n in self.exact_outcomes.items()
+                   if outcome == OUTCOME_WITHIN)
 
 
 class CacheAudit:
@@ -289,12 +298,12 @@ class CacheAudit:
         self._block_size_of = block_size_of
         self._lock = threading.Lock()
         self._outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._exact_outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._causes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._unaudited: collections.Counter[str] = collections.Counter()
         self._buckets = [0] * (len(DIFF_BUCKETS_TOKENS) + 1)
         self._diff_sum = 0.0
         self._abs_sum = 0
-        self._exact = [0, 0]
         self._recent: collections.deque[PredictionRecord] = collections.deque(maxlen=recent)
 
     # -- the observer seam (only the end matters) ---------------------------------------------
@@ -333,8 +342,7 @@ class CacheAudit:
             self._diff_sum += rec.diff
             self._abs_sum += abs(rec.diff)
             if rec.exact:
-                self._exact[0] += 1
-                self._exact[1] += rec.outcome == OUTCOME_WITHIN
+                self._exact_outcomes[(rec.instance, rec.outcome)] += 1
             self._recent.append(rec)
         if rec.cause is not None:
             (log.info if rec.exact else log.debug)(
@@ -344,7 +352,7 @@ class CacheAudit:
     def snapshot(self) -> AuditSnapshot:
         """The counters and recent records now (:class:`AuditSnapshot`)."""
         with self._lock:
-            return AuditSnapshot(dict(self._outcomes), dict(self._causes),
-                                 dict(self._unaudited), tuple(self._buckets), self._diff_sum,
-                                 self._exact[0], self._exact[1], self._abs_sum,
+            return AuditSnapshot(dict(self._outcomes), dict(self._exact_outcomes),
+                                 dict(self._causes), dict(self._unaudited),
+                                 tuple(self._buckets), self._diff_sum, self._abs_sum,
                                  tuple(self._recent))

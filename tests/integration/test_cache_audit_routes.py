@@ -122,6 +122,9 @@ def test_every_answer_is_audited_exported_and_listed(cluster):
     assert m.value("kvsvc_cache_predictions_total", instance=name,
                    outcome="within_block") == 4.0
     assert m.value("kvsvc_cache_predictions_total", instance=name, outcome="under") == 1.0
+    assert m.value("kvsvc_cache_predictions_exact_total", instance=name,
+                   outcome="within_block") == 3.0
+    assert m.value("kvsvc_cache_predictions_exact_total", instance=name, outcome="under") is None
     assert m.value("kvsvc_cache_prediction_misses_total", instance=name,
                    cause=CAUSE_NOT_TOKENIZED) == 1.0
     assert m.value("kvsvc_cache_predictions_unaudited_total", reason="no_usage") == 0.0

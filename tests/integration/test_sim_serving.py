@@ -345,9 +345,9 @@ MODEL = {"prefill_base_us": 1000.0, "prefill_us_per_token": 100.0,
          "decode_us_per_seq": 500.0, "decode_us_per_context_token": 10.0}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_prefill_and_tpot_follow_the_model_exactly(stream):
-    eng = make_engine(**MODEL)
+@pytest.mark.parametrize("stream, coalesce_ms", [(False, 0.0), (True, 0.0), (True, 1000.0)])
+def test_prefill_and_tpot_follow_the_model_exactly(stream, coalesce_ms):
+    eng = make_engine(**MODEL, stream_coalesce_ms=coalesce_ms)
     eng.start()
     try:
         body: dict = {"prompt": list(range(1000, 1010)), "max_tokens": 5, "stream": stream,
@@ -359,6 +359,8 @@ def test_prefill_and_tpot_follow_the_model_exactly(stream):
         # = 1600, 1610, 1620, 1630 us: TPOT 1.615 ms.
         if stream:
             events = [e for e in r.text.split("\n\n") if e]
+            # One event per token (coalesced writes too), the usage chunk, [DONE].
+            assert len(events) == 5 + 2
             last = json.loads(events[-2][len("data: "):])
             timing = last["sim_timing"]
             assert (timing["prefill_ms"], timing["tpot_ms"], timing["rank"]) == (2.05, 1.615, 0)

@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--decode-us-per-context-token", type=float,
              default=d.decode_us_per_context_token,
              help="simulated us per context token of each decoding sequence per step (d2)")
+    add_flag(parser, "--stream-coalesce-ms", type=float, default=d.stream_coalesce_ms,
+             help="streams: write the SSE events of decode steps at least this many wall ms "
+                  "apart together (0: one write per token)")
     add_flag(parser, "--no-profiling-data", action="store_true",
              help="with --serve --etcd: register without ttft/tpot_profiling_data")
     add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -204,7 +207,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 model=args.model, prefill_base_us=args.prefill_base_us,
                 prefill_us_per_token_sq=args.prefill_us_per_token_sq,
                 decode_us_per_seq=args.decode_us_per_seq,
-                decode_us_per_context_token=args.decode_us_per_context_token)
+                decode_us_per_context_token=args.decode_us_per_context_token,
+                stream_coalesce_ms=args.stream_coalesce_ms)
             if args.tokenizer_path:
                 from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
 

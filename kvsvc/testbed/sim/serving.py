@@ -189,6 +189,11 @@ class ServingConfig:
         (>= 0).
     :param decode_us_per_context_token: ``d2``, simulated microseconds per context token of
         each decoding sequence per step (>= 0).
+    :param stream_coalesce_ms: streamed answers: decode steps are waited in groups of at
+        least this much *wall* time and each group's SSE events written at once (several
+        ``data:`` events in one write, each still one token), like an engine's output
+        batching under load; 0: one write per token (>= 0). Keeps a compressed-time bench
+        from spending its CPU on sub-millisecond writes; the modeled times are unchanged.
     :raises ValueError: a value out of range.
     """
 
@@ -203,13 +208,14 @@ class ServingConfig:
     prefill_us_per_token_sq: float = 0.001
     decode_us_per_seq: float = 100.0
     decode_us_per_context_token: float = 0.02
+    stream_coalesce_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_us_per_token > 0:
             raise ValueError("prefill_us_per_token must be > 0")
         for name in ("host_load_us_per_token", "decode_us_per_token", "prefill_base_us",
                      "prefill_us_per_token_sq", "decode_us_per_seq",
-                     "decode_us_per_context_token"):
+                     "decode_us_per_context_token", "stream_coalesce_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_num_seqs < 1 or self.max_connections < 1:
@@ -699,13 +705,14 @@ class Serving:
             q.cond.notify_all()
 
     def _decode(self, rank: int, context: int, tokens: int, conn: socket.socket,
-                emit: Optional[Callable[[int], None]] = None) -> float:
+                emit: Optional[Callable[[int, int], None]] = None) -> float:
         """Decode ``tokens`` further output tokens (after the first) on ``rank`` for a request
         of ``context`` tokens so far, one modeled step each (:meth:`ServingConfig.tpot_us` of
-        the rank's batch at the step's start). ``emit(i)`` is called after output token ``i``
-        (1-based after the first) when given, each step waited on its own; without it steps
-        are waited in groups of at least :data:`_MIN_WAIT_S` of wall time (the batch re-read
-        per group). Returns the decode time, simulated ms.
+        the rank's batch at the step's start). With ``emit`` (a stream), ``emit(first, last)``
+        is called after output tokens ``first..last`` (1-based after the first token), each
+        step waited on its own unless ``stream_coalesce_ms`` groups them; without it steps are
+        waited in groups of at least :data:`_MIN_WAIT_S` of wall time. The batch is re-read
+        per group. Returns the decode time, simulated ms.
 
         :raises SimClientDisconnected: the client went away.
         :raises SimServingClosed: the engine is closing.
@@ -723,11 +730,12 @@ class Serving:
                 with q.cond:
                     step_us = q.step_us(cfg)
                     batch = len(q.decoding)
+                min_wait_s = _MIN_WAIT_S if emit is None else cfg.stream_coalesce_ms / 1000.0
                 group = 1
-                if emit is None:
+                if min_wait_s > 0:
                     wall_step = step_us / 1e6 / cfg.time_scale
                     group = min(tokens - done,
-                                max(1, int(_MIN_WAIT_S / wall_step) if wall_step > 0
+                                max(1, int(min_wait_s / wall_step) if wall_step > 0
                                     else tokens - done))
                 # Every context of the batch grows by one per step, so the group's steps are
                 # step_us, step_us + d2 B, ...: their exact sum for an unchanged batch.
@@ -740,7 +748,7 @@ class Serving:
                     q.decoding[ticket] += group
                     q.context_sum += group
                 if emit is not None:
-                    emit(done)
+                    emit(done - group + 1, done)
         finally:
             with q.cond:
                 q.context_sum -= q.decoding.pop(ticket)
@@ -784,7 +792,7 @@ class Serving:
                 doc["sim_timing"] = timing  # non-standard; OpenAI clients ignore it
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
-        def token(i: int) -> None:
+        def token(i: int) -> bytes:
             last = i == req.max_tokens - 1
             text = _token_text(i)
             if req.chat:
@@ -794,13 +802,16 @@ class Serving:
             else:
                 c = {"index": 0, "text": text, "finish_reason": "length" if last else None,
                      "logprobs": None}
-            write(chunk([c]))
+            return chunk([c])
+
+        def tokens(first: int, last: int) -> None:
+            write(b"".join(token(i) for i in range(first, last + 1)))
 
         pre, rank = self._prefill(req, conn)
         try:
-            token(0)
+            write(token(0))
             decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn,
-                                     emit=token)
+                                     emit=tokens)
         finally:
             self._release_slot(rank)
         tpot_ms = self._finished(req, decode_ms)
