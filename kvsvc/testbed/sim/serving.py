@@ -166,8 +166,8 @@ class ServingConfig:
 
     Defaults model one Qwen2.5-7B-class instance (28 layers, 4 KV heads of 128, bf16) on one
     H100: prefill about 20k tokens/s at short prompts (50 us/token) plus a 5 ms step and an
-    attention term of 1 ns per token squared (+6% at 2k tokens, +66% at 32k: 1.1 s more on a
-    1.6 s linear cost), Host->Device loads over PCIe at about 2 us/token; a decode step of 8 ms
+    attention term of 0.4 ns per token squared (about ``2 n^2 d_model layers`` FLOPs at a few
+    hundred TFLOP/s: +2% at 2k tokens, +26% at 32k, +100% at 128k, where a prompt takes 13 s), Host->Device loads over PCIe at about 2 us/token; a decode step of 8 ms
     (reading 15 GB of weights at about 2 TB/s) plus 0.1 ms per sequence plus 0.02 us per
     context token of the batch (56 KiB of KV per token at about 3 TB/s): 8.1 ms alone, about
     25 ms for 64 sequences of 8k tokens.
@@ -205,7 +205,7 @@ class ServingConfig:
     max_connections: int = 256
     model: str = "sim"
     prefill_base_us: float = 5_000.0
-    prefill_us_per_token_sq: float = 0.001
+    prefill_us_per_token_sq: float = 0.0004
     decode_us_per_seq: float = 100.0
     decode_us_per_context_token: float = 0.02
     stream_coalesce_ms: float = 0.0
