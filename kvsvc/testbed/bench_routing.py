@@ -198,6 +198,8 @@ class RunResult:
     :param audit: the service's predicted-vs-actual counters at the end (:class:`AuditFigures`).
     :param misses: the client's explanation of the predictions off by more than one block
         (:func:`explain_misses`).
+    :param head_ms: client send to response head of every answer, wall ms, sorted (the
+        router's own delay plus, non-streamed, the whole answer).
     """
 
     trace: str
@@ -215,7 +217,8 @@ class RunResult:
     tpot_ms: list[float] = field(default_factory=list)
     target_ttft_ms: float = 1000.0
     audit: "AuditFigures" = field(default_factory=lambda: AuditFigures())
-    misses: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, float] = field(default_factory=dict)
+    head_ms: list[float] = field(default_factory=list)
 
     @property
     def slo_attainment(self) -> float:
@@ -363,6 +366,7 @@ class Answer:
 #: and still explain the later one's extra cached tokens (event publish + index apply).
 INDEX_LAG_S = 0.05
 MISS_CONCURRENT = "prefix prefilled by an earlier request after routing"
+MISS_LAG = "prefix prefilled before routing (index lag)"
 MISS_EVICTED = "engine reused fewer (evicted or replaced)"
 MISS_UNEXPLAINED = "unexplained"
 
@@ -378,18 +382,21 @@ def common_prefix_tokens(a: TraceRequest, b: TraceRequest) -> int:
 
 
 def explain_misses(reqs: Sequence[TraceRequest], answers: Sequence[Optional[Answer]],
-                   block_size: int, time_scale: float) -> dict[str, int]:
+                   block_size: int, time_scale: float) -> dict[str, float]:
     """The client-side explanation of every prediction off by more than one block: ``{why:
     count}`` over :data:`MISS_CONCURRENT` (the engine reported more because another request
     sharing at least that prefix, answered by the same engine, finished its prefill before
     this one's but less than :data:`INDEX_LAG_S` before this one was sent, or after: the
     blocks did not exist, or were not yet indexed, when this one was routed; on a loaded
-    machine a request sent later can reach the engine first), :data:`MISS_EVICTED` (the engine
-    reported less) and :data:`MISS_UNEXPLAINED` (neither: a bug to find).
+    machine a request sent later can reach the engine first), :data:`MISS_LAG` (such a request
+    finished its prefill earlier still, before this one was sent: the engine had the blocks
+    but the router's index had not applied their events when it routed this one; the largest
+    such gap is returned under ``"max lag s"``), :data:`MISS_EVICTED` (the engine reported
+    less) and :data:`MISS_UNEXPLAINED` (none of these: a bug to find).
 
     :param time_scale: the engines' time compression (simulated ms -> wall s).
     """
-    out: dict[str, int] = {}
+    out: dict[str, float] = {}
     by_engine: dict[str, list[int]] = collections.defaultdict(list)
     for i, a in enumerate(answers):
         if a is not None:
@@ -401,17 +408,26 @@ def explain_misses(reqs: Sequence[TraceRequest], answers: Sequence[Optional[Answ
             why = MISS_EVICTED
         else:
             why = MISS_UNEXPLAINED
+            lag = 0.0
             for i in by_engine[a.engine]:
                 b = answers[i]
                 assert b is not None
                 if i == j:
                     continue
                 prefilled = b.prefilled_at(time_scale)
-                if (a.sent_at - INDEX_LAG_S <= prefilled <= a.prefilled_at(time_scale)
-                        and common_prefix_tokens(reqs[i], reqs[j]) >= a.cached_tokens - block_size):
+                if (prefilled > a.prefilled_at(time_scale)
+                        or common_prefix_tokens(reqs[i], reqs[j]) < a.cached_tokens - block_size):
+                    continue
+                if prefilled >= a.sent_at - INDEX_LAG_S:
                     why = MISS_CONCURRENT
                     break
-        out[why] = out.get(why, 0) + 1
+                # The most recent such prefill bounds the lag from below.
+                gap = a.sent_at - prefilled
+                lag = gap if why != MISS_LAG else min(lag, gap)
+                why = MISS_LAG
+            if why == MISS_LAG:
+                out["max lag s"] = max(out.get("max lag s", 0.0), round(lag, 2))
+        out[why] = out.get(why, 0.0) + 1
     return out
 
 
@@ -666,6 +682,8 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             if got.tpot_ms is not None:
                 result.tpot_ms.append(got.tpot_ms)
         result.misses = explain_misses(reqs, answers, opts.block_size, opts.time_scale)
+        result.head_ms = sorted((a.head_at - a.sent_at) * 1000.0 for a in answers
+                                if a is not None)
         result.wall_s = time.monotonic() - result.wall_s
         result.ttft_ms.sort()
         result.tpot_ms.sort()
@@ -918,16 +936,20 @@ def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") 
         lines += ["", "Prediction misses beyond one block, by the audit's likely cause (all "
                   "runs): " + ", ".join(f"{c} {n}" for c, n in sorted(
                       causes.items(), key=lambda kv: -kv[1])) + "."]
-    misses: dict[str, int] = {}
+    misses: dict[str, float] = {}
     for r in results:
-        for why, n in r.misses.items():
-            misses[why] = misses.get(why, 0) + n
+        for why, value in r.misses.items():
+            misses[why] = (max(misses.get(why, 0.0), value) if why == "max lag s"
+                           else misses.get(why, 0.0) + value)
     if misses:
         lines += ["", "The same misses as the bench client explains them from its own "
                   "timeline (an earlier request to the same engine sharing the prefix whose "
                   f"prefill ended after routing, less {INDEX_LAG_S * 1000:g} wall ms): "
-                  + ", ".join(f"{why} {n}" for why, n in sorted(
-                      misses.items(), key=lambda kv: -kv[1])) + "."]
+                  + ", ".join(f"{why} {n:g}" for why, n in sorted(
+                      misses.items(), key=lambda kv: -kv[1])) + ". Router delay (client send "
+                  "to response head, wall ms) p99 per run: "
+                  + ", ".join(f"{r.policy} x{r.load:g} {_quantile(r.head_ms, 0.99):.0f}"
+                              for r in results if r.audit.audited) + "."]
     met = targets(results)
     if met:
         lines += ["", "Targets (conversation trace unless said; issue 14, then issue 5):", ""]
