@@ -115,6 +115,9 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # socketserver's default listen backlog is 5: a burst of connections (HTTP/1.0, one per
+    # request) overflows it, the kernel drops SYNs and clients see 1-3 s connect stalls.
+    request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], max_connections: int,
                  serving: Optional[Serving]) -> None:
