@@ -43,6 +43,8 @@ from kvsvc.routing.models import ModelLister
 from kvsvc.routing.policies import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
+from kvsvc.routing.cache_audit import CacheAudit, block_sizes
+from kvsvc.routing.observer import ObserverChain
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import Router, served_models
 
@@ -71,13 +73,16 @@ def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
 
 
 def build_router(settings: ServiceSettings, registry: Optional[Registry],
-                 directory: Optional[Directory]) -> Router:
+                 directory: Optional[Directory],
+                 cache_audit: Optional[CacheAudit] = None) -> Router:
     """The §11 router from the service settings: policy, tokenizer (loaded now), a proxy with
     its pooled session and the in-flight ledger it shares with the policy.
 
     :param settings: validated service settings.
     :param registry: where candidates come from, ``None`` without ``--etcd_addr``.
     :param directory: where hits come from, ``None`` with the index disabled.
+    :param cache_audit: hears every answer after the ledger (predicted vs actual cached
+        tokens, :mod:`kvsvc.routing.cache_audit`); ``None``: not audited.
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
     # The per-instance request metrics (§12), heard through the proxy's observer seam and
@@ -97,7 +102,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
                                 read_timeout_s=settings.upstream_read_timeout_s,
                                 pool_maxsize=settings.worker_threads), in_flight,
-                  observer=ledger)
+                  observer=(ObserverChain([ledger, cache_audit]) if cache_audit is not None
+                            else ledger))
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
 
@@ -139,6 +145,8 @@ class Service:
     :ivar registry: the registry, ``None`` without ``--etcd_addr``.
     :ivar discovery: discovery, ``None`` unless enabled (it needs a registry and a directory).
     :ivar router: the §11 router (always present).
+    :ivar cache_audit: predicted vs actual cached tokens of every proxied answer
+        (:mod:`kvsvc.routing.cache_audit`), shown in ``/metrics`` and ``/v1/internal/route``.
     :ivar models: the backends' model lists, ``None`` unless a registry is configured and
         ``--model`` is empty.
     :ivar static_streams: the §8 config lists streams.
@@ -164,7 +172,9 @@ class Service:
                 and self.directory is not None):
             self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
                                        kv_config)
-        self.router = build_router(settings, self.registry, self.directory)
+        # Predicted vs actual cached tokens of every answer (issue 14).
+        self.cache_audit = CacheAudit(block_sizes(kv_config))
+        self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
         self.models: Optional[ModelLister] = (
             ModelLister(self.registry) if self.registry is not None and not self.router.models
             else None)

@@ -19,8 +19,10 @@ token is configured (:mod:`kvsvc.http.auth`). Errors answer ``{"error": "..."}``
   a reminder at most once a minute); a 200 ends the instance's episode there (one INFO).
 - ``POST /v1/internal/route`` ``{"token_ids": [...]}`` or a completion/chat body -> the decision
   (chosen P/D and every candidate's per-rank hit tokens, hit ratio, queue cost, score, tie, in
-  flight) plus ``tokenized`` and ``heartbeat_rejections`` (the instances whose heartbeats are
-  refused, as in ``/ready``), without sending anything (§11). Bodies up to
+  flight) plus ``tokenized``, ``heartbeat_rejections`` (the instances whose heartbeats are
+  refused, as in ``/ready``) and ``recent_cache_predictions`` (the last proxied answers'
+  predicted vs engine-reported cached tokens, oldest first:
+  :meth:`~kvsvc.routing.cache_audit.PredictionRecord.to_json`), without sending anything (§11). Bodies up to
   ``--max_request_bytes``.
 """
 
@@ -152,4 +154,6 @@ def _route() -> flask.Response:
     out = metrics().decide(routing, token_ids).to_json()
     out["tokenized"] = tokenized
     out["heartbeat_rejections"] = svc.heartbeat_rejections.to_json()
+    # The last answers' predicted vs actual cached tokens (issue 14), oldest first.
+    out["recent_cache_predictions"] = [r.to_json() for r in svc.cache_audit.snapshot().recent]
     return flask.jsonify(out)

@@ -12,7 +12,8 @@ Two kinds of values:
   each stream's :meth:`~kvsvc.streams.subscriber.StreamSubscriber.status` and
   :meth:`~kvsvc.streams.subscriber.StreamSubscriber.counters` (plain ints copied under the
   stream lock, O(1) per stream, never an index traversal), the registry's immutable snapshot,
-  discovery's counters, the proxy's retries and the in-flight ledger's counts, all reached
+  discovery's counters, the proxy's retries, the in-flight ledger's counts and the cache
+  audit's predicted-vs-actual counters (:mod:`kvsvc.routing.cache_audit`), all reached
   through the :class:`~kvsvc.service.Service`. The stream threads never touch a prometheus object.
 - **Observed on the request path** with prometheus_client instruments (:class:`Metrics`
   attributes): query and route latency, routing decisions, the chosen P's predicted hit ratio,
@@ -50,15 +51,18 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 from kvsvc import __version__
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
 from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
+from kvsvc.routing.cache_audit import DIFF_BUCKETS_TOKENS, UNAUDITED_REASONS
 from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import UPSTREAM_ERROR_KINDS, RelayEnd
 from kvsvc.routing.router import Router
@@ -262,6 +266,7 @@ class ServiceCollector(Collector):
             "Upstream attempts on the next-best prefill after one failed before the "
             "first byte.", svc.router.proxy.retries())
         yield self._upstream_errors(svc)
+        yield from self._cache_audit(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.
@@ -291,6 +296,51 @@ class ServiceCollector(Collector):
         for (name, kind), count in sorted(errors.items()):
             family.add_metric((name, kind), float(count))
         return family
+
+    @staticmethod
+    def _cache_audit(svc: Service) -> Iterable[Metric]:
+        """Predicted vs actual cached tokens (:mod:`kvsvc.routing.cache_audit`)."""
+        snap = svc.cache_audit.snapshot()
+        hist = HistogramMetricFamily(
+            "kvsvc_cache_prediction_diff_tokens",
+            "Proxied answers: the engine's cached_tokens minus the reusable prefix predicted "
+            "for the chosen prefill at routing time, tokens (negative: over-predicted; no "
+            "_sum/_count, the buckets go negative: the +Inf bucket is the count).")
+        cumulative, buckets = 0, []
+        for bound, count in zip((*DIFF_BUCKETS_TOKENS, float("inf")), snap.bucket_counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        hist.add_metric((), buckets, snap.diff_sum)
+        abs_error = CounterMetricFamily(
+            "kvsvc_cache_prediction_abs_error_tokens",
+            "Sum over audited answers of |engine cached_tokens - predicted|, tokens (divided "
+            "by the +Inf bucket: the mean absolute error).", snap.abs_error_sum)
+        outcomes = CounterMetricFamily(
+            "kvsvc_cache_predictions",
+            "Audited answers by instance and outcome (within_block; over: the engine reused "
+            "more than one block less than predicted; under: more than one block more).",
+            labels=("instance", "outcome"))
+        for (name, outcome), count in sorted(snap.outcomes.items()):
+            outcomes.add_metric((name, outcome), float(count))
+        exact = CounterMetricFamily(
+            "kvsvc_cache_predictions_exact",
+            "The audited answers predicted from synchronized exact streams (every rank of the "
+            "P counted, none subset), by instance and outcome.", labels=("instance", "outcome"))
+        for (name, outcome), count in sorted(snap.exact_outcomes.items()):
+            exact.add_metric((name, outcome), float(count))
+        causes = CounterMetricFamily(
+            "kvsvc_cache_prediction_misses",
+            "Audited answers off by more than one block, by instance and likely cause.",
+            labels=("instance", "cause"))
+        for (name, cause), count in sorted(snap.causes.items()):
+            causes.add_metric((name, cause), float(count))
+        unaudited = CounterMetricFamily(
+            "kvsvc_cache_predictions_unaudited",
+            "Answers not audited, by reason (no_prediction: the policy computed no hits, "
+            "e.g. RR; no_usage: the answer carried no cached_tokens).", labels=("reason",))
+        for reason in UNAUDITED_REASONS:
+            unaudited.add_metric((reason,), float(snap.unaudited.get(reason, 0)))
+        return hist, abs_error, outcomes, exact, causes, unaudited
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@
   checked (404), tokenized, routed, then proxied to the chosen P (retried once on the next-best
   P when it refuses before the first byte; :meth:`kvsvc.routing.router.Router.forward`). Every
   proxied response carries ``x-kvsvc-prefill`` (the P that answered) and ``x-kvsvc-decode``
-  (the D, empty when none). Bodies over ``--max_request_bytes`` get 413 before they are read.
+  (the D, empty when none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
+  that P's reusable prefix (:func:`~kvsvc.routing.cache_audit.prediction`; not RR). Bodies over ``--max_request_bytes`` get 413 before they are read.
 - A streamed answer whose upstream body breaks after the head (the engine died, reset the
   connection, or sent nothing within ``--upstream_read_timeout_s``) ends with one SSE event in
   OpenAI's streaming error shape, ``data: {"error": {"message", "type", "param", "code":
@@ -55,6 +56,7 @@ from kvsvc.http.body import (
 from kvsvc.http.errors import OPENAI_ERRORS, status_of
 from kvsvc.http.extensions import router, service
 from kvsvc.http.metrics import metrics
+from kvsvc.routing.cache_audit import prediction
 from kvsvc.routing.proxy import UpstreamBody
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 PREFILL_HEADER = "x-kvsvc-prefill"
 DECODE_HEADER = "x-kvsvc-decode"
+#: The cached tokens routing predicted on the P that answered (absent when it predicted none).
+PREDICTED_HEADER = "x-kvsvc-predicted-cached-tokens"
 
 #: Endpoint label of ``kvsvc_proxy_requests_total`` per proxied path.
 _PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
@@ -181,6 +185,9 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
     reply = routed.reply
     try:
         headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
+        predicted = prediction(decision, reply.target)  # what the cache audit compares
+        if predicted is not None:
+            headers.append((PREDICTED_HEADER, str(predicted.predicted_tokens)))
         log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
                   reply.target, routed.decode or "-", decision.policy, decision.input_tokens,
                   (time.monotonic() - started) * 1000)

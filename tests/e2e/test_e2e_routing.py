@@ -260,33 +260,44 @@ def test_small_bench_routing_run(etcd_server, tmp_path, monkeypatch):
     results_path.parent.mkdir()
     results_path.write_text("# head\n", encoding="utf-8")
     args = parser.parse_args(["--traces", "conversation", "--window-s", "0", "--requests", str(n),
-                              "--time-scale", "100", "--policies", "RR,CAR:0.5", "--engines", "2",
-                              "--etcd", etcd_server.addr, "--results-file", str(results_path)])
+                              "--time-scale", "100", "--policies", "RR,TTFT", "--engines", "2",
+                              "--load-levels", "1", "--etcd", etcd_server.addr,
+                              "--results-file", str(results_path)])
     # Smaller thread pools and start-up bound than the CLI's defaults, for a 2-engine run.
     opts = dataclasses.replace(bench_routing.options_from_args(args), ready_timeout_s=30.0,
                                client_threads=16, service_threads=16)
     assert opts == BenchOptions(traces=("conversation",), window_s=0, max_requests=n,
-                                time_scale=100.0, policies=(("RR", None), ("CAR", 0.5)),
+                                time_scale=100.0, policies=(("RR", None), ("TTFT", None)),
                                 engines=2, etcd=etcd_server.addr, ready_timeout_s=30.0,
-                                client_threads=16, service_threads=16)
+                                client_threads=16, service_threads=16, load_levels=(1.0,))
     out = tmp_path / "out.txt"
     with out.open("w") as f:
         results = run_bench(opts, f)
     reqs = load_trace("conversation")[:n]
     prompt_tokens = sum(r.input_length for r in reqs)
     ideal = ideal_hit_ratio(reqs).token_ratio
-    assert [r.policy for r in results] == ["RR", "CAR λ=0.5"]
+    assert [r.policy for r in results] == ["RR", "TTFT"]
     for r in results:
         assert (r.requests, r.failed, len(r.ttft_ms), r.prompt_tokens) == (n, 0, n, prompt_tokens)
+        # Every request of the conversation trace asks for >= 2 output tokens: one TPOT each.
+        assert len(r.tpot_ms) == n and all(t > 0 for t in r.tpot_ms)
+        assert 0.0 <= r.slo_attainment <= 1.0
         assert sum(r.per_engine.values()) == n and len(r.per_engine) == 2
         assert r.ideal_ratio == ideal
         assert 0 <= r.cached_tokens <= prompt_tokens
         assert all(t >= 0 for t in r.ttft_ms)
     assert sorted(results[0].per_engine.values()) == [12, 12]
+    # RR predicts nothing; every TTFT answer was audited against the engine's cached_tokens.
+    rr, ttft = results
+    assert (rr.audit.audited, rr.audit.unaudited["no_prediction"]) == (0, n)
+    assert ttft.audit.audited == n and ttft.audit.exact_audited == n
+    assert ttft.audit.within + sum(ttft.audit.causes.values()) == n
     text = report(results, opts)
     assert text.count("| conversation |") == 2
-    assert len(targets(results)) == 5
-    assert "CAR λ=0.5" in out.read_text()
+    assert [desc.split(" (")[0] for desc, _ in targets(results)] == [
+        "predicted vs actual within one block on synchronized exact streams >= 99%",
+        "no failed request"]
+    assert "TTFT" in out.read_text()
     package_results = Path(bench_routing.__file__).resolve().parent.parent / "bench"
     assert not package_results.exists()
     with (tmp_path / "publish.txt").open("w") as f:
@@ -337,3 +348,38 @@ def test_policies_flag_and_targets():
     assert [ok for _, ok in targets([rr, car])] == [True, True, True, True, True]
     car.per_engine = {"a": 4, "b": 0}
     assert [ok for _, ok in targets([rr, car])] == [True, True, False, True, True]
+    assert parse_policies("TTFT,slo_aware") == (("TTFT", None), ("SLO_AWARE", None))
+
+
+def test_issue_14_targets_and_slo_attainment():
+    from kvsvc.testbed.bench_routing import AuditFigures, RunResult
+
+    def run(policy: str, load: float, ttft: list[float], hits: int = 25,
+            audit: AuditFigures = AuditFigures()) -> RunResult:
+        return RunResult("conversation", policy, requests=len(ttft) + 1, failed=1,
+                         prompt_tokens=100, cached_tokens=hits, ideal_ratio=0.28,
+                         ttft_ms=sorted(ttft), per_engine={"a": 2, "b": 2}, load=load,
+                         audit=audit)
+    rr = run("RR", 1, [500.0, 900.0, 2000.0, 4000.0], hits=10)
+    car = run("CAR λ=0.5", 1, [400.0, 800.0, 1500.0, 3000.0])
+    tt = run("TTFT", 1, [300.0, 500.0, 900.0, 1000.0],
+             audit=AuditFigures(10, 9, 300.0, 8, 8))
+    # SLO attainment counts the failed request as missed: 2 of 5 within 1000 ms for RR.
+    assert (rr.slo_attainment, tt.slo_attainment) == (0.4, 0.8)
+    rr_h = run("RR", 2, [900.0, 2000.0, 3000.0, 4000.0])
+    car_h = run("CAR λ=0.5", 2, [500.0, 900.0, 2000.0, 3000.0])
+    tt_h = run("TTFT", 2, [500.0, 900.0, 1000.0, 2000.0], audit=AuditFigures(10, 10, 0.0, 92, 91))
+    met = targets([rr, car, tt, rr_h, car_h, tt_h])
+    assert [ok for _, ok in met] == [
+        True,    # p90 1000 <= 0.7 x 3000
+        True,    # p90 1000 <= 0.5 x 4000
+        True,    # p50 500 below 800 and 900
+        True,    # hit 25% >= 85% of 28%
+        True,    # max/mean 1.0
+        True,    # SLO at x2: 60% >= 40% + 10 points
+        True,    # RR at x2: 20% < 80%
+        True, True, True, True,  # issue 5's CAR targets
+        True,    # 99 of 100 exact predictions within one block
+        False,   # a failed request in every run
+    ]
+    assert "99 of 100" in met[-2][0]

@@ -23,7 +23,10 @@ BS = 4
 
 def make_engine(**serving: object) -> SimEngine:
     ev, rp, http = free_ports(3)
-    cfg = {"prefill_us_per_token": 100.0, "decode_us_per_token": 100.0, **serving}
+    # Linear terms only unless a test asks (exact numbers below); the full model has its tests.
+    cfg = {"prefill_us_per_token": 100.0, "decode_us_per_token": 100.0, "prefill_base_us": 0.0,
+           "prefill_us_per_token_sq": 0.0, "decode_us_per_seq": 0.0,
+           "decode_us_per_context_token": 0.0, **serving}
     return SimEngine("sim-a", ev, rp, block_size=BS, device_blocks=64, http_port=http,
                      serving=ServingConfig(**cfg))
 
@@ -333,3 +336,110 @@ def test_registration_heartbeats_early_on_load_change(etcd_server):
         server.shutdown()
         thread.join(5)
         server.server_close()
+
+
+# ---- the latency model (issue 14): nonlinear prefill, batch-dependent TPOT, metrics -------
+
+MODEL = {"prefill_base_us": 1000.0, "prefill_us_per_token": 100.0,
+         "prefill_us_per_token_sq": 0.5, "decode_us_per_token": 1000.0,
+         "decode_us_per_seq": 500.0, "decode_us_per_context_token": 10.0}
+
+
+@pytest.mark.parametrize("stream, coalesce_ms", [(False, 0.0), (True, 0.0), (True, 1000.0)])
+def test_prefill_and_tpot_follow_the_model_exactly(stream, coalesce_ms):
+    eng = make_engine(**MODEL, stream_coalesce_ms=coalesce_ms)
+    eng.start()
+    try:
+        body: dict = {"prompt": list(range(1000, 1010)), "max_tokens": 5, "stream": stream,
+                      "stream_options": {"include_usage": True}}
+        r = requests.post(url(eng), json=body, timeout=10)
+        assert r.status_code == 200
+        # Prefill of 10 uncached tokens: 1000 + 100 x 10 + 0.5 x 100 = 2050 us.
+        # Four decode steps alone (B = 1) at contexts 11..14: 1000 + 500 + 10 x (L - 1)
+        # = 1600, 1610, 1620, 1630 us: TPOT 1.615 ms.
+        if stream:
+            events = [e for e in r.text.split("\n\n") if e]
+            # One event per token (coalesced writes too), the usage chunk, [DONE].
+            assert len(events) == 5 + 2
+            last = json.loads(events[-2][len("data: "):])
+            timing = last["sim_timing"]
+            assert (timing["prefill_ms"], timing["tpot_ms"], timing["rank"]) == (2.05, 1.615, 0)
+            assert timing["ttft_ms"] == pytest.approx(timing["queue_ms"] + 2.05, abs=1e-3)
+        else:
+            assert r.headers["x-sim-prefill-ms"] == "2.050"
+            assert r.headers["x-sim-tpot-ms"] == "1.615"
+        wait_for(lambda: eng.serving.stats().completed == 1, 5.0, what="request counted")
+        st = eng.serving.stats()
+        assert (st.ttft_count, st.tpot_count, st.decoding) == (1, 1, 0)
+        assert st.tpot_ms_sum == pytest.approx(1.615)
+        assert st.ttft_ms_sum >= 2.05
+    finally:
+        eng.close()
+
+
+def test_tpot_grows_with_the_batch_decoding_beside_it():
+    eng = make_engine(**{**MODEL, "decode_us_per_context_token": 0.0,
+                         "decode_us_per_token": 20_000.0})
+    eng.start()
+    holder: Optional[socket.socket] = None
+    try:
+        # A long stream decodes during the whole second request: every step has B = 2.
+        holder = raw_request(eng, {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "stream": True})
+        read_until(holder, b"\n\n")
+        wait_for(lambda: eng.serving.stats().decoding == 1, 5.0, what="holder decoding")
+        r = requests.post(url(eng), json={"prompt": [9] * 8, "max_tokens": 4}, timeout=10)
+        assert r.headers["x-sim-tpot-ms"] == "21.000"  # 20 ms + 2 x 0.5 ms
+    finally:
+        if holder is not None:
+            holder.close()
+        eng.close()
+    eng = make_engine(**{**MODEL, "decode_us_per_context_token": 0.0,
+                         "decode_us_per_token": 20_000.0})
+    eng.start()
+    try:
+        r = requests.post(url(eng), json={"prompt": [9] * 8, "max_tokens": 4}, timeout=10)
+        assert r.headers["x-sim-tpot-ms"] == "20.500"  # alone: B = 1
+    finally:
+        eng.close()
+
+
+def test_metrics_endpoint_has_ttft_and_tpot_histograms():
+    eng = make_engine(**MODEL)
+    eng.start()
+    try:
+        for _ in range(2):
+            requests.post(url(eng), json={"prompt": list(range(10)), "max_tokens": 5},
+                          timeout=10)
+        wait_for(lambda: eng.serving.stats().completed == 2, 5.0, what="both counted")
+        r = requests.get(url(eng, "/metrics"), timeout=10)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+        lines = dict(line.rsplit(" ", 1) for line in r.text.splitlines()
+                     if line and not line.startswith("#"))
+        assert float(lines["kvsvc_sim_time_to_first_token_seconds_count"]) == 2.0
+        assert float(lines["kvsvc_sim_time_per_output_token_seconds_count"]) == 2.0
+        # Both TPOTs are 1.615 ms: under the first bucket (5 ms).
+        assert float(lines['kvsvc_sim_time_per_output_token_seconds_bucket{le="0.005"}']) == 2.0
+        assert float(lines["kvsvc_sim_time_per_output_token_seconds_sum"]) == \
+            pytest.approx(2 * 0.001615)
+        assert float(lines["kvsvc_sim_requests_total"]) == 2.0
+        # The second prompt hit the first's two full blocks (BS 4): 8 of 20 tokens cached.
+        assert float(lines["kvsvc_sim_prompt_tokens_total"]) == 20.0
+        assert float(lines["kvsvc_sim_cached_tokens_total"]) == 8.0
+        assert float(lines["kvsvc_sim_waiting_requests"]) == 0.0
+    finally:
+        eng.close()
+
+
+def test_registration_carries_the_profiling_data_of_the_model():
+    from kvsvc.testbed.sim.registration import EtcdRegistration, Load
+    from kvsvc.testbed.sim.serving import profiling_data
+
+    cfg = ServingConfig(**MODEL)
+    reg = EtcdRegistration("127.0.0.1:1", "127.0.0.1:8000", 1, lambda: Load(0, 0.0),
+                           profiling=profiling_data(cfg))
+    value = reg.value()
+    assert value["backend_type"] == "xllm"
+    assert value["ttft_profiling_data"][:3] == [[1, 1.101], [128, 21.992], [256, 59.368]]
+    assert value["tpot_profiling_data"][0] == [128, 1, 2.77]
+    assert "ttft_profiling_data" not in EtcdRegistration(
+        "127.0.0.1:1", "127.0.0.1:8000", 1, lambda: Load(0, 0.0)).value()

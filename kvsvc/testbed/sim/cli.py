@@ -14,9 +14,12 @@ its load to the master service (§9, :mod:`kvsvc.testbed.sim.registration`); the
 heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
 stop the lease is revoked. With ``--serve`` the same HTTP port also serves OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` with the latency model of
-:mod:`kvsvc.testbed.sim.serving` (``--prefill-us-per-token``, ``--decode-us-per-token``,
-``--max-num-seqs``, ``--time-scale``; text prompts tokenized by ``--tokenizer-path`` or the
-built-in byte scheme), and its waiting queue is the heartbeated ``waiting_requests_num``. With
+:mod:`kvsvc.testbed.sim.serving` (``--prefill-base-us``, ``--prefill-us-per-token``,
+``--prefill-us-per-token-sq``, ``--decode-us-per-token``, ``--decode-us-per-seq``,
+``--decode-us-per-context-token``, ``--max-num-seqs``, ``--time-scale``; text prompts tokenized by ``--tokenizer-path`` or the
+built-in byte scheme), its waiting queue is the heartbeated ``waiting_requests_num``, its
+registration carries the §12 ``ttft_profiling_data`` / ``tpot_profiling_data`` computed by that
+model (unless ``--no-profiling-data``) and ``GET /metrics`` has its TTFT and TPOT. With
 ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms`` apart;
 otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
 
@@ -44,7 +47,7 @@ from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.flavors import Flavor
-from kvsvc.testbed.sim.serving import ServingConfig
+from kvsvc.testbed.sim.serving import ServingConfig, profiling_data
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load, RegisteredType
 
 log = logging.getLogger(__name__)
@@ -111,7 +114,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--host-load-us-per-token", type=float, default=d.host_load_us_per_token,
              help="simulated us per Host-only hit token")
     add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
-             help="simulated us per output token")
+             help="fixed part of one decode step (d0), simulated us")
+    add_flag(parser, "--prefill-base-us", type=float, default=d.prefill_base_us,
+             help="fixed part of one prefill (a), simulated us")
+    add_flag(parser, "--prefill-us-per-token-sq", type=float, default=d.prefill_us_per_token_sq,
+             help="simulated us per squared uncached prompt token (c, attention)")
+    add_flag(parser, "--decode-us-per-seq", type=float, default=d.decode_us_per_seq,
+             help="simulated us per decoding sequence per step (d1)")
+    add_flag(parser, "--decode-us-per-context-token", type=float,
+             default=d.decode_us_per_context_token,
+             help="simulated us per context token of each decoding sequence per step (d2)")
+    add_flag(parser, "--stream-coalesce-ms", type=float, default=d.stream_coalesce_ms,
+             help="streams: write the SSE events of decode steps at least this many wall ms "
+                  "apart together (0: one write per token)")
+    add_flag(parser, "--no-profiling-data", action="store_true",
+             help="with --serve --etcd: register without ttft/tpot_profiling_data")
     add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
              help="running requests per rank; the rest wait")
     add_flag(parser, "--time-scale", type=float, default=d.time_scale,
@@ -205,7 +222,11 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 host_load_us_per_token=args.host_load_us_per_token,
                 decode_us_per_token=args.decode_us_per_token, max_num_seqs=args.max_num_seqs,
                 time_scale=args.time_scale, max_connections=args.max_connections,
-                model=args.model)
+                model=args.model, prefill_base_us=args.prefill_base_us,
+                prefill_us_per_token_sq=args.prefill_us_per_token_sq,
+                decode_us_per_seq=args.decode_us_per_seq,
+                decode_us_per_context_token=args.decode_us_per_context_token,
+                stream_coalesce_ms=args.stream_coalesce_ms)
             if args.tokenizer_path:
                 from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
 
@@ -233,7 +254,9 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 min_heartbeat_gap_s=(args.heartbeat_on_change_ms / 1000.0
                                      if args.heartbeat_on_change_ms > 0 else None),
                 master_refresh_s=args.master_refresh_s,
-                backend_type=engine.flavor.backend_type)
+                backend_type=engine.flavor.backend_type,
+                profiling=(profiling_data(serving)
+                           if serving is not None and not args.no_profiling_data else None))
             if engine.serving is not None:
                 engine.serving.add_load_listener(registration.load_changed)
             registration.start()

@@ -43,7 +43,7 @@ _BUSY_REPLY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/j
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """``GET /health`` -> 200 ``{"status": "ok"}``; ``GET /v1/models`` (when serving) -> the
-    engine's model list; ``POST`` -> the engine's :class:`~kvsvc.testbed.sim.serving.Serving`
+    engine's model list; ``GET /metrics`` (when serving) -> its Prometheus text; ``POST`` -> the engine's :class:`~kvsvc.testbed.sim.serving.Serving`
     when it has one; anything else 404. No access log."""
 
     server_version = "kvsvc-sim"
@@ -60,6 +60,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(200, {"object": "list", "data": [{
                 "id": serving.config.model, "object": "model", "created": 0,
                 "owned_by": "kvsvc-sim"}]})
+        elif path == "/metrics" and serving is not None:
+            body = serving.metrics_text()  # TTFT/TPOT histograms, counters (issue 14)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         else:
             self._reply(404, {"error": "not found"})
 
@@ -108,6 +115,9 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # socketserver's default listen backlog is 5: a burst of connections (HTTP/1.0, one per
+    # request) overflows it, the kernel drops SYNs and clients see 1-3 s connect stalls.
+    request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], max_connections: int,
                  serving: Optional[Serving]) -> None:

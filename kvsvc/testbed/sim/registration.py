@@ -7,7 +7,8 @@ an xLLM engine does it, so the service discovers it with no address list.
   registration JSON (:meth:`EtcdRegistration.value`: ``name``, ``rpc_address``, ``type``,
   ``incarnation_id`` = a fresh uuid per process, ``register_ts_ms``, ``dp_size``,
   ``backend_type``: ``"xllm"``, or ``"vllm"`` / ``"sglang"`` for those flavors, as
-  xllm-service's ``vllm_sidecar`` registers a vLLM instance) under it;
+  xllm-service's ``vllm_sidecar`` registers a vLLM instance), and, when given, the §12 profiling data ``ttft_profiling_data`` /
+  ``tpot_profiling_data`` computed by the serving sim's latency model) under it;
 - keeps the lease alive every ``keepalive_interval_s``; a lease that expired anyway (etcd
   restarted, a long stall) is granted again and the key re-put with the same incarnation (a
   refresh: the service keeps the streams);
@@ -37,7 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import requests
 
@@ -127,6 +128,9 @@ class EtcdRegistration(BackgroundThread):
     :param backend_type: the registration's ``backend_type`` (§9): ``"xllm"``, or ``"vllm"``
         as xllm-service's ``vllm_sidecar`` registers a vLLM instance (with ``type`` 0,
         DEFAULT), or ``"sglang"``.
+    :param profiling: extra registration fields, the §12 profiling data
+        (``ttft_profiling_data``, ``tpot_profiling_data``:
+        :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -137,7 +141,8 @@ class EtcdRegistration(BackgroundThread):
                  keepalive_interval_s: float = 1.0, heartbeat_interval_s: float = 1.0,
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
                  min_heartbeat_gap_s: Optional[float] = None,
-                 master_refresh_s: float = 0.0, backend_type: str = "xllm") -> None:
+                 master_refresh_s: float = 0.0, backend_type: str = "xllm",
+                 profiling: Optional[Mapping[str, Any]] = None) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -156,6 +161,7 @@ class EtcdRegistration(BackgroundThread):
         self._heartbeat_interval_s = heartbeat_interval_s
         self._min_gap_s = min_heartbeat_gap_s
         self._master_refresh_s = master_refresh_s
+        self._profiling = dict(profiling or {})
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -192,7 +198,7 @@ class EtcdRegistration(BackgroundThread):
             return {"name": self.name, "rpc_address": self.name,
                     "type": int(self.instance_type), "incarnation_id": self._incarnation_id,
                     "register_ts_ms": self._register_ts_ms, "dp_size": self.dp_size,
-                    "backend_type": self.backend_type}
+                    "backend_type": self.backend_type, **self._profiling}
 
     def stats(self) -> RegistrationStats:
         """Counters (see :class:`RegistrationStats`)."""

@@ -10,12 +10,30 @@ Model, per DP rank (all durations are *simulated* time, divided by ``time_scale`
   request prefills at a time per rank (a token-budgeted scheduler gives the same throughput).
 - **Prefill** executes the prompt on the rank's block manager
   (:meth:`~kvsvc.testbed.sim.engine.SimEngine.execute`: hits counted, missing full blocks stored and
-  published as KV events, §1/§2) and lasts ``prefill_us_per_token`` per prompt token found on
-  neither tier plus ``host_load_us_per_token`` per Host-only hit token. The first token follows
-  it: TTFT = time in the queue + prefill.
-- **Decode** lasts ``decode_us_per_token`` per output token; decoding requests share the GPU
-  (they only hold one of the ``max_num_seqs`` slots). ``max_tokens`` (chat:
-  ``max_completion_tokens`` too) output tokens are produced, 16 by default.
+  published as KV events, §1/§2) and lasts :meth:`ServingConfig.prefill_us`:
+  ``prefill_base_us + prefill_us_per_token * n + prefill_us_per_token_sq * n**2`` for the
+  ``n`` prompt tokens found on neither tier (the square is attention: each new token attends to
+  every earlier new one), plus ``host_load_us_per_token`` per Host-only hit token. A prompt
+  wholly cached still costs the base (the engine runs its last token to sample the first
+  output). The first token follows it: TTFT = time in the queue + prefill.
+- **Decode**: each further output token is one decode step of the rank's batch, lasting
+  :meth:`ServingConfig.tpot_us`: ``decode_us_per_token + decode_us_per_seq * B +
+  decode_us_per_context_token * B * (L - 1)`` with ``B`` the requests decoding on the rank
+  (this one included) and ``L`` their mean context length (prompt plus tokens generated), read
+  when the step starts (§12's TPOT form, so a predictor fitted to the profiling data is exact).
+  Decoding requests share the GPU (they only hold one of the ``max_num_seqs`` slots); prefill
+  does not slow them (the sim keeps prefill and decode apart). ``max_tokens`` (chat:
+  ``max_completion_tokens`` too) output tokens are produced, 16 by default; TPOT = decode time
+  / (output tokens - 1).
+- **Profiling data** (:func:`profiling_data`): ``ttft_profiling_data`` ``[[tokens, ms], ...]``
+  (prefill of ``tokens`` uncached tokens) and ``tpot_profiling_data`` ``[[avg_len, batch, ms],
+  ...]`` computed by the same two functions, which the registration publishes (§12), so the
+  router's predictors are fitted from what the sim really does.
+- **Metrics**: ``GET /metrics`` on the HTTP port (:meth:`Serving.metrics_text`, Prometheus text):
+  ``kvsvc_sim_time_to_first_token_seconds`` and ``kvsvc_sim_time_per_output_token_seconds``
+  histograms (simulated seconds, like vLLM's ``vllm:time_to_first_token_seconds`` /
+  ``vllm:time_per_output_token_seconds``), request, prompt-token and cached-token counters and
+  the waiting/running gauges; :meth:`Serving.stats` has the same sums in-process.
 - ``usage`` reports ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
   ``prompt_tokens_details.cached_tokens`` = Device hits + Host-only hits (full blocks only).
 - A client that goes away (socket closed, seen while queued, prefilling or decoding) cancels the
@@ -36,9 +54,11 @@ served whole by this instance acting as P (the sim has no KV transfer); the requ
 in ``pd_requests`` and the decode name is echoed in ``x-sim-decode-name``.
 
 Non-streamed answers carry the simulated timing in headers: ``x-sim-queue-ms``,
-``x-sim-prefill-ms``, ``x-sim-ttft-ms`` (simulated ms), ``x-sim-rank``. Streamed answers send
-the head at once (like vLLM), then one chunk per output token, the usage chunk when
-``stream_options.include_usage`` is true, and ``data: [DONE]``.
+``x-sim-prefill-ms``, ``x-sim-ttft-ms``, ``x-sim-tpot-ms`` (simulated ms; TPOT 0 for one output
+token), ``x-sim-rank``. Streamed answers send the head at once (like vLLM), then one chunk per
+output token, the usage chunk when ``stream_options.include_usage`` is true (with the same
+timing as a non-standard ``sim_timing`` object beside ``usage``: ``queue_ms``, ``prefill_ms``,
+``ttft_ms``, ``tpot_ms``, ``rank``), and ``data: [DONE]``.
 
 Errors (OpenAI's ``{"error": {...}}`` shape): 400 malformed body, 404 unknown path, 503 the
 engine is closing or the connection limit is reached. Inside the sim (never to the client):
@@ -59,7 +79,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence, TypeGuard
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeGuard
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvsvc.errors import SimBadRequest, SimClientDisconnected, SimServingClosed
 from kvsvc.testbed.sim.results import ExecResult
@@ -73,6 +96,14 @@ MAX_TOKEN_ID = 2**31 - 1
 DEFAULT_MAX_TOKENS = 16
 #: Longest single wait between checks of the client socket and of close(), seconds.
 _CHECK_S = 0.05
+#: Shortest wall wait of a non-streamed decode: steps shorter than this (high time
+#: compression) are waited in groups, the batch re-read per group.
+_MIN_WAIT_S = 0.01
+#: Histogram buckets, simulated seconds (vLLM's TTFT and TPOT buckets, trimmed).
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                  0.3, 0.5, 1.0)
 
 
 class RankExecutor(Protocol):
@@ -123,41 +154,111 @@ class TextTokenizer(Protocol):
         ...
 
 
+#: Prompt lengths (uncached tokens) of ``ttft_profiling_data`` (:func:`profiling_data`).
+TTFT_PROFILE_TOKENS = (1, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+#: Mean context lengths of ``tpot_profiling_data``.
+TPOT_PROFILE_LENGTHS = (128, 1024, 4096, 16384)
+
+
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
     """Latency model and limits of a serving sim (see the module docstring).
 
-    Defaults model one Qwen2.5-7B-class instance on one H100: prefill about 20k tokens/s
-    (50 us/token), Host->Device loads over PCIe at about 2 us/token, 20 ms per output token.
+    Defaults model one Qwen2.5-7B-class instance (28 layers, 4 KV heads of 128, bf16) on one
+    H100: prefill about 20k tokens/s at short prompts (50 us/token) plus a 5 ms step and an
+    attention term of 0.4 ns per token squared (about ``2 n^2 d_model layers`` FLOPs at a few
+    hundred TFLOP/s: +2% at 2k tokens, +26% at 32k, +100% at 128k, where a prompt takes 13 s), Host->Device loads over PCIe at about 2 us/token; a decode step of 8 ms
+    (reading 15 GB of weights at about 2 TB/s) plus 0.1 ms per sequence plus 0.02 us per
+    context token of the batch (56 KiB of KV per token at about 3 TB/s): 8.1 ms alone, about
+    25 ms for 64 sequences of 8k tokens.
 
-    :param prefill_us_per_token: simulated microseconds per prompt token not cached (> 0).
+    :param prefill_us_per_token: ``b``, simulated microseconds per prompt token not cached
+        (> 0).
     :param host_load_us_per_token: simulated microseconds per Host-only hit token (>= 0).
-    :param decode_us_per_token: simulated microseconds per output token (>= 0).
+    :param decode_us_per_token: ``d0``, the fixed part of one decode step, simulated
+        microseconds (>= 0).
     :param max_num_seqs: running requests per DP rank (>= 1); the rest wait.
     :param time_scale: time compression factor (>= 1 compresses: every simulated duration is
         divided by it on the wall, every measured wall wait multiplied by it).
     :param max_connections: concurrent HTTP connections served (>= 1); more get 503.
     :param model: the model name reported in answers when the request names none.
+    :param prefill_base_us: ``a``, the fixed part of a prefill, simulated microseconds (>= 0).
+    :param prefill_us_per_token_sq: ``c``, simulated microseconds per squared uncached token
+        (>= 0).
+    :param decode_us_per_seq: ``d1``, simulated microseconds per decoding sequence per step
+        (>= 0).
+    :param decode_us_per_context_token: ``d2``, simulated microseconds per context token of
+        each decoding sequence per step (>= 0).
+    :param stream_coalesce_ms: streamed answers: decode steps are waited in groups of at
+        least this much *wall* time and each group's SSE events written at once (several
+        ``data:`` events in one write, each still one token), like an engine's output
+        batching under load; 0: one write per token (>= 0). Keeps a compressed-time bench
+        from spending its CPU on sub-millisecond writes; the modeled times are unchanged.
     :raises ValueError: a value out of range.
     """
 
     prefill_us_per_token: float = 50.0
     host_load_us_per_token: float = 2.0
-    decode_us_per_token: float = 20_000.0
+    decode_us_per_token: float = 8_000.0
     max_num_seqs: int = 64
     time_scale: float = 1.0
     max_connections: int = 256
     model: str = "sim"
+    prefill_base_us: float = 5_000.0
+    prefill_us_per_token_sq: float = 0.0004
+    decode_us_per_seq: float = 100.0
+    decode_us_per_context_token: float = 0.02
+    stream_coalesce_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_us_per_token > 0:
             raise ValueError("prefill_us_per_token must be > 0")
-        if self.host_load_us_per_token < 0 or self.decode_us_per_token < 0:
-            raise ValueError("host_load_us_per_token and decode_us_per_token must be >= 0")
+        for name in ("host_load_us_per_token", "decode_us_per_token", "prefill_base_us",
+                     "prefill_us_per_token_sq", "decode_us_per_seq",
+                     "decode_us_per_context_token", "stream_coalesce_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.max_num_seqs < 1 or self.max_connections < 1:
             raise ValueError("max_num_seqs and max_connections must be >= 1")
         if not self.time_scale > 0:
             raise ValueError("time_scale must be > 0")
+
+    def prefill_us(self, uncached_tokens: int, host_only_tokens: int = 0) -> float:
+        """Modeled prefill time, simulated microseconds: ``a + b n + c n^2`` for ``n =
+        uncached_tokens`` (>= 0) plus ``host_load_us_per_token * host_only_tokens``."""
+        n = max(0, uncached_tokens)
+        return (self.prefill_base_us + self.prefill_us_per_token * n
+                + self.prefill_us_per_token_sq * n * n
+                + self.host_load_us_per_token * max(0, host_only_tokens))
+
+    def tpot_us(self, batch: int, avg_len: float) -> float:
+        """Modeled decode step, simulated microseconds, of a batch of ``batch`` (>= 1)
+        sequences of mean context length ``avg_len`` tokens (>= 1): ``d0 + d1 B + d2 B (L -
+        1)`` (§12's TPOT form)."""
+        b = max(1, batch)
+        return (self.decode_us_per_token + self.decode_us_per_seq * b
+                + self.decode_us_per_context_token * b * max(0.0, avg_len - 1.0))
+
+
+def profiling_data(config: ServingConfig) -> dict[str, list[list[float]]]:
+    """The registration's profiling fields (§12), computed by ``config``'s own model:
+
+    - ``ttft_profiling_data``: ``[[tokens, ms], ...]``, the prefill of ``tokens`` uncached
+      tokens (:data:`TTFT_PROFILE_TOKENS`), ms rounded to 1 us;
+    - ``tpot_profiling_data``: ``[[avg_len, batch, ms], ...]``, one decode step of ``batch``
+      sequences (1, 2, 4, ... up to ``max_num_seqs``, which is included) of mean context
+      ``avg_len`` (:data:`TPOT_PROFILE_LENGTHS`).
+
+    Token counts and batch sizes are ints, times floats (xllm-service reads doubles).
+    """
+    batches = sorted({1 << i for i in range(config.max_num_seqs.bit_length())
+                      if 1 << i <= config.max_num_seqs} | {config.max_num_seqs})
+    return {
+        "ttft_profiling_data": [[n, round(config.prefill_us(n) / 1000.0, 3)]
+                                for n in TTFT_PROFILE_TOKENS],
+        "tpot_profiling_data": [[length, b, round(config.tpot_us(b, length) / 1000.0, 3)]
+                                for length in TPOT_PROFILE_LENGTHS for b in batches],
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +274,11 @@ class ServingStats:
     :param running: requests holding a slot now (all ranks).
     :param prompt_tokens: prompt tokens of prefilled requests.
     :param cached_tokens: their cached (Device + Host-only hit) tokens.
+    :param ttft_count: requests whose first token was produced.
+    :param ttft_ms_sum: their TTFTs summed, simulated ms.
+    :param tpot_count: requests decoded to their end with at least two output tokens.
+    :param tpot_ms_sum: their TPOTs summed, simulated ms.
+    :param decoding: requests decoding now (all ranks), the batches of the decode steps.
     """
 
     requests: int
@@ -184,6 +290,11 @@ class ServingStats:
     running: int
     prompt_tokens: int
     cached_tokens: int
+    ttft_count: int = 0
+    ttft_ms_sum: float = 0.0
+    tpot_count: int = 0
+    tpot_ms_sum: float = 0.0
+    decoding: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +327,14 @@ class Prefilled:
     :param cached_tokens: Device + Host-only hit tokens.
     :param queue_ms: time spent waiting.
     :param prefill_ms: modeled prefill time.
+    :param host_only_tokens: the part of ``cached_tokens`` that was on Host only.
     """
 
     rank: int
     cached_tokens: int
     queue_ms: float
     prefill_ms: float
+    host_only_tokens: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -333,6 +446,15 @@ class _RankQueue:
         self.waiting: collections.deque[_Ticket] = collections.deque()
         self.running = 0
         self.prefilling = False
+        # Decoding requests -> their context length (prompt + tokens generated), and the sum
+        # of those lengths: the batch a decode step sees (ServingConfig.tpot_us).
+        self.decoding: dict[_Ticket, int] = {}
+        self.context_sum = 0
+
+    def step_us(self, config: ServingConfig) -> float:
+        """The decode step of the current batch, simulated us (call under ``cond``)."""
+        batch = len(self.decoding)
+        return config.tpot_us(batch, self.context_sum / batch if batch else 1.0)
 
 
 class Serving:
@@ -354,7 +476,19 @@ class Serving:
         self._closing = threading.Event()
         self._ids = itertools.count(1)
         self._counts: collections.Counter[str] = collections.Counter()
+        self._sums = {"ttft_ms": 0.0, "tpot_ms": 0.0}
         self._listeners: list[Callable[[], None]] = []
+        # One registry per engine (no process-wide state): GET /metrics renders it.
+        self._registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        self._ttft_hist = prometheus_client.Histogram(
+            "kvsvc_sim_time_to_first_token_seconds",
+            "Simulated time to first token (queue + prefill), seconds",
+            buckets=TTFT_BUCKETS_S, registry=self._registry)
+        self._tpot_hist = prometheus_client.Histogram(
+            "kvsvc_sim_time_per_output_token_seconds",
+            "Simulated time per output token after the first, seconds (one per request)",
+            buckets=TPOT_BUCKETS_S, registry=self._registry)
+        self._registry.register(_StatsCollector(self))
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (on a request thread, no lock held; it must be quick) whenever
@@ -377,20 +511,42 @@ class Serving:
 
     def stats(self) -> ServingStats:
         """Counters and the current queue (see :class:`ServingStats`)."""
-        running = 0
+        running = decoding = 0
         for q in self._queues:
             with q.cond:
                 running += q.running
+                decoding += len(q.decoding)
         with self._lock:
             c = dict(self._counts)
+            sums = dict(self._sums)
         return ServingStats(c.get("requests", 0), c.get("completed", 0), c.get("cancelled", 0),
                             c.get("rejected", 0), c.get("pd_requests", 0),
                             self.waiting_requests(), running, c.get("prompt_tokens", 0),
-                            c.get("cached_tokens", 0))
+                            c.get("cached_tokens", 0), c.get("ttft_count", 0),
+                            sums["ttft_ms"], c.get("tpot_count", 0), sums["tpot_ms"], decoding)
+
+    def metrics_text(self) -> bytes:
+        """``GET /metrics``: the Prometheus text exposition of this engine (module docstring):
+        TTFT and TPOT histograms in simulated seconds, the :class:`ServingStats` counters
+        (``kvsvc_sim_<name>_total``) and the ``waiting``/``running`` gauges."""
+        return prometheus_client.generate_latest(self._registry)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._counts.update(deltas)
+
+    def _observe(self, ttft_ms: Optional[float] = None, tpot_ms: Optional[float] = None) -> None:
+        with self._lock:
+            if ttft_ms is not None:
+                self._counts["ttft_count"] += 1
+                self._sums["ttft_ms"] += ttft_ms
+            if tpot_ms is not None:
+                self._counts["tpot_count"] += 1
+                self._sums["tpot_ms"] += tpot_ms
+        if ttft_ms is not None:
+            self._ttft_hist.observe(ttft_ms / 1000.0)
+        if tpot_ms is not None:
+            self._tpot_hist.observe(tpot_ms / 1000.0)
 
     def open(self) -> None:
         """Accept requests (again, after :meth:`close`)."""
@@ -525,8 +681,7 @@ class Serving:
             res = self.engine.execute(req.token_ids, rank)
             cached = res.device_hit_tokens + res.host_only_hit_tokens
             n = len(req.token_ids)
-            prefill_us = ((n - cached) * cfg.prefill_us_per_token
-                          + res.host_only_hit_tokens * cfg.host_load_us_per_token)
+            prefill_us = cfg.prefill_us(n - cached, res.host_only_hit_tokens)
             self._count(prompt_tokens=n, cached_tokens=cached)
             # The simulator's own CPU time (hashing, publishing) counts as part of the modeled
             # prefill, so a busy machine does not inflate every compressed duration.
@@ -537,7 +692,9 @@ class Serving:
         with q.cond:
             q.prefilling = False
             q.cond.notify_all()
-        return Prefilled(rank, cached, queue_ms, prefill_us / 1000.0), rank
+        pre = Prefilled(rank, cached, queue_ms, prefill_us / 1000.0, res.host_only_hit_tokens)
+        self._observe(ttft_ms=pre.ttft_ms)
+        return pre, rank
 
     def _release_slot(self, rank: int, prefill_done: bool = True) -> None:
         q = self._queues[rank]
@@ -547,16 +704,64 @@ class Serving:
                 q.prefilling = False
             q.cond.notify_all()
 
-    def _decode_s(self, tokens: int) -> float:
-        return tokens * self.config.decode_us_per_token / 1e6 / self.config.time_scale
+    def _decode(self, rank: int, context: int, tokens: int, conn: socket.socket,
+                emit: Optional[Callable[[int, int], None]] = None) -> float:
+        """Decode ``tokens`` further output tokens (after the first) on ``rank`` for a request
+        of ``context`` tokens so far, one modeled step each (:meth:`ServingConfig.tpot_us` of
+        the rank's batch at the step's start). With ``emit`` (a stream), ``emit(first, last)``
+        is called after output tokens ``first..last`` (1-based after the first token), each
+        step waited on its own unless ``stream_coalesce_ms`` groups them; without it steps are
+        waited in groups of at least :data:`_MIN_WAIT_S` of wall time. The batch is re-read
+        per group. Returns the decode time, simulated ms.
+
+        :raises SimClientDisconnected: the client went away.
+        :raises SimServingClosed: the engine is closing.
+        """
+        cfg = self.config
+        q = self._queues[rank]
+        ticket = _Ticket()
+        with q.cond:
+            q.decoding[ticket] = context
+            q.context_sum += context
+        total_us = 0.0
+        done = 0
+        try:
+            while done < tokens:
+                with q.cond:
+                    step_us = q.step_us(cfg)
+                    batch = len(q.decoding)
+                min_wait_s = _MIN_WAIT_S if emit is None else cfg.stream_coalesce_ms / 1000.0
+                group = 1
+                if min_wait_s > 0:
+                    wall_step = step_us / 1e6 / cfg.time_scale
+                    group = min(tokens - done,
+                                max(1, int(min_wait_s / wall_step) if wall_step > 0
+                                    else tokens - done))
+                # Every context of the batch grows by one per step, so the group's steps are
+                # step_us, step_us + d2 B, ...: their exact sum for an unchanged batch.
+                group_us = (group * step_us + cfg.decode_us_per_context_token * batch
+                            * group * (group - 1) / 2)
+                self._wait(group_us / 1e6 / cfg.time_scale, conn)
+                total_us += group_us
+                done += group
+                with q.cond:
+                    q.decoding[ticket] += group
+                    q.context_sum += group
+                if emit is not None:
+                    emit(done - group + 1, done)
+        finally:
+            with q.cond:
+                q.context_sum -= q.decoding.pop(ticket)
+        return total_us / 1000.0
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
                      start_response: Callable, write: Callable) -> None:
         pre, rank = self._prefill(req, conn)
         try:
-            self._wait(self._decode_s(req.max_tokens), conn)
+            decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn)
         finally:
             self._release_slot(rank)
+        tpot_ms = self._finished(req, decode_ms)
         text = "".join(_token_text(i) for i in range(req.max_tokens))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if req.chat:
@@ -566,7 +771,7 @@ class Serving:
         doc = {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
                "created": int(time.time()), "model": req.model, "choices": [choice],
                "usage": _usage(req, pre)}
-        _send_json(start_response, write, 200, doc, _timing_headers(pre, req))
+        _send_json(start_response, write, 200, doc, _timing_headers(pre, req, tpot_ms))
 
     def _serve_stream(self, rid: str, req: SimRequest, conn: socket.socket,
                       start_response: Callable, write: Callable) -> None:
@@ -577,34 +782,77 @@ class Serving:
         created = int(time.time())
         obj = "chat.completion.chunk" if req.chat else "text_completion"
 
-        def chunk(choices: list, usage: Optional[dict] = None) -> bytes:
+        def chunk(choices: list, usage: Optional[dict] = None,
+                  timing: Optional[dict] = None) -> bytes:
             doc: dict[str, Any] = {"id": rid, "object": obj, "created": created,
                                    "model": req.model, "choices": choices}
             if usage is not None:
                 doc["usage"] = usage
+            if timing is not None:
+                doc["sim_timing"] = timing  # non-standard; OpenAI clients ignore it
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        def token(i: int) -> bytes:
+            last = i == req.max_tokens - 1
+            text = _token_text(i)
+            if req.chat:
+                delta = {"content": text} if i else {"role": "assistant", "content": text}
+                c = {"index": 0, "delta": delta, "finish_reason": "length" if last else None,
+                     "logprobs": None}
+            else:
+                c = {"index": 0, "text": text, "finish_reason": "length" if last else None,
+                     "logprobs": None}
+            return chunk([c])
+
+        def tokens(first: int, last: int) -> None:
+            write(b"".join(token(i) for i in range(first, last + 1)))
 
         pre, rank = self._prefill(req, conn)
         try:
-            per_token = self._decode_s(1)
-            for i in range(req.max_tokens):
-                if i:
-                    self._wait(per_token, conn)
-                last = i == req.max_tokens - 1
-                text = _token_text(i)
-                if req.chat:
-                    delta = {"content": text} if i else {"role": "assistant", "content": text}
-                    c = {"index": 0, "delta": delta, "finish_reason": "length" if last else None,
-                         "logprobs": None}
-                else:
-                    c = {"index": 0, "text": text, "finish_reason": "length" if last else None,
-                         "logprobs": None}
-                write(chunk([c]))
+            write(token(0))
+            decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn,
+                                     emit=tokens)
         finally:
             self._release_slot(rank)
+        tpot_ms = self._finished(req, decode_ms)
         if req.include_usage:
-            write(chunk([], _usage(req, pre)))
+            write(chunk([], _usage(req, pre), {
+                "queue_ms": round(pre.queue_ms, 3), "prefill_ms": round(pre.prefill_ms, 3),
+                "ttft_ms": round(pre.ttft_ms, 3), "tpot_ms": round(tpot_ms, 3),
+                "rank": pre.rank}))
         write(b"data: [DONE]\n\n")
+
+    def _finished(self, req: SimRequest, decode_ms: float) -> float:
+        """Count a request decoded to its end; returns its TPOT, simulated ms (0.0 with one
+        output token)."""
+        if req.max_tokens < 2:
+            return 0.0
+        tpot_ms = decode_ms / (req.max_tokens - 1)
+        self._observe(tpot_ms=tpot_ms)
+        return tpot_ms
+
+
+class _StatsCollector:
+    """Renders a :class:`Serving`'s counters and queue for its registry at scrape time."""
+
+    _COUNTERS = ("requests", "completed", "cancelled", "rejected", "pd_requests",
+                 "prompt_tokens", "cached_tokens")
+
+    def __init__(self, serving: "Serving") -> None:
+        self._serving = serving
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        st = self._serving.stats()
+        for name in self._COUNTERS:
+            yield CounterMetricFamily(f"kvsvc_sim_{name}", f"ServingStats.{name} since start",
+                                      value=getattr(st, name))
+        yield GaugeMetricFamily("kvsvc_sim_waiting_requests", "Requests waiting now",
+                                value=st.waiting)
+        yield GaugeMetricFamily("kvsvc_sim_running_requests", "Requests holding a slot now",
+                                value=st.running)
 
 
 def _token_text(i: int) -> str:
@@ -618,9 +866,11 @@ def _usage(req: SimRequest, pre: Prefilled) -> dict:
             "prompt_tokens_details": {"cached_tokens": pre.cached_tokens}}
 
 
-def _timing_headers(pre: Prefilled, req: SimRequest) -> list[tuple[str, str]]:
+def _timing_headers(pre: Prefilled, req: SimRequest,
+                    tpot_ms: float) -> list[tuple[str, str]]:
     out = [("x-sim-queue-ms", f"{pre.queue_ms:.3f}"), ("x-sim-prefill-ms", f"{pre.prefill_ms:.3f}"),
-           ("x-sim-ttft-ms", f"{pre.ttft_ms:.3f}"), ("x-sim-rank", str(pre.rank))]
+           ("x-sim-ttft-ms", f"{pre.ttft_ms:.3f}"), ("x-sim-tpot-ms", f"{tpot_ms:.3f}"),
+           ("x-sim-rank", str(pre.rank))]
     if req.decode_name is not None:
         out.append(("x-sim-decode-name", req.decode_name))
     return out

@@ -1,0 +1,358 @@
+"""Predicted vs actual cached tokens (issue 14, §10-§12): for every proxied answer, the reusable
+prefix the router predicted for the chosen P when it routed the request, against the cached
+tokens the engine itself reports (``usage.prompt_tokens_details.cached_tokens``: vLLM, xLLM
+and the simulated engine report it).
+
+The rule (:func:`audit`, no I/O, tested without sockets):
+
+- **predicted** = the minimum over the chosen P's DP ranks of ``device_hit_tokens +
+  host_only_hit_tokens`` as the policy saw them (:class:`~kvsvc.routing.policy.RankHit`; a rank
+  missing, unsynchronized, of a stale incarnation or without tokens counts 0, §11). Host-only
+  tokens count whole here: the engine reports the tokens it did not recompute, whatever tier
+  they came from (the ``--car_host_hit_weight`` only prices them for the policy). A decision
+  without per-rank hits (RR computes none) predicts nothing and is not audited.
+- **actual** = the engine's ``cached_tokens``; an answer without it is not audited.
+- **diff** = actual - predicted, tokens: negative is an over-prediction (the engine reused
+  less than the router counted on), positive an under-prediction.
+- Within one block (``|diff| <= block_size``) is a hit of the prediction: the index and the
+  engine both count whole blocks, and an engine may recompute the last block of a fully cached
+  prompt (vLLM keeps at least one prompt token to compute).
+- A larger miss names its likely cause (:data:`CAUSES`), the first that applies:
+
+  ``not tokenized`` / ``index disabled``: the router had no tokens or no index (predicted 0);
+  ``tokenizer mismatch``: the engine's ``prompt_tokens`` differs from the router's count;
+  ``stream unsynchronized``: a rank of the P was missing, unsynchronized or stale (counted 0);
+  ``stream subset``: a rank's stream answered ``subset`` (§7h; hits may be missing);
+  ``evicted between query and prefill``: the engine reports fewer (blocks freed after the
+  query, while the request queued);
+  ``other DP rank``: the engine reports more, within the best rank's hits (the minimum over
+  ranks is what routing counts; the engine ran it on a better rank);
+  ``stored between query and prefill``: the engine reports more on synchronized exact streams
+  (an earlier request with the same prefix was prefilled, or its events applied, after the
+  query). On an exact stream nothing else can explain a miss: the bench counts these.
+
+:class:`CacheAudit` applies the rule to every answer it hears through the proxy's request
+observer seam (:class:`~kvsvc.routing.observer.RequestObserver`, ``on_end(usage)``; the other
+events are ignored), keeps counters per instance, a histogram of ``diff`` and the last
+``recent`` records (:meth:`CacheAudit.snapshot`), read by ``GET /metrics`` and
+``POST /v1/internal/route`` (``recent_cache_predictions``). Thread-safe; a large miss on a
+synchronized exact stream is logged at INFO (one line naming the instance), the others at DEBUG.
+
+Errors: none raised; a malformed ``usage`` is not audited (counted ``no_usage``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from kvsvc.config import KvEventsConfig
+from kvsvc.routing.observer import RequestInfo
+from kvsvc.routing.policy import (
+    PREFILL_SIDE,
+    REASON_INDEX_DISABLED,
+    REASON_NO_TOKENS,
+    Decision,
+    RankHit,
+)
+
+log = logging.getLogger(__name__)
+
+CAUSE_NOT_TOKENIZED = "not tokenized"
+CAUSE_INDEX_DISABLED = "index disabled"
+CAUSE_TOKENIZER = "tokenizer mismatch"
+CAUSE_UNSYNCHRONIZED = "stream unsynchronized"
+CAUSE_SUBSET = "stream subset"
+CAUSE_EVICTED = "evicted between query and prefill"
+CAUSE_OTHER_RANK = "other DP rank"
+CAUSE_STORED = "stored between query and prefill"
+#: Every cause of a miss beyond one block, in the order they are tried.
+CAUSES = (CAUSE_NOT_TOKENIZED, CAUSE_INDEX_DISABLED, CAUSE_TOKENIZER, CAUSE_UNSYNCHRONIZED,
+          CAUSE_SUBSET, CAUSE_EVICTED, CAUSE_OTHER_RANK, CAUSE_STORED)
+
+OUTCOME_WITHIN = "within_block"
+OUTCOME_OVER = "over"
+OUTCOME_UNDER = "under"
+#: ``outcome`` labels: within one block, over-predicted (engine reused less), under-predicted.
+OUTCOMES = (OUTCOME_WITHIN, OUTCOME_OVER, OUTCOME_UNDER)
+
+#: Why an answer was not audited (``reason`` label).
+UNAUDITED_NO_PREDICTION = "no_prediction"
+UNAUDITED_NO_USAGE = "no_usage"
+UNAUDITED_REASONS = (UNAUDITED_NO_PREDICTION, UNAUDITED_NO_USAGE)
+
+#: Upper bounds of the ``diff`` histogram, tokens (negative: over-predicted).
+DIFF_BUCKETS_TOKENS = (-16384.0, -4096.0, -1024.0, -256.0, -128.0, -1.0, 0.0, 128.0, 256.0,
+                       1024.0, 4096.0, 16384.0)
+#: Records kept for ``recent_cache_predictions``.
+DEFAULT_RECENT = 32
+#: Block size when the instance's streams are not configured (§8's default).
+DEFAULT_BLOCK_SIZE = 128
+
+_UNSYNC_REASONS_NOT = (None, REASON_NO_TOKENS, REASON_INDEX_DISABLED)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What routing predicted for the chosen P (:func:`prediction`).
+
+    :ivar instance: the P, ``host:port``.
+    :ivar predicted_tokens: min over ranks of Device + Host-only hit tokens.
+    :ivar best_rank_tokens: max over ranks of the same (for ``other DP rank``).
+    :ivar input_tokens: the router's token count of the prompt (0: not tokenized).
+    :ivar rank_reasons: each rank's reason for counting 0 (``None``: counted), rank order.
+    :ivar subset: a rank's stream answered ``subset`` (§7h).
+    """
+
+    instance: str
+    predicted_tokens: int
+    best_rank_tokens: int
+    input_tokens: int
+    rank_reasons: tuple[Optional[str], ...]
+    subset: bool
+
+    @property
+    def exact(self) -> bool:
+        """Every rank synchronized, exact, of the current incarnation and with tokens: the
+        streams the target "within one block for >= 99%" is about."""
+        return not self.subset and all(r is None for r in self.rank_reasons)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionRecord:
+    """One audited answer.
+
+    :ivar instance: the P that answered.
+    :ivar predicted: predicted cached tokens.
+    :ivar actual: the engine's ``cached_tokens``.
+    :ivar diff: ``actual - predicted``, tokens.
+    :ivar outcome: one of :data:`OUTCOMES`.
+    :ivar cause: one of :data:`CAUSES` when outside one block, else ``None``.
+    :ivar exact: the prediction came from synchronized exact streams (:attr:`Prediction.exact`).
+    :ivar input_tokens: the router's token count.
+    :ivar engine_prompt_tokens: the engine's ``prompt_tokens`` (``None`` when absent).
+    :ivar policy: the deciding policy.
+    :ivar at: ``time.time()`` of the answer's end, seconds.
+    """
+
+    instance: str
+    predicted: int
+    actual: int
+    diff: int
+    outcome: str
+    cause: Optional[str]
+    exact: bool
+    input_tokens: int
+    engine_prompt_tokens: Optional[int]
+    policy: str
+    at: float
+
+    def to_json(self) -> dict:
+        """One entry of ``recent_cache_predictions``."""
+        return {"instance": self.instance, "predicted": self.predicted, "actual": self.actual,
+                "diff": self.diff, "outcome": self.outcome, "cause": self.cause,
+                "exact": self.exact, "input_tokens": self.input_tokens,
+                "engine_prompt_tokens": self.engine_prompt_tokens, "policy": self.policy,
+                "at": round(self.at, 3)}
+
+
+def prediction(decision: Optional[Decision], instance: str) -> Optional[Prediction]:
+    """What ``decision`` predicted for P ``instance``; ``None`` when it holds no per-rank hits
+    for it (RR, an instance that was not a P candidate, no decision)."""
+    if decision is None:
+        return None
+    for cand in decision.candidates:
+        if cand.side == PREFILL_SIDE and cand.name == instance:
+            ranks: Sequence[RankHit] = cand.ranks
+            if not ranks:
+                return None
+            tokens = [r.device_hit_tokens + r.host_only_hit_tokens for r in ranks]
+            return Prediction(instance, min(tokens), max(tokens), decision.input_tokens,
+                              tuple(r.reason for r in ranks),
+                              any(str(getattr(r, "completeness", None) or "") == "subset"
+                                  for r in ranks))
+    return None
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if type(value) is int and value >= 0 else None
+
+
+def usage_tokens(usage: Optional[Mapping[str, Any]]) -> tuple[Optional[int], Optional[int]]:
+    """``(cached_tokens, prompt_tokens)`` of an OpenAI ``usage`` object, each ``None`` when
+    absent or not a non-negative int."""
+    if not isinstance(usage, Mapping):
+        return None, None
+    details = usage.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    return cached, _int(usage.get("prompt_tokens"))
+
+
+def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[int],
+          block_size: int, policy: str = "", at: Optional[float] = None) -> PredictionRecord:
+    """Compare one prediction with the engine's answer (the rule of the module docstring).
+
+    :param pred: the prediction for the P that answered.
+    :param cached_tokens: the engine's ``cached_tokens`` (>= 0).
+    :param engine_prompt_tokens: the engine's ``prompt_tokens``, ``None`` when absent.
+    :param block_size: tokens per block of the P's streams (>= 1): the tolerance.
+    :param policy: the deciding policy (recorded).
+    :param at: ``time.time()`` of the answer (now when ``None``).
+    """
+    diff = cached_tokens - pred.predicted_tokens
+    cause: Optional[str] = None
+    if abs(diff) <= block_size:
+        outcome = OUTCOME_WITHIN
+    else:
+        outcome = OUTCOME_OVER if diff < 0 else OUTCOME_UNDER
+        reasons = set(pred.rank_reasons)
+        if pred.input_tokens == 0 or REASON_NO_TOKENS in reasons:
+            cause = CAUSE_NOT_TOKENIZED
+        elif REASON_INDEX_DISABLED in reasons:
+            cause = CAUSE_INDEX_DISABLED
+        elif engine_prompt_tokens is not None and engine_prompt_tokens != pred.input_tokens:
+            cause = CAUSE_TOKENIZER
+        elif any(r not in _UNSYNC_REASONS_NOT for r in reasons):
+            cause = CAUSE_UNSYNCHRONIZED
+        elif pred.subset:
+            cause = CAUSE_SUBSET
+        elif diff < 0:
+            cause = CAUSE_EVICTED
+        elif cached_tokens <= pred.best_rank_tokens + block_size \
+                and pred.best_rank_tokens > pred.predicted_tokens:
+            cause = CAUSE_OTHER_RANK
+        else:
+            cause = CAUSE_STORED
+    return PredictionRecord(pred.instance, pred.predicted_tokens, cached_tokens, diff, outcome,
+                            cause, pred.exact, pred.input_tokens, engine_prompt_tokens, policy,
+                            time.time() if at is None else at)
+
+
+def block_sizes(kv_config: Optional[KvEventsConfig]) -> Callable[[str], int]:
+    """``instance -> block_size`` of its streams (§8): a static stream's own, else the
+    discovery block's, else :data:`DEFAULT_BLOCK_SIZE`."""
+    static: dict[str, int] = {}
+    default = DEFAULT_BLOCK_SIZE
+    if kv_config is not None:
+        for s in kv_config.streams:
+            static[s.instance_name] = max(static.get(s.instance_name, 0), s.block_size)
+        if kv_config.discovery is not None:
+            default = kv_config.discovery.block_size
+    return lambda name: static.get(name, default)
+
+
+@dataclass(frozen=True)
+class AuditSnapshot:
+    """The audit's counters at one instant (copied under its lock).
+
+    :ivar outcomes: ``(instance, outcome)`` -> answers audited.
+    :ivar exact_outcomes: the same for the answers predicted from synchronized exact streams.
+    :ivar causes: ``(instance, cause)`` -> misses beyond one block.
+    :ivar unaudited: reason -> answers not audited (:data:`UNAUDITED_REASONS`).
+    :ivar bucket_counts: per :data:`DIFF_BUCKETS_TOKENS` bound then +Inf, non-cumulative.
+    :ivar diff_sum: sum of ``diff`` over audited answers, tokens.
+    :ivar abs_error_sum: sum of ``|diff|``, tokens.
+    :ivar recent: the last records, oldest first.
+    """
+
+    outcomes: Mapping[tuple[str, str], int]
+    exact_outcomes: Mapping[tuple[str, str], int]
+    causes: Mapping[tuple[str, str], int]
+    unaudited: Mapping[str, int]
+    bucket_counts: tuple[int, ...]
+    diff_sum: float
+    abs_error_sum: int
+    recent: tuple[PredictionRecord, ...]
+
+    @property
+    def audited(self) -> int:
+        """Answers audited."""
+        return sum(self.outcomes.values())
+
+    @property
+    def exact_audited(self) -> int:
+        """Audited answers predicted from synchronized exact streams."""
+        return sum(self.exact_outcomes.values())
+
+    @property
+    def exact_within(self) -> int:
+        """The part of :attr:`exact_audited` within one block."""
+        return sum(n for (_, outcome), n in self.exact_outcomes.items()
+                   if outcome == OUTCOME_WITHIN)
+
+
+class CacheAudit:
+    """The request observer applying :func:`audit` to every answer (module docstring).
+
+    :param block_size_of: ``instance -> tokens per block`` (:func:`block_sizes`).
+    :param recent: records kept for :meth:`snapshot` (>= 0).
+    """
+
+    def __init__(self, block_size_of: Callable[[str], int] = lambda name: DEFAULT_BLOCK_SIZE,
+                 recent: int = DEFAULT_RECENT) -> None:
+        self._block_size_of = block_size_of
+        self._lock = threading.Lock()
+        self._outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._exact_outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._causes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._unaudited: collections.Counter[str] = collections.Counter()
+        self._buckets = [0] * (len(DIFF_BUCKETS_TOKENS) + 1)
+        self._diff_sum = 0.0
+        self._abs_sum = 0
+        self._recent: collections.deque[PredictionRecord] = collections.deque(maxlen=recent)
+
+    # -- the observer seam (only the end matters) ---------------------------------------------
+
+    def on_dispatch(self, info: RequestInfo) -> None:
+        """Ignored: the prediction travels with the attempt (``info.decision``)."""
+
+    def on_first_token(self, info: RequestInfo) -> None:
+        """Ignored."""
+
+    def on_token(self, info: RequestInfo) -> None:
+        """Ignored."""
+
+    def on_cancel(self, info: RequestInfo, reason: str) -> None:
+        """Ignored: an answer that did not end has no usage to compare."""
+
+    def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
+        """Audit one answer of ``info.prefill`` against ``usage``."""
+        pred = prediction(info.decision, info.prefill)
+        cached, prompt = usage_tokens(usage)
+        if pred is None or cached is None:
+            with self._lock:
+                self._unaudited[UNAUDITED_NO_PREDICTION if pred is None
+                                else UNAUDITED_NO_USAGE] += 1
+            return
+        self.record(audit(pred, cached, prompt, self._block_size_of(info.prefill),
+                          info.policy))
+
+    def record(self, rec: PredictionRecord) -> None:
+        """Count one audited answer (:meth:`on_end` calls it)."""
+        with self._lock:
+            self._outcomes[(rec.instance, rec.outcome)] += 1
+            if rec.cause is not None:
+                self._causes[(rec.instance, rec.cause)] += 1
+            self._buckets[bisect.bisect_left(DIFF_BUCKETS_TOKENS, rec.diff)] += 1
+            self._diff_sum += rec.diff
+            self._abs_sum += abs(rec.diff)
+            if rec.exact:
+                self._exact_outcomes[(rec.instance, rec.outcome)] += 1
+            self._recent.append(rec)
+        if rec.cause is not None:
+            (log.info if rec.exact else log.debug)(
+                "cache prediction for %s missed by %d tokens (predicted %d, engine cached %d): "
+                "%s", rec.instance, rec.diff, rec.predicted, rec.actual, rec.cause)
+
+    def snapshot(self) -> AuditSnapshot:
+        """The counters and recent records now (:class:`AuditSnapshot`)."""
+        with self._lock:
+            return AuditSnapshot(dict(self._outcomes), dict(self._exact_outcomes),
+                                 dict(self._causes), dict(self._unaudited),
+                                 tuple(self._buckets), self._diff_sum, self._abs_sum,
+                                 tuple(self._recent))
