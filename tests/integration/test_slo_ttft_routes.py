@@ -16,7 +16,7 @@ import pytest
 from kvsvc.cli import main
 from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
-from kvsvc.routing.request_metrics import NO_REQUESTS
+from kvsvc.routing.request_metrics import NO_REQUESTS, RequestMetricsLedger
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
 # clean_env (autouse), etcd_server and etcd are tests/conftest.py fixtures.
@@ -56,7 +56,11 @@ def route(app, tokens: list[int]) -> dict:
 
 
 def ledger(app):
-    return app.extensions[ROUTING_EXTENSION].proxy.observer
+    """The app's request-metrics ledger: the proxy's observer, or the one in its chain (the
+    cached-token audit hears the same answers after it)."""
+    observer = app.extensions[ROUTING_EXTENSION].proxy.observer
+    chain = getattr(observer, "observers", (observer,))
+    return next(o for o in chain if isinstance(o, RequestMetricsLedger))
 
 
 @pytest.mark.parametrize("policy", ["SLO_AWARE", "TTFT"])
