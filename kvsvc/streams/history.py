@@ -165,24 +165,14 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
 
     def view(self) -> RecoveryView:
         """A copy of the bookkeeping (racy off the stream thread: tests, debugging)."""
-        return RecoveryView(
-            synchronized=self._synced, expected=self._expected, max_seen=None,
-            live_up=self._live_up, attempt=self._attempt,
-            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
-            buffered_bytes=self._buffer_bytes,
-            buffered_seqs=tuple(seq for seq, _, _ in self._buffer), silence_check=None,
-            awaiting_live=self._live_only_wait, live_messages=self._serving.live_messages)
+        return self._view(max_seen=None, buffered_seqs=tuple(seq for seq, _, _ in self._buffer),
+                          silence_check=None, awaiting_live=self._live_only_wait)
 
     def wakeup_at(self) -> Optional[float]:
         """Monotonic seconds when :meth:`tick` is next due; ``None``: nothing scheduled."""
-        at: Optional[float] = None
-        nxt = self._timers.next_attempt_at
-        if (self._attempt is None and nxt is not None and not self._awaiting_live
-                and (self._live_up or not self._live_wait_noted)):
-            at = nxt
-        if self._silence is not None:
-            at = self._silence[0] if at is None else min(at, self._silence[0])
-        return at
+        silence = self._silence
+        return self._wakeup(held_back=self._awaiting_live,
+                            deadline=None if silence is None else silence[0])
 
     # ------------------------------------------------------------------ inputs
 
@@ -191,12 +181,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
         (or note that it waits for the live channel)."""
         if self._silence is not None:
             self._check_silence(now)
-        nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt and not self._awaiting_live:
-            if self._live_up:
-                self._begin_attempt()
-            elif not self._live_wait_noted and not self._synced:
-                self._note_live_wait()
+        # (A silent channel asks nothing until a live message; a serving stream notes no wait.)
+        self._start_due(now, held_back=self._awaiting_live, may_note=not self._synced)
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float,

@@ -437,6 +437,42 @@ class AttemptRules(Generic[_R, _B]):
         """Id of the attempt in flight, ``None`` when there is none."""
         return self._attempt
 
+    def _view(self, *, max_seen: Optional[int], buffered_seqs: tuple[int, ...],
+              silence_check: Optional[SilenceCheck], awaiting_live: bool) -> RecoveryView:
+        """The :class:`RecoveryView` of this machine with the rule set's own fields given."""
+        return RecoveryView(
+            synchronized=self._synced, expected=self._expected, max_seen=max_seen,
+            live_up=self._live_up, attempt=self._attempt,
+            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
+            buffered_bytes=self._buffer_bytes, buffered_seqs=buffered_seqs,
+            silence_check=silence_check, awaiting_live=awaiting_live,
+            live_messages=self._serving.live_messages)
+
+    def _wakeup(self, *, held_back: bool, deadline: Optional[float]) -> Optional[float]:
+        """When :meth:`tick` is next due (monotonic s): the due attempt's time unless an
+        attempt is in flight, ``held_back`` (the rule set asks nothing now) or the attempt is
+        noted as waiting for the live channel (``on_live_up`` ends that wait); at the latest
+        ``deadline`` (a silence check's). ``None``: nothing scheduled."""
+        at: Optional[float] = None
+        nxt = self._timers.next_attempt_at
+        if (self._attempt is None and nxt is not None and not held_back
+                and (self._live_up or not self._live_wait_noted)):
+            at = nxt
+        if deadline is not None:
+            at = deadline if at is None else min(at, deadline)
+        return at
+
+    def _start_due(self, now: float, *, held_back: bool, may_note: bool) -> None:
+        """Start the attempt that is due at ``now`` (none in flight, not ``held_back``) when
+        the live channel is up (§6: requests only while it is connected); else, once and if
+        ``may_note``, say in ``error`` that it waits for the live channel."""
+        nxt = self._timers.next_attempt_at
+        if self._attempt is None and nxt is not None and now >= nxt and not held_back:
+            if self._live_up:
+                self._begin_attempt(now)
+            elif not self._live_wait_noted and may_note:
+                self._note_live_wait()
+
     # ------------------------------------------------------------------ shared inputs
 
     def start(self, now: float) -> tuple[Action, ...]:
@@ -616,27 +652,17 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
 
     def view(self) -> RecoveryView:
         """A copy of the bookkeeping (racy when read off the stream thread: tests, debugging)."""
-        return RecoveryView(
-            synchronized=self._synced, expected=self._expected, max_seen=self._max_seen,
-            live_up=self._live_up, attempt=self._attempt,
-            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
-            buffered_bytes=self._buffer_bytes,
-            buffered_seqs=tuple(seq for seq, _ in self._buffer),
-            silence_check=self._silence, awaiting_live=self._awaiting_live,
-            live_messages=self._serving.live_messages)
+        return self._view(max_seen=self._max_seen,
+                          buffered_seqs=tuple(seq for seq, _ in self._buffer),
+                          silence_check=self._silence, awaiting_live=self._awaiting_live)
 
     def wakeup_at(self) -> Optional[float]:
         """Monotonic seconds when :meth:`tick` is next due (an attempt due, a silence check's
         deadline); ``None``: nothing scheduled (an attempt in flight has its own deadline)."""
-        at: Optional[float] = None
-        nxt = self._timers.next_attempt_at
-        # Once a due attempt is noted as waiting for the live channel, on_live_up ends the wait.
-        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
-            at = nxt
-        if self._silence is not None:
-            deadline = self._silence.deadline
-            at = deadline if at is None else min(at, deadline)
-        return at
+        # (A silent channel's recovery waits for a live batch with nothing scheduled.)
+        silence = self._silence
+        return self._wakeup(held_back=False,
+                            deadline=None if silence is None else silence.deadline)
 
     # ------------------------------------------------------------------ inputs
 
@@ -645,12 +671,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
         in ``error`` that it waits for the live channel)."""
         if self._silence is not None:
             self._check_silence(now)
-        nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt:
-            if self._live_up:
-                self._begin_attempt(now)
-            elif not self._live_wait_noted:
-                self._note_live_wait()
+        self._start_due(now, held_back=False, may_note=True)
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
