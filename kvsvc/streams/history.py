@@ -75,7 +75,6 @@ from typing import Optional, Sequence, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import (
-    BufferOverflow,
     ReplayUnanswered,
     SnapshotError,
     StreamError,
@@ -84,7 +83,6 @@ from kvsvc.events import Batch, Event
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import (
     NOT_INDEXED,
-    DecodeErrorReason,
     RecoveryTrigger,
     error_reason,
     stats_tuple,
@@ -234,18 +232,6 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
         if self._apply_held(seq, Batch(0.0, events, None), digest, now):
             if self._synced:
                 self._caught_up += 1
-        return self._take()
-
-    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
-                      now: float) -> tuple[HistoryAction, ...]:
-        """A live message with the exact topic that failed framing or decoding: counted; the
-        batch is lost to the index, and its replayed copy would fail alike: discard, rebuild
-        (a live-only stream starts again from the next live batch)."""
-        self._serving.live_messages += 1
-        if self._awaiting_live:
-            self._live_alive_again(now)
-        self._serving.count_decode_error(reason)
-        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
         return self._take()
 
     def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
@@ -428,13 +414,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
 
     def _buffer_batch(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
                       now: float) -> None:
-        self._buffer_bytes += record_bytes(batch, wire_bytes)
-        if self._buffer_bytes > self._max_buffered:
-            self._attempt_failed(BufferOverflow(
-                f"buffer overflow: live batches buffered during the history reply exceed "
-                f"max_buffered_bytes={self._max_buffered}"), now)
-            return
-        self._buffer.append((seq, batch, digest))
+        self._buffer_item((seq, batch, digest), batch, wire_bytes, "the history reply", now)
 
     def _baseline_from_cleared(self, seq: int, batch: Batch, digest: int, now: float) -> None:
         """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
@@ -718,7 +698,9 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
 
     def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """An error of the stream: discard the index and rebuild (a live-only stream: start
-        again from the next live batch), or fail the attempt in flight."""
+        again from the next live batch), or fail the attempt in flight. A live message that
+        failed decoding comes here too (``on_live_error``): the batch is lost to the index and
+        its replayed copy would fail alike."""
         if self._held:
             live_only = self._live_only
             self._abandon_attempt()
@@ -731,10 +713,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
                     self._timers.next_attempt_at = now
             else:
                 self._restart_recovery(now)
-        elif self._attempt is not None:
-            self._attempt_failed(StreamError(reason), now)
         else:
-            self._note_waiting_error(reason)
+            self._fail_or_note(reason, now)
 
     def _discard_and_rebuild(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """Discard the working index (served or kept) and rebuild from 0 now (§7h)."""

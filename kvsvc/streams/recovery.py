@@ -532,6 +532,31 @@ class AttemptRules(Generic[_R, _B]):
             self._attempt_failed(exc, now)
         return self._take()
 
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[Action, ...]:
+        """A live message with the exact topic that failed parsing (``frame``, §1) or decoding
+        (``payload``, §2): counted, and a stream error (§6, §7h: the rule set's
+        :meth:`_stream_error`, trigger ``decode_error``).
+
+        :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
+        :param seq: the message's seq when its frames parsed, else ``None``.
+        """
+        self._serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
+        if seq is not None:
+            self._note_seen(seq)
+        self._serving.count_decode_error(reason)
+        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
+        return self._take()
+
+    def _note_seen(self, seq: int) -> None:
+        """A live message with ``seq`` arrived (its payload may not have decoded)."""
+
+    def _live_alive_again(self, now: float) -> None:
+        """A live message after a silent channel (the rule set's reaction)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ attempts
 
     def _begin_attempt(self, now: Optional[float] = None) -> None:
@@ -606,6 +631,27 @@ class AttemptRules(Generic[_R, _B]):
     def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """An error of the stream (the rule set's reaction)."""
         raise NotImplementedError
+
+    def _buffer_item(self, item: _B, batch: Batch, wire_bytes: int, during: str,
+                     now: float) -> None:
+        """Buffer ``item`` (live ``batch`` of ``wire_bytes``) into the attempt in flight (§6
+        accounting, :func:`record_bytes`); above ``max_buffered_bytes`` the attempt fails
+        (``buffer overflow``, the text naming ``during``)."""
+        self._buffer_bytes += record_bytes(batch, wire_bytes)
+        if self._buffer_bytes > self._max_buffered:
+            self._attempt_failed(BufferOverflow(
+                f"buffer overflow: live batches buffered during {during} exceed "
+                f"max_buffered_bytes={self._max_buffered}"), now)
+            return
+        self._buffer.append(item)
+
+    def _fail_or_note(self, reason: str, now: float) -> None:
+        """A stream error without an index to discard: it fails the attempt in flight, or,
+        while a retry waits, it is the reason recorded (:meth:`_note_waiting_error`)."""
+        if self._attempt is not None:
+            self._attempt_failed(StreamError(reason), now)
+        else:
+            self._note_waiting_error(reason)
 
     def _note_waiting_error(self, reason: str) -> None:
         """An error while a retry waits: record the reason; the state does not change, so only
@@ -717,23 +763,10 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
             self._on_live_unsynchronized(seq, batch, wire_bytes, prev_max, now)
         return self._take()
 
-    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
-                      now: float) -> tuple[Action, ...]:
-        """A live message with the exact topic that failed parsing (``frame``, §1) or decoding
-        (``payload``, §2): counted, and a stream error (§6).
-
-        :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
-        :param seq: the message's seq when its frames parsed, else ``None``.
-        """
-        self._serving.live_messages += 1
-        if self._awaiting_live:
-            self._live_alive_again(now)
-        if seq is not None:
-            prev_max = self._max_seen
-            self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
-        self._serving.count_decode_error(reason)
-        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
-        return self._take()
+    def _note_seen(self, seq: int) -> None:
+        """A live message that failed decoding still counts for ``max_seen``."""
+        prev_max = self._max_seen
+        self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
 
     def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]:
         """The live ``SUB``'s monitor reported a disconnect (§6): a stream error with trigger
@@ -894,13 +927,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
         self._buffer_batch(seq, batch, wire_bytes, now)
 
     def _buffer_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float) -> None:
-        self._buffer_bytes += record_bytes(batch, wire_bytes)
-        if self._buffer_bytes > self._max_buffered:
-            self._attempt_failed(BufferOverflow(
-                f"buffer overflow: live batches buffered during the snapshot exceed "
-                f"max_buffered_bytes={self._max_buffered}"), now)
-            return
-        self._buffer.append((seq, batch))
+        self._buffer_item((seq, batch), batch, wire_bytes, "the snapshot", now)
 
     def _baseline_from_cleared(self, seq: int, batch: Batch, now: float) -> None:
         """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
@@ -926,10 +953,8 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
         if self._synced:
             self._invalidate(reason, trigger)
             self._restart_recovery(now)
-        elif self._attempt is not None:
-            self._attempt_failed(StreamError(reason), now)
         else:
-            self._note_waiting_error(reason)
+            self._fail_or_note(reason, now)
 
     def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
         """Discard the serving index and forget its sequence; one log line and one recovery
