@@ -113,7 +113,7 @@ EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
 HistoryAction = Action
 
 
-class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
+class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple[float, int]]):
     """The §7h recovery rules of one history-mode stream (see the module docstring).
 
     :param stream: the stream's configuration (name and endpoint appear in reasons).
@@ -135,7 +135,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
         self._caught_up = 0           # batches a periodic catch-up applied before live did
         # (self._buffer holds (seq, batch, digest).)
         self._live_at_check = 0       # live_messages at the last swap or catch-up end
-        self._silence: Optional[tuple[float, int]] = None  # (deadline, live_messages)
+        # (self._silence is (deadline, live_messages).)
 
     # ------------------------------------------------------------------ read-only state
 
@@ -667,14 +667,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int]]):
         publish, would otherwise leave removals unseen between catch-ups: stale hits)."""
         assert self._silence is not None
         deadline, count = self._silence
-        if self._serving.live_messages != count or not self._synced:
-            self._silence = None
+        if not self._silence_failed(count, deadline, now):
             return
-        if now < deadline:
-            return
-        self._silence = None
-        self._abandon_attempt()
-        self._awaiting_live = True
         self._synced = False
         reason = (f"live channel silent: the engine published batches up to seq "
                   f"{self._expected - 1 if self._expected else 0} (found by a catch-up) but no "

@@ -382,9 +382,10 @@ class RecoveryTimers:
 #: The request type (RequestSnapshot, RequestHistory) and buffered item type of a rule set.
 _R = TypeVar("_R", RequestSnapshot, RequestHistory)
 _B = TypeVar("_B")
+_S = TypeVar("_S")
 
 
-class AttemptRules(Generic[_R, _B]):
+class AttemptRules(Generic[_R, _B, _S]):
     """The attempt plumbing both rule sets share (§6): the action queue, the attempt in
     flight and its announcement, the live connection's up/down bookkeeping (requests only
     while the live ``SUB`` is connected), the wait-for-live note in ``error``, and the §6
@@ -419,6 +420,7 @@ class AttemptRules(Generic[_R, _B]):
         self._attempt_ids = 0
         self._buffer: list[_B] = []
         self._buffer_bytes = 0
+        self._silence: Optional[_S] = None       # the running silent-channel check
 
     # ------------------------------------------------------------------ read-only state
 
@@ -553,6 +555,25 @@ class AttemptRules(Generic[_R, _B]):
     def _note_seen(self, seq: int) -> None:
         """A live message with ``seq`` arrived (its payload may not have decoded)."""
 
+    def _silence_failed(self, live_messages: int, deadline: float, now: float) -> bool:
+        """Judge the running silent-channel check (README "Where the spec is silent"), armed
+        when ``live_messages`` live messages had arrived, due at ``deadline`` (monotonic s):
+        passed (ended, False) once any live message arrived since it was armed or the stream
+        no longer serves; running (False) before ``deadline``; else failed (True): ended, the
+        attempt abandoned, and nothing is asked until a live message arrives
+        (``_awaiting_live``); the rule set then says how the stream stops serving."""
+        # Counted from when the check was armed, not from the last swap: a later resync's
+        # swap must not hide a batch that arrived in between.
+        if self._serving.live_messages != live_messages or not self._synced:
+            self._silence = None
+            return False
+        if now < deadline:
+            return False
+        self._silence = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        return True
+
     def _live_alive_again(self, now: float) -> None:
         """A live message after a silent channel (the rule set's reaction)."""
         raise NotImplementedError
@@ -679,7 +700,7 @@ class AttemptRules(Generic[_R, _B]):
         self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
 
 
-class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
+class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceCheck]):
     """The §6/§7 recovery rules of one snapshot-mode stream (see the module docstring).
 
     :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
@@ -692,7 +713,6 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
         super().__init__(stream, limits, serving)
         self._max_seen: Optional[int] = None     # highest live seq on this connection
         self._live_at_swap = 0                   # live_messages when the index was swapped
-        self._silence: Optional[SilenceCheck] = None
 
     # ------------------------------------------------------------------ read-only state
 
@@ -971,16 +991,8 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch]]):
         a snapshot's index serving while the engine moves on: stale hits)."""
         check = self._silence
         assert check is not None
-        # Counted from when the check was armed, not from the last swap: a later resync's
-        # swap must not hide a batch that arrived in between.
-        if self._serving.live_messages != check.live_messages or not self._synced:
-            self._silence = None
+        if not self._silence_failed(check.live_messages, check.deadline, now):
             return
-        if now < check.deadline:
-            return
-        self._silence = None
-        self._abandon_attempt()
-        self._awaiting_live = True
         self._timers.next_attempt_at = None  # no snapshot until the live channel shows life
         self._invalidate(
             f"live channel silent: the engine published up to seq {check.watermark} (resync "
