@@ -5,9 +5,10 @@
 SnapshotRecovery`, is §6/§7). It shares the attempt plumbing of
 :class:`~kvsvc.streams.recovery.AttemptRules` (its base class: action queue, attempt
 announce/abandon, live up/down bookkeeping, §6 backoff through
-:class:`~kvsvc.streams.recovery.RecoveryTimers`), the buffer accounting (:func:`~kvsvc.streams.recovery.
-record_bytes`) and the :class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no
-socket, starts no thread and never reads the clock.
+:class:`~kvsvc.streams.recovery.RecoveryTimers`), the buffer accounting
+(:func:`~kvsvc.streams.recovery.record_bytes`) and the
+:class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no socket, starts no thread
+and never reads the clock.
 
 Inputs beyond the snapshot rules' ones: ``on_live_batch`` takes the payload's XXH3-64 digest
 (``digest=``), and ``on_history_batch(attempt, seq, events, digest, wire_bytes, now)`` is each

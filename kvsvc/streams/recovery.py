@@ -11,7 +11,9 @@ Two rule sets implement :class:`RecoveryRules`; the stream thread picks one by t
   an anchor (last applied seq ``L`` and its payload digest ``D``); a gap, a disconnect and the
   periodic resync *catch up* from ``L`` (proven by ``D``) while the index is kept, and only a
   start, a restart or an unproven catch-up *rebuilds* from seq 0, into an ``exact`` or a
-  ``subset`` index; without any replay answer the stream serves a live-only subset. It
+  ``subset`` index; without any replay answer the stream serves a live-only subset. Both
+  subclass :class:`AttemptRules` (the attempt plumbing: action queue, attempt
+  announce/abandon, live up/down bookkeeping, failure backoff, silent-channel judgement). It
   shares :class:`RecoveryTimers` (§6 backoff, resync interval), :func:`record_bytes` (buffer
   accounting) and the :class:`~kvsvc.streams.serving.ServingState`; its requests are
   :class:`RequestHistory`.
