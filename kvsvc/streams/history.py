@@ -2,10 +2,13 @@
 
 :class:`HistoryRecovery` is the second implementation of
 :class:`~kvsvc.streams.recovery.RecoveryRules` (the first, :class:`~kvsvc.streams.recovery.
-SnapshotRecovery`, is §6/§7). It shares the :class:`~kvsvc.streams.recovery.RecoveryTimers`
-(§6 backoff, resync interval), the buffer accounting (:func:`~kvsvc.streams.recovery.
-record_bytes`) and the :class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no
-socket, starts no thread and never reads the clock.
+SnapshotRecovery`, is §6/§7). It shares the attempt plumbing of
+:class:`~kvsvc.streams.recovery.AttemptRules` (its base class: action queue, attempt
+announce/abandon, live up/down bookkeeping, §6 backoff through
+:class:`~kvsvc.streams.recovery.RecoveryTimers`), the buffer accounting
+(:func:`~kvsvc.streams.recovery.record_bytes`) and the
+:class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no socket, starts no thread
+and never reads the clock.
 
 Inputs beyond the snapshot rules' ones: ``on_live_batch`` takes the payload's XXH3-64 digest
 (``digest=``), and ``on_history_batch(attempt, seq, events, digest, wire_bytes, now)`` is each
@@ -73,36 +76,30 @@ from typing import Optional, Sequence, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import (
-    BufferOverflow,
     ReplayUnanswered,
     SnapshotError,
-    SnapshotTimeout,
     StreamError,
 )
 from kvsvc.events import Batch, Event
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import (
     NOT_INDEXED,
-    DecodeErrorReason,
     RecoveryTrigger,
-    SnapshotOutcome,
     error_reason,
     stats_tuple,
     trigger_of,
 )
 from kvsvc.streams.recovery import (
     LIVE_SILENCE_GRACE_S,
-    LIVE_WAIT,
     NO_ACTIONS,
-    AbandonSnapshot,
     Action,
+    AttemptRules,
     RequestHistory,
-    RecoveryTimers,
     RecoveryView,
     record_bytes,
 )
 from kvsvc.streams.history_client import starts_cleared
-from kvsvc.streams.serving import NOT_YET, ServingState
+from kvsvc.streams.serving import ServingState
 from kvsvc.streams.state import Completeness, HistoryResult, SnapshotResult
 
 log = logging.getLogger(__name__)
@@ -117,7 +114,7 @@ EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
 HistoryAction = Action
 
 
-class HistoryRecovery:
+class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple[float, int]]):
     """The §7h recovery rules of one history-mode stream (see the module docstring).
 
     :param stream: the stream's configuration (name and endpoint appear in reasons).
@@ -127,52 +124,21 @@ class HistoryRecovery:
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
                  serving: ServingState) -> None:
-        self._stream = stream
-        self._limits = limits
-        self._serving = serving
-        self._name = str(serving.stream_id)
-        self._max_buffered = limits.max_buffered_bytes
-        self._timers = RecoveryTimers(limits.resync_interval_ms)
-        self._out: list[HistoryAction] = []
-        self._synced = False          # serving state SYNCHRONIZED
+        super().__init__(stream, limits, serving)
         self._held = False            # the serving state holds the working index
-        self._expected: Optional[int] = None   # next seq the working index needs
         self._digest: Optional[int] = None     # D: digest of batch expected - 1
         self._recent: dict[int, int] = {}      # seq -> digest of the last applied batches
         self._completeness = EXACT
         self._first_decides = False   # empty rebuild reply: the first live batch decides
         self._live_only = False       # no replay answered: the index is built from live only
         self._live_only_wait = False  # ... and the next live batch starts it
-        self._live_up = False
-        self._live_wait_noted = False
-        self._waiting_error_logged = False
-        self._attempt: Optional[int] = None
         self._request: Optional[RequestHistory] = None   # of the attempt in flight
-        self._opening: Optional[RequestHistory] = None   # requested, not reported open yet
-        self._attempt_ids = 0
         self._caught_up = 0           # batches a periodic catch-up applied before live did
-        self._buffer: list[tuple[int, Batch, int]] = []  # (seq, batch, digest)
-        self._buffer_bytes = 0
+        # (self._buffer holds (seq, batch, digest).)
         self._live_at_check = 0       # live_messages at the last swap or catch-up end
-        self._silence: Optional[tuple[float, int]] = None  # (deadline, live_messages)
-        self._awaiting_live = False   # silent live channel: nothing asked until one arrives
+        # (self._silence is (deadline, live_messages).)
 
     # ------------------------------------------------------------------ read-only state
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Buffer accounting (bytes, §6) of the attempt in flight."""
-        return self._buffer_bytes
-
-    @property
-    def attempt(self) -> Optional[int]:
-        """Id of the attempt in flight, ``None`` when there is none."""
-        return self._attempt
-
-    @property
-    def synchronized(self) -> bool:
-        """The serving index is valid (serving)."""
-        return self._synced
 
     @property
     def completeness(self) -> Completeness:
@@ -198,45 +164,24 @@ class HistoryRecovery:
 
     def view(self) -> RecoveryView:
         """A copy of the bookkeeping (racy off the stream thread: tests, debugging)."""
-        return RecoveryView(
-            synchronized=self._synced, expected=self._expected, max_seen=None,
-            live_up=self._live_up, attempt=self._attempt,
-            next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
-            buffered_bytes=self._buffer_bytes,
-            buffered_seqs=tuple(seq for seq, _, _ in self._buffer), silence_check=None,
-            awaiting_live=self._live_only_wait, live_messages=self._serving.live_messages)
+        return self._view(max_seen=None, buffered_seqs=tuple(seq for seq, _, _ in self._buffer),
+                          silence_check=None, awaiting_live=self._live_only_wait)
 
     def wakeup_at(self) -> Optional[float]:
         """Monotonic seconds when :meth:`tick` is next due; ``None``: nothing scheduled."""
-        at: Optional[float] = None
-        nxt = self._timers.next_attempt_at
-        if (self._attempt is None and nxt is not None and not self._awaiting_live
-                and (self._live_up or not self._live_wait_noted)):
-            at = nxt
-        if self._silence is not None:
-            at = self._silence[0] if at is None else min(at, self._silence[0])
-        return at
+        silence = self._silence
+        return self._wakeup(held_back=self._awaiting_live,
+                            deadline=None if silence is None else silence[0])
 
     # ------------------------------------------------------------------ inputs
-
-    def start(self, now: float) -> tuple[HistoryAction, ...]:
-        """The stream thread runs: a rebuild is due at once (§6, §7h), sent once the live
-        channel is up. Counts the ``start`` recovery."""
-        self._timers.next_attempt_at = now
-        self._serving.count_recovery(RecoveryTrigger.START)
-        return self._take()
 
     def tick(self, now: float) -> tuple[HistoryAction, ...]:
         """Time passed: end a silent-channel check whose deadline passed, start a due attempt
         (or note that it waits for the live channel)."""
         if self._silence is not None:
             self._check_silence(now)
-        nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt and not self._awaiting_live:
-            if self._live_up:
-                self._begin_attempt()
-            elif not self._live_wait_noted and not self._synced:
-                self._note_live_wait()
+        # (A silent channel asks nothing until a live message; a serving stream notes no wait.)
+        self._start_due(now, held_back=self._awaiting_live, may_note=not self._synced)
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float,
@@ -290,37 +235,6 @@ class HistoryRecovery:
                 self._caught_up += 1
         return self._take()
 
-    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
-                      now: float) -> tuple[HistoryAction, ...]:
-        """A live message with the exact topic that failed framing or decoding: counted; the
-        batch is lost to the index, and its replayed copy would fail alike: discard, rebuild
-        (a live-only stream starts again from the next live batch)."""
-        self._serving.live_messages += 1
-        if self._awaiting_live:
-            self._live_alive_again(now)
-        self._serving.count_decode_error(reason)
-        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
-        return self._take()
-
-    def on_live_opened(self) -> tuple[HistoryAction, ...]:
-        """A new live ``SUB`` is connecting: not up until its handshake."""
-        self._live_up = False
-        self._live_wait_noted = False
-        return self._take()
-
-    def on_live_up(self, now: float) -> tuple[HistoryAction, ...]:
-        """The live ``SUB``'s handshake succeeded: replies may be asked for from now on; a new
-        connection may be a new engine, so the backoff is reset; a kept index catches up."""
-        self._live_up = True
-        if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
-            self._timers.new_connection(now)
-        if self._live_wait_noted:
-            self._live_wait_noted = False
-            error = self._serving.error
-            if not self._synced and error is not None:
-                self._serving.set_error(error.partition(LIVE_WAIT)[0])
-        return self._take()
-
     def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
         """The live ``SUB`` disconnected (§6): batches may be missed. A synchronized stream
         keeps its index, serves nothing (``recovering``) and catches up once connected again
@@ -346,28 +260,6 @@ class HistoryRecovery:
         if not self._live_only or self._timers.next_attempt_at is None:
             # (A live-only stream keeps its rebuild retry schedule, or retries once connected.)
             self._timers.next_attempt_at = now
-        return self._take()
-
-    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[HistoryAction, ...]:
-        """The owner opened attempt ``attempt``: an urgent one makes the stream ``RECOVERING``
-        (one info line). A stale id is ignored."""
-        request = self._opening
-        if request is not None and request.attempt == attempt:
-            self._opening = None
-            self._announce(request)
-        return self._take()
-
-    def on_snapshot_failed(self, attempt: int, exc: StreamError,
-                           now: float) -> tuple[HistoryAction, ...]:
-        """Attempt ``attempt`` failed (could not open, per-message timeout, malformed reply):
-        retried after the backoff. A rebuild that got no reply at all
-        (:class:`~kvsvc.errors.ReplayUnanswered`) makes the stream serve a live-only subset
-        meanwhile (§7h). A stale id is ignored."""
-        if attempt == self._attempt:
-            opening = self._opening
-            if opening is not None and opening.attempt == attempt:
-                self._opening = None
-            self._attempt_failed(exc, now)
         return self._take()
 
     def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
@@ -523,23 +415,12 @@ class HistoryRecovery:
 
     def _buffer_batch(self, seq: int, batch: Batch, digest: int, wire_bytes: int,
                       now: float) -> None:
-        self._buffer_bytes += record_bytes(batch, wire_bytes)
-        if self._buffer_bytes > self._max_buffered:
-            self._attempt_failed(BufferOverflow(
-                f"buffer overflow: live batches buffered during the history reply exceed "
-                f"max_buffered_bytes={self._max_buffered}"), now)
-            return
-        self._buffer.append((seq, batch, digest))
+        self._buffer_item((seq, batch, digest), batch, wire_bytes, "the history reply", now)
 
     def _baseline_from_cleared(self, seq: int, batch: Batch, digest: int, now: float) -> None:
         """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
-        index = self._new_index()
-        try:
-            index.apply(batch.events)
-        except StreamError as exc:
-            reason = error_reason(exc)
-            self._serving.count_decode_error(reason)
-            self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
+        index = self._cleared_index(seq, batch, now)
+        if index is None:
             return
         self._abandon_attempt()
         self._live_only_wait = False
@@ -787,14 +668,8 @@ class HistoryRecovery:
         publish, would otherwise leave removals unseen between catch-ups: stale hits)."""
         assert self._silence is not None
         deadline, count = self._silence
-        if self._serving.live_messages != count or not self._synced:
-            self._silence = None
+        if not self._silence_failed(count, deadline, now):
             return
-        if now < deadline:
-            return
-        self._silence = None
-        self._abandon_attempt()
-        self._awaiting_live = True
         self._synced = False
         reason = (f"live channel silent: the engine published batches up to seq "
                   f"{self._expected - 1 if self._expected else 0} (found by a catch-up) but no "
@@ -818,7 +693,9 @@ class HistoryRecovery:
 
     def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """An error of the stream: discard the index and rebuild (a live-only stream: start
-        again from the next live batch), or fail the attempt in flight."""
+        again from the next live batch), or fail the attempt in flight. A live message that
+        failed decoding comes here too (``on_live_error``): the batch is lost to the index and
+        its replayed copy would fail alike."""
         if self._held:
             live_only = self._live_only
             self._abandon_attempt()
@@ -831,16 +708,8 @@ class HistoryRecovery:
                     self._timers.next_attempt_at = now
             else:
                 self._restart_recovery(now)
-        elif self._attempt is not None:
-            self._attempt_failed(StreamError(reason), now)
         else:
-            self._serving.set_error(reason)
-            if not self._waiting_error_logged:
-                self._waiting_error_logged = True
-                log.warning("stream %s: %s (retry already scheduled; further errors until then "
-                            "are logged at debug level)", self._name, reason)
-            else:
-                log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+            self._fail_or_note(reason, now)
 
     def _discard_and_rebuild(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """Discard the working index (served or kept) and rebuild from 0 now (§7h)."""
@@ -870,36 +739,7 @@ class HistoryRecovery:
             self._serving.count_recovery(trigger)
             log.warning("stream %s: index discarded: %s", self._name, reason)
 
-    def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
-                            recovering: bool = False) -> None:
-        self._serving.count_recovery(trigger)
-        log.warning("stream %s: %s: %s", self._name,
-                    "recovering" if recovering else "unsynchronized", reason)
-
-    def _note_live_wait(self) -> None:
-        self._live_wait_noted = True
-        cause = self._serving.error or NOT_YET
-        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
-
     # ------------------------------------------------------------------ attempts
-
-    def _new_index(self) -> TierIndex:
-        return TierIndex(self._stream.block_size, self._stream.hash_seed,
-                         self._limits.max_blocks_per_stream)
-
-    def _take(self) -> tuple[HistoryAction, ...]:
-        out = self._out
-        if not out:
-            return NO_ACTIONS
-        self._out = []
-        return tuple(out)
-
-    def _restart_recovery(self, now: float) -> None:
-        """Abandon any attempt and request the recovery now (or once the live channel is up)."""
-        self._abandon_attempt()
-        self._timers.next_attempt_at = now
-        if self._live_up:
-            self._begin_attempt()
 
     def _promote(self, request: RequestHistory) -> None:
         """A periodic attempt in flight is now the stream's recovery."""
@@ -907,19 +747,11 @@ class HistoryRecovery:
                                        request.anchor_digest)
 
     def _abandon_attempt(self) -> None:
-        if self._opening is not None:
-            request = self._opening
-            self._opening = None
-            self._announce(request)
-        if self._attempt is not None:
-            self._out.append(AbandonSnapshot(self._attempt))
-            self._attempt = None
+        super()._abandon_attempt()
         self._request = None
-        self._buffer = []
-        self._buffer_bytes = 0
         self._caught_up = 0
 
-    def _begin_attempt(self) -> None:
+    def _begin_attempt(self, now: Optional[float] = None) -> None:
         """Request a catch-up from ``L`` when an index with an anchor is kept (not live-only),
         else a rebuild from 0."""
         self._waiting_error_logged = False
@@ -956,12 +788,7 @@ class HistoryRecovery:
         from the first live batch received (§7h)."""
         request = self._request
         buffered = self._buffer
-        self._abandon_attempt()
-        outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
-                   SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
-                   SnapshotOutcome.ERROR)
-        self._serving.count_attempt(outcome)
-        delay = self._timers.failed(now)
+        delay = self._fail_attempt(exc, now)
         unanswered = (isinstance(exc, ReplayUnanswered) and request is not None
                       and not request.catch_up)
         if self._synced:

@@ -62,12 +62,11 @@ from kvsvc.streams.gate import SnapshotGate
 from kvsvc.streams import pacing
 from kvsvc.streams.pacing import (
     BUILD_SLICE_S,
-    BUILD_TIMER_SLACK_NS,
     BUILD_YIELD_S,
     SwitchIntervalLease,
-    set_timer_slack,
+    build_timer_slack,
 )
-from kvsvc.streams.snapshot_client import APPLY_SLICE_EVENTS, SnapshotAttempt
+from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import HistoryResult
 
 #: Digests of the last replayed batches a rebuild keeps (seq -> digest), to check buffered live
@@ -250,23 +249,16 @@ class HistoryAttempt(SnapshotAttempt):
         index = self._index
         if self._messages == 1:
             self._exact = seq == 0
-        slack = set_timer_slack(BUILD_TIMER_SLACK_NS)
-        try:
+        with build_timer_slack():
             events = self._decode(seq, payload)
             if starts_cleared(events):
                 # Everything before is gone: from here on the index is the whole residency.
                 self._exact = True
                 self._orphans_at_exact = index.stats.orphan_blocks
-            apply = index.apply
             try:
-                for i in range(0, len(events), APPLY_SLICE_EVENTS):
-                    apply(events[i:i + APPLY_SLICE_EVENTS], snapshot=True)
-                    self._pace()
+                self._apply_sliced(events)
             except StreamError as exc:
                 raise SnapshotError(f"history reply seq {seq}: {exc}") from exc
-        finally:
-            if slack is not None:
-                set_timer_slack(slack)
         digests = self._digests
         digests[seq] = digest
         digests.pop(seq - DIGESTS_KEPT, None)

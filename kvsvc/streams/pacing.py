@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 #: Longest stretch (seconds) of decode/index work between two GIL yields while building.
 BUILD_SLICE_S = 0.0003
@@ -141,3 +142,16 @@ def set_timer_slack(ns: int) -> Optional[int]:
         return None
     return previous
 
+
+
+@contextmanager
+def build_timer_slack() -> Iterator[None]:
+    """Run the block with the thread's timer slack at :data:`BUILD_TIMER_SLACK_NS` (a build's
+    GIL yields then end on time) and set the previous slack back afterwards, also when the
+    block raises; a no-op where :func:`set_timer_slack` is not available."""
+    slack = set_timer_slack(BUILD_TIMER_SLACK_NS)
+    try:
+        yield
+    finally:
+        if slack is not None:
+            set_timer_slack(slack)

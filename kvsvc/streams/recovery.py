@@ -11,7 +11,9 @@ Two rule sets implement :class:`RecoveryRules`; the stream thread picks one by t
   an anchor (last applied seq ``L`` and its payload digest ``D``); a gap, a disconnect and the
   periodic resync *catch up* from ``L`` (proven by ``D``) while the index is kept, and only a
   start, a restart or an unproven catch-up *rebuilds* from seq 0, into an ``exact`` or a
-  ``subset`` index; without any replay answer the stream serves a live-only subset. It
+  ``subset`` index; without any replay answer the stream serves a live-only subset. Both
+  subclass :class:`AttemptRules` (the attempt plumbing: action queue, attempt
+  announce/abandon, live up/down bookkeeping, failure backoff, silent-channel judgement). It
   shares :class:`RecoveryTimers` (§6 backoff, resync interval), :func:`record_bytes` (buffer
   accounting) and the :class:`~kvsvc.streams.serving.ServingState`; its requests are
   :class:`RequestHistory`.
@@ -98,7 +100,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from typing import Generic, Optional, Protocol, Sequence, TypeVar, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import BufferOverflow, SnapshotError, SnapshotTimeout, StreamError
@@ -379,12 +381,24 @@ class RecoveryTimers:
             self.next_attempt_at = min(self.next_attempt_at, now + BACKOFF_INITIAL_S)
 
 
-class SnapshotRecovery:
-    """The §6/§7 recovery rules of one snapshot-mode stream (see the module docstring).
+#: The request type (RequestSnapshot, RequestHistory) and buffered item type of a rule set.
+_R = TypeVar("_R", RequestSnapshot, RequestHistory)
+_B = TypeVar("_B")
+_S = TypeVar("_S")
+
+
+class AttemptRules(Generic[_R, _B, _S]):
+    """The attempt plumbing both rule sets share (§6): the action queue, the attempt in
+    flight and its announcement, the live connection's up/down bookkeeping (requests only
+    while the live ``SUB`` is connected), the wait-for-live note in ``error``, and the §6
+    backoff of failed attempts. The rules of a reply, of live batches and of losing
+    synchronization stay in the subclasses (:class:`SnapshotRecovery` §6/§7,
+    :class:`~kvsvc.streams.history.HistoryRecovery` §7h), which implement
+    :meth:`_begin_attempt` and :meth:`_announce`.
 
     :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
     :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
-    :param serving: where the serving side effects go (the subscriber publishes it).
+    :param serving: where the serving side effects go.
     """
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
@@ -397,20 +411,18 @@ class SnapshotRecovery:
         self._timers = RecoveryTimers(limits.resync_interval_ms)
         self._out: list[Action] = []
         self._synced = False                     # mirrors the serving state SYNCHRONIZED
-        self._expected: Optional[int] = None     # next live seq the serving index needs
-        self._max_seen: Optional[int] = None     # highest live seq on this connection
+        self._expected: Optional[int] = None     # next live seq the working index needs
         self._live_up = False                    # the SUB's handshake succeeded
         self._live_wait_noted = False            # the error says a due attempt waits for it
         self._waiting_error_logged = False       # one warning per backoff wait
-        self._live_at_swap = 0                   # live_messages when the index was swapped
-        self._silence: Optional[SilenceCheck] = None
-        self._awaiting_live = False              # silent channel: recover on the next batch
+        self._awaiting_live = False              # silent channel: nothing asked until one arrives
         self._attempt: Optional[int] = None      # id of the attempt in flight
         # The request of the attempt in flight while its owner has not reported it open yet.
-        self._opening: Optional[RequestSnapshot] = None
+        self._opening: Optional[_R] = None
         self._attempt_ids = 0
-        self._buffer: list[tuple[int, Batch]] = []
+        self._buffer: list[_B] = []
         self._buffer_bytes = 0
+        self._silence: Optional[_S] = None       # the running silent-channel check
 
     # ------------------------------------------------------------------ read-only state
 
@@ -429,50 +441,305 @@ class SnapshotRecovery:
         """Id of the attempt in flight, ``None`` when there is none."""
         return self._attempt
 
-    def view(self) -> RecoveryView:
-        """A copy of the bookkeeping (racy when read off the stream thread: tests, debugging)."""
+    def _view(self, *, max_seen: Optional[int], buffered_seqs: tuple[int, ...],
+              silence_check: Optional[SilenceCheck], awaiting_live: bool) -> RecoveryView:
+        """The :class:`RecoveryView` of this machine with the rule set's own fields given."""
         return RecoveryView(
-            synchronized=self._synced, expected=self._expected, max_seen=self._max_seen,
+            synchronized=self._synced, expected=self._expected, max_seen=max_seen,
             live_up=self._live_up, attempt=self._attempt,
             next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
-            buffered_bytes=self._buffer_bytes,
-            buffered_seqs=tuple(seq for seq, _ in self._buffer),
-            silence_check=self._silence, awaiting_live=self._awaiting_live,
+            buffered_bytes=self._buffer_bytes, buffered_seqs=buffered_seqs,
+            silence_check=silence_check, awaiting_live=awaiting_live,
             live_messages=self._serving.live_messages)
 
-    def wakeup_at(self) -> Optional[float]:
-        """Monotonic seconds when :meth:`tick` is next due (an attempt due, a silence check's
-        deadline); ``None``: nothing scheduled (an attempt in flight has its own deadline)."""
+    def _wakeup(self, *, held_back: bool, deadline: Optional[float]) -> Optional[float]:
+        """When :meth:`tick` is next due (monotonic s): the due attempt's time unless an
+        attempt is in flight, ``held_back`` (the rule set asks nothing now) or the attempt is
+        noted as waiting for the live channel (``on_live_up`` ends that wait); at the latest
+        ``deadline`` (a silence check's). ``None``: nothing scheduled."""
         at: Optional[float] = None
         nxt = self._timers.next_attempt_at
-        # Once a due attempt is noted as waiting for the live channel, on_live_up ends the wait.
-        if self._attempt is None and nxt is not None and (self._live_up or not self._live_wait_noted):
+        if (self._attempt is None and nxt is not None and not held_back
+                and (self._live_up or not self._live_wait_noted)):
             at = nxt
-        if self._silence is not None:
-            deadline = self._silence.deadline
+        if deadline is not None:
             at = deadline if at is None else min(at, deadline)
         return at
 
-    # ------------------------------------------------------------------ inputs
+    def _start_due(self, now: float, *, held_back: bool, may_note: bool) -> None:
+        """Start the attempt that is due at ``now`` (none in flight, not ``held_back``) when
+        the live channel is up (§6: requests only while it is connected); else, once and if
+        ``may_note``, say in ``error`` that it waits for the live channel."""
+        nxt = self._timers.next_attempt_at
+        if self._attempt is None and nxt is not None and now >= nxt and not held_back:
+            if self._live_up:
+                self._begin_attempt(now)
+            elif not self._live_wait_noted and may_note:
+                self._note_live_wait()
+
+    # ------------------------------------------------------------------ shared inputs
 
     def start(self, now: float) -> tuple[Action, ...]:
-        """The stream thread runs: a recovery snapshot is due at once (§6; sent on the first
+        """The stream thread runs: a recovery is due at once (§6; sent on the first
         :meth:`tick` with the live channel up). Counts the ``start`` recovery."""
         self._timers.next_attempt_at = now
         self._serving.count_recovery(RecoveryTrigger.START)
         return self._take()
+
+    def on_live_opened(self) -> tuple[Action, ...]:
+        """A new live ``SUB`` was created and is connecting: not up until its handshake."""
+        self._live_up = False
+        self._live_wait_noted = False
+        return self._take()
+
+    def on_live_up(self, now: float) -> tuple[Action, ...]:
+        """The live ``SUB``'s handshake succeeded: replies may be requested from now on
+        (see the module docstring). A new connection may be a new engine, so the backoff of
+        failed attempts is reset; an endpoint that keeps dropping connections gets requests at
+        the pace of its reopens, which back off themselves (:mod:`kvsvc.streams.live`)."""
+        self._live_up = True
+        if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
+            self._timers.new_connection(now)
+        if self._live_wait_noted:
+            self._live_wait_noted = False
+            error = self._serving.error
+            # The wait is over: the reason is the cause alone again.
+            if not self._synced and error is not None:
+                self._serving.set_error(error.partition(LIVE_WAIT)[0])
+        return self._take()
+
+    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[Action, ...]:
+        """The owner opened attempt ``attempt`` (its request is sent, or queued for a gate
+        permit): a recovery's stream is ``RECOVERING`` from now on, with one info line (a
+        periodic attempt: a debug line, no state change). An attempt whose opening failed never
+        gets here (``on_snapshot_failed``). An attempt no longer in flight is ignored (its
+        announcement was made when the input that requested it also ended it, see
+        :meth:`_abandon_attempt`).
+
+        :returns: :data:`NO_ACTIONS`.
+        """
+        request = self._opening
+        if request is not None and request.attempt == attempt:
+            self._opening = None
+            self._announce(request)
+        return self._take()
+
+    def on_snapshot_failed(self, attempt: int, exc: StreamError, now: float) -> tuple[Action, ...]:
+        """Attempt ``attempt`` failed (§6): it could not be opened, or ``SnapshotTimeout``
+        (outcome ``timeout``), or any other ``StreamError`` (``error``). Retried after the
+        backoff (the rule set's :meth:`_attempt_failed` says what else). An attempt no longer
+        in flight is ignored."""
+        if attempt == self._attempt:
+            opening = self._opening
+            if opening is not None and opening.attempt == attempt:
+                self._opening = None  # never opened: nothing to announce
+            self._attempt_failed(exc, now)
+        return self._take()
+
+    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
+                      now: float) -> tuple[Action, ...]:
+        """A live message with the exact topic that failed parsing (``frame``, §1) or decoding
+        (``payload``, §2): counted, and a stream error (§6, §7h: the rule set's
+        :meth:`_stream_error`, trigger ``decode_error``).
+
+        :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
+        :param seq: the message's seq when its frames parsed, else ``None``.
+        """
+        self._serving.live_messages += 1
+        if self._awaiting_live:
+            self._live_alive_again(now)
+        if seq is not None:
+            self._note_seen(seq)
+        self._serving.count_decode_error(reason)
+        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
+        return self._take()
+
+    def _note_seen(self, seq: int) -> None:
+        """A live message with ``seq`` arrived (its payload may not have decoded)."""
+
+    def _silence_failed(self, live_messages: int, deadline: float, now: float) -> bool:
+        """Judge the running silent-channel check (README "Where the spec is silent"), armed
+        when ``live_messages`` live messages had arrived, due at ``deadline`` (monotonic s):
+        passed (ended, False) once any live message arrived since it was armed or the stream
+        no longer serves; running (False) before ``deadline``; else failed (True): ended, the
+        attempt abandoned, and nothing is asked until a live message arrives
+        (``_awaiting_live``); the rule set then says how the stream stops serving."""
+        # Counted from when the check was armed, not from the last swap: a later resync's
+        # swap must not hide a batch that arrived in between.
+        if self._serving.live_messages != live_messages or not self._synced:
+            self._silence = None
+            return False
+        if now < deadline:
+            return False
+        self._silence = None
+        self._abandon_attempt()
+        self._awaiting_live = True
+        return True
+
+    def _live_alive_again(self, now: float) -> None:
+        """A live message after a silent channel (the rule set's reaction)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ attempts
+
+    def _begin_attempt(self, now: Optional[float] = None) -> None:
+        """Request the next attempt (appends its request, sets ``_attempt``/``_opening``)."""
+        raise NotImplementedError
+
+    def _announce(self, request: _R) -> None:
+        """The attempt of ``request`` is open: log it (and set ``RECOVERING`` when urgent)."""
+        raise NotImplementedError
+
+    def _attempt_failed(self, exc: StreamError, now: float) -> None:
+        """A failed attempt (§6): the rule set's reaction; see :meth:`_fail_attempt`."""
+        raise NotImplementedError
+
+    def _new_index(self) -> TierIndex:
+        return TierIndex(self._stream.block_size, self._stream.hash_seed,
+                         self._limits.max_blocks_per_stream)
+
+    def _take(self) -> tuple[Action, ...]:
+        out = self._out
+        if not out:
+            return NO_ACTIONS
+        self._out = []
+        return tuple(out)
+
+    def _restart_recovery(self, now: float) -> None:
+        """Abandon any attempt (a periodic one too) and request a recovery now (§6), or as
+        soon as the live channel is connected."""
+        self._abandon_attempt()
+        self._timers.next_attempt_at = now
+        if self._live_up:
+            self._begin_attempt(now)
+
+    def _abandon_attempt(self) -> None:
+        if self._opening is not None:
+            # Requested by the very input that now ends it: the owner opens it only once this
+            # input returns, but the request came before whatever ends it, so it is announced
+            # now and the log reads in the order things happened.
+            request = self._opening
+            self._opening = None
+            self._announce(request)
+        if self._attempt is not None:
+            self._out.append(AbandonSnapshot(self._attempt))
+            self._attempt = None
+        self._buffer = []
+        self._buffer_bytes = 0
+
+    def _fail_attempt(self, exc: StreamError, now: float) -> float:
+        """Close the failed attempt, count its outcome (``timeout``, ``buffer_overflow``,
+        ``error``) and schedule the retry after the §6 backoff; returns the delay (s)."""
+        self._abandon_attempt()
+        outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
+                   SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
+                   SnapshotOutcome.ERROR)
+        self._serving.count_attempt(outcome)
+        return self._timers.failed(now)
+
+    def _cleared_index(self, seq: int, batch: Batch, now: float) -> Optional[TierIndex]:
+        """§6: a new index holding batch ``seq``, which starts with an untargeted
+        ``AllBlocksCleared`` (a complete state); ``None`` when the batch does not apply (counted
+        as a decode error and handled as a stream error)."""
+        index = self._new_index()
+        try:
+            index.apply(batch.events)
+        except StreamError as exc:
+            reason = error_reason(exc)
+            self._serving.count_decode_error(reason)
+            self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
+            return None
+        return index
+
+    def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
+        """An error of the stream (the rule set's reaction)."""
+        raise NotImplementedError
+
+    def _buffer_item(self, item: _B, batch: Batch, wire_bytes: int, during: str,
+                     now: float) -> None:
+        """Buffer ``item`` (live ``batch`` of ``wire_bytes``) into the attempt in flight (§6
+        accounting, :func:`record_bytes`); above ``max_buffered_bytes`` the attempt fails
+        (``buffer overflow``, the text naming ``during``)."""
+        self._buffer_bytes += record_bytes(batch, wire_bytes)
+        if self._buffer_bytes > self._max_buffered:
+            self._attempt_failed(BufferOverflow(
+                f"buffer overflow: live batches buffered during {during} exceed "
+                f"max_buffered_bytes={self._max_buffered}"), now)
+            return
+        self._buffer.append(item)
+
+    def _fail_or_note(self, reason: str, now: float) -> None:
+        """A stream error without an index to discard: it fails the attempt in flight, or,
+        while a retry waits, it is the reason recorded (:meth:`_note_waiting_error`)."""
+        if self._attempt is not None:
+            self._attempt_failed(StreamError(reason), now)
+        else:
+            self._note_waiting_error(reason)
+
+    def _note_waiting_error(self, reason: str) -> None:
+        """An error while a retry waits: record the reason; the state does not change, so only
+        the first error is logged at warning (a burst of garbage cannot flood the log; the
+        latest reason is still in ``error``)."""
+        self._serving.set_error(reason)
+        if not self._waiting_error_logged:
+            self._waiting_error_logged = True
+            log.warning("stream %s: %s (retry already scheduled; further errors until then "
+                        "are logged at debug level)", self._name, reason)
+        else:
+            log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+
+    def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
+                            recovering: bool = False) -> None:
+        """Count the recovery (``trigger``) and log the loss of synchronization once."""
+        self._serving.count_recovery(trigger)
+        log.warning("stream %s: %s: %s", self._name,
+                    "recovering" if recovering else "unsynchronized", reason)
+
+    def _note_live_wait(self) -> None:
+        """An attempt is due but the live channel is not connected: say so in ``error``."""
+        self._live_wait_noted = True
+        cause = self._serving.error or NOT_YET
+        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
+
+
+class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceCheck]):
+    """The §6/§7 recovery rules of one snapshot-mode stream (see the module docstring).
+
+    :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
+    :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
+    :param serving: where the serving side effects go (the subscriber publishes it).
+    """
+
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
+                 serving: ServingState) -> None:
+        super().__init__(stream, limits, serving)
+        self._max_seen: Optional[int] = None     # highest live seq on this connection
+        self._live_at_swap = 0                   # live_messages when the index was swapped
+
+    # ------------------------------------------------------------------ read-only state
+
+    def view(self) -> RecoveryView:
+        """A copy of the bookkeeping (racy when read off the stream thread: tests, debugging)."""
+        return self._view(max_seen=self._max_seen,
+                          buffered_seqs=tuple(seq for seq, _ in self._buffer),
+                          silence_check=self._silence, awaiting_live=self._awaiting_live)
+
+    def wakeup_at(self) -> Optional[float]:
+        """Monotonic seconds when :meth:`tick` is next due (an attempt due, a silence check's
+        deadline); ``None``: nothing scheduled (an attempt in flight has its own deadline)."""
+        # (A silent channel's recovery waits for a live batch with nothing scheduled.)
+        silence = self._silence
+        return self._wakeup(held_back=False,
+                            deadline=None if silence is None else silence.deadline)
+
+    # ------------------------------------------------------------------ inputs
 
     def tick(self, now: float) -> tuple[Action, ...]:
         """Time passed: end a silence check whose deadline passed, start a due attempt (or note
         in ``error`` that it waits for the live channel)."""
         if self._silence is not None:
             self._check_silence(now)
-        nxt = self._timers.next_attempt_at
-        if self._attempt is None and nxt is not None and now >= nxt:
-            if self._live_up:
-                self._begin_attempt(now)
-            elif not self._live_wait_noted:
-                self._note_live_wait()
+        self._start_due(now, held_back=False, may_note=True)
         return self._take()
 
     def on_live_batch(self, seq: int, batch: Batch, wire_bytes: int,
@@ -518,45 +785,10 @@ class SnapshotRecovery:
             self._on_live_unsynchronized(seq, batch, wire_bytes, prev_max, now)
         return self._take()
 
-    def on_live_error(self, reason: DecodeErrorReason, text: str, seq: Optional[int],
-                      now: float) -> tuple[Action, ...]:
-        """A live message with the exact topic that failed parsing (``frame``, §1) or decoding
-        (``payload``, §2): counted, and a stream error (§6).
-
-        :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
-        :param seq: the message's seq when its frames parsed, else ``None``.
-        """
-        self._serving.live_messages += 1
-        if self._awaiting_live:
-            self._live_alive_again(now)
-        if seq is not None:
-            prev_max = self._max_seen
-            self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
-        self._serving.count_decode_error(reason)
-        self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
-        return self._take()
-
-    def on_live_opened(self) -> tuple[Action, ...]:
-        """A new live ``SUB`` was created and is connecting: not up until its handshake."""
-        self._live_up = False
-        self._live_wait_noted = False
-        return self._take()
-
-    def on_live_up(self, now: float) -> tuple[Action, ...]:
-        """The live ``SUB``'s handshake succeeded: snapshots may be requested from now on
-        (see the module docstring). A new connection may be a new engine, so the backoff of
-        failed attempts is reset; an endpoint that keeps dropping connections gets requests at
-        the pace of its reopens, which back off themselves (:mod:`kvsvc.streams.live`)."""
-        self._live_up = True
-        if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
-            self._timers.new_connection(now)
-        if self._live_wait_noted:
-            self._live_wait_noted = False
-            error = self._serving.error
-            # The wait is over: the reason is the cause alone again.
-            if not self._synced and error is not None:
-                self._serving.set_error(error.partition(LIVE_WAIT)[0])
-        return self._take()
+    def _note_seen(self, seq: int) -> None:
+        """A live message that failed decoding still counts for ``max_seen``."""
+        prev_max = self._max_seen
+        self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
 
     def on_live_down(self, reason: str, now: float) -> tuple[Action, ...]:
         """The live ``SUB``'s monitor reported a disconnect (§6): a stream error with trigger
@@ -567,33 +799,6 @@ class SnapshotRecovery:
         self._max_seen = None
         self._live_up = False
         self._stream_error(reason, RecoveryTrigger.DISCONNECT, now)
-        return self._take()
-
-    def on_snapshot_opened(self, attempt: int, now: float) -> tuple[Action, ...]:
-        """The owner opened attempt ``attempt`` (its request is sent, or queued for a gate
-        permit): a recovery's stream is ``RECOVERING`` from now on, with one info line (a
-        resync: a debug line, no state change). An attempt whose opening failed never gets
-        here (:meth:`on_snapshot_failed`): the stream stays ``UNSYNCHRONIZED`` and logs the
-        failure only. An attempt no longer in flight is ignored (its announcement was made
-        when the input that requested it also ended it, see :meth:`_abandon_attempt`).
-
-        :returns: :data:`NO_ACTIONS`.
-        """
-        request = self._opening
-        if request is not None and request.attempt == attempt:
-            self._opening = None
-            self._announce(request)
-        return self._take()
-
-    def on_snapshot_failed(self, attempt: int, exc: StreamError, now: float) -> tuple[Action, ...]:
-        """Attempt ``attempt`` failed (§6): it could not be opened, or ``SnapshotTimeout``
-        (outcome ``timeout``), or any other ``StreamError`` (``error``). Retried after the
-        backoff; a failed resync keeps serving. An attempt no longer in flight is ignored."""
-        if attempt == self._attempt:
-            opening = self._opening
-            if opening is not None and opening.attempt == attempt:
-                self._opening = None  # never opened: nothing to announce
-            self._attempt_failed(exc, now)
         return self._take()
 
     def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
@@ -744,23 +949,12 @@ class SnapshotRecovery:
         self._buffer_batch(seq, batch, wire_bytes, now)
 
     def _buffer_batch(self, seq: int, batch: Batch, wire_bytes: int, now: float) -> None:
-        self._buffer_bytes += record_bytes(batch, wire_bytes)
-        if self._buffer_bytes > self._max_buffered:
-            self._attempt_failed(BufferOverflow(
-                f"buffer overflow: live batches buffered during the snapshot exceed "
-                f"max_buffered_bytes={self._max_buffered}"), now)
-            return
-        self._buffer.append((seq, batch))
+        self._buffer_item((seq, batch), batch, wire_bytes, "the snapshot", now)
 
     def _baseline_from_cleared(self, seq: int, batch: Batch, now: float) -> None:
         """§6: a batch starting with an untargeted ``AllBlocksCleared`` is a complete state."""
-        index = self._new_index()
-        try:
-            index.apply(batch.events)
-        except StreamError as exc:
-            reason = error_reason(exc)
-            self._serving.count_decode_error(reason)
-            self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
+        index = self._cleared_index(seq, batch, now)
+        if index is None:
             return
         self._abandon_attempt()
         self._max_seen = seq
@@ -781,18 +975,8 @@ class SnapshotRecovery:
         if self._synced:
             self._invalidate(reason, trigger)
             self._restart_recovery(now)
-        elif self._attempt is not None:
-            self._attempt_failed(StreamError(reason), now)
         else:
-            self._serving.set_error(reason)
-            # The state does not change while a retry waits: log the first error only, so a
-            # burst of garbage cannot flood the log (the latest reason is still in `error`).
-            if not self._waiting_error_logged:
-                self._waiting_error_logged = True
-                log.warning("stream %s: %s (retry already scheduled; further errors until then "
-                            "are logged at debug level)", self._name, reason)
-            else:
-                log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+            self._fail_or_note(reason, now)
 
     def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
         """Discard the serving index and forget its sequence; one log line and one recovery
@@ -802,10 +986,6 @@ class SnapshotRecovery:
         self._expected = None
         self._log_unsynchronized(reason, trigger)
 
-    def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger) -> None:
-        self._serving.count_recovery(trigger)
-        log.warning("stream %s: unsynchronized: %s", self._name, reason)
-
     def _check_silence(self, now: float) -> None:
         """End a silent-channel check: passed once any live message arrived since it was armed;
         failed at its deadline, which unsynchronizes the stream until a live message arrives
@@ -813,65 +993,19 @@ class SnapshotRecovery:
         a snapshot's index serving while the engine moves on: stale hits)."""
         check = self._silence
         assert check is not None
-        # Counted from when the check was armed, not from the last swap: a later resync's
-        # swap must not hide a batch that arrived in between.
-        if self._serving.live_messages != check.live_messages or not self._synced:
-            self._silence = None
+        if not self._silence_failed(check.live_messages, check.deadline, now):
             return
-        if now < check.deadline:
-            return
-        self._silence = None
-        self._abandon_attempt()
-        self._awaiting_live = True
         self._timers.next_attempt_at = None  # no snapshot until the live channel shows life
         self._invalidate(
             f"live channel silent: the engine published up to seq {check.watermark} (resync "
             f"watermark) but no live batch arrived since seq {check.first_missing}; check the "
             f"stream's endpoint and topic {self._stream.topic!r}", RecoveryTrigger.LIVE_SILENT)
 
-    def _note_live_wait(self) -> None:
-        """An attempt is due but the live channel is not connected: say so in ``error``."""
-        self._live_wait_noted = True
-        # (Never synchronized here: a disconnect unsynchronizes first.)
-        cause = self._serving.error or NOT_YET
-        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
-
     # ------------------------------------------------------------------ attempts
 
-    def _new_index(self) -> TierIndex:
-        return TierIndex(self._stream.block_size, self._stream.hash_seed,
-                         self._limits.max_blocks_per_stream)
-
-    def _take(self) -> tuple[Action, ...]:
-        out = self._out
-        if not out:
-            return NO_ACTIONS
-        self._out = []
-        return tuple(out)
-
-    def _restart_recovery(self, now: float) -> None:
-        """Abandon any attempt (a resync too) and request a recovery snapshot now (§6), or as
-        soon as the live channel is connected."""
-        self._abandon_attempt()
-        self._timers.next_attempt_at = now
-        if self._live_up:
-            self._begin_attempt(now)
-
-    def _abandon_attempt(self) -> None:
-        if self._opening is not None:
-            # Requested by the very input that now ends it: the owner opens it only once this
-            # input returns, but the request came before whatever ends it, so it is announced
-            # now and the log reads in the order things happened.
-            request = self._opening
-            self._opening = None
-            self._announce(request)
-        if self._attempt is not None:
-            self._out.append(AbandonSnapshot(self._attempt))
-            self._attempt = None
-        self._buffer = []
-        self._buffer_bytes = 0
-
-    def _begin_attempt(self, now: float) -> None:
+    def _begin_attempt(self, now: Optional[float] = None) -> None:
+        """Request a snapshot: a resync from the expected seq when synchronized, else a
+        recovery from 0 (§7)."""
         self._waiting_error_logged = False
         resync = self._synced
         start_seq = self._expected if resync and self._expected is not None else 0
@@ -899,12 +1033,7 @@ class SnapshotRecovery:
     def _attempt_failed(self, exc: StreamError, now: float) -> None:
         """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed
         resync leaves the stream synchronized and serving."""
-        self._abandon_attempt()
-        outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
-                   SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
-                   SnapshotOutcome.ERROR)
-        self._serving.count_attempt(outcome)
-        delay = self._timers.failed(now)
+        delay = self._fail_attempt(exc, now)
         if self._synced:
             log.warning("stream %s: resync failed: %s; retry in %.1fs", self._name, exc, delay)
             return

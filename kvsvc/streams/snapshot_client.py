@@ -48,7 +48,7 @@ from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.decoder import decode_batch, decode_event
 from kvsvc.streams.frame import encode_snapshot_request, parse_reply
 from kvsvc.streams.gate import GateTicket, SnapshotGate
-from kvsvc.streams.pacing import BUILD_SLICE_S, BUILD_TIMER_SLACK_NS, BUILD_YIELD_S, set_timer_slack
+from kvsvc.streams.pacing import BUILD_SLICE_S, BUILD_YIELD_S, build_timer_slack
 from kvsvc.streams.state import SnapshotResult
 from kvsvc.streams.split import SPLIT_GROUP_BYTES, check_single_object, split_batch
 
@@ -324,19 +324,23 @@ class SnapshotAttempt:
             raise SnapshotError(f"snapshot reply watermark changed from {_wm(self._watermark)} "
                                 f"to {_wm(reply.watermark)}")
         self._messages += 1
-        slack = set_timer_slack(BUILD_TIMER_SLACK_NS)
-        try:
-            events = self.decode(reply.payload)
-            apply = self._index.apply
-            for i in range(0, len(events), APPLY_SLICE_EVENTS):
-                apply(events[i:i + APPLY_SLICE_EVENTS], snapshot=True)
-                self._pace()
-        except StreamError as exc:
-            raise SnapshotError(f"snapshot reply: {exc}") from exc
-        finally:
-            if slack is not None:
-                set_timer_slack(slack)
+        with build_timer_slack():
+            try:
+                self._apply_sliced(self.decode(reply.payload))
+            except StreamError as exc:
+                raise SnapshotError(f"snapshot reply: {exc}") from exc
         return None
+
+    def _apply_sliced(self, events: Sequence[Event]) -> None:
+        """Apply a reply's ``events`` to the private index as a snapshot (§7: no unknown
+        parent errors) in slices of :data:`APPLY_SLICE_EVENTS`, with :meth:`_pace` after each.
+
+        :raises StreamError: an index error of an event (the caller adds the context).
+        """
+        apply = self._index.apply
+        for i in range(0, len(events), APPLY_SLICE_EVENTS):
+            apply(events[i:i + APPLY_SLICE_EVENTS], snapshot=True)
+            self._pace()
 
     def _pace(self) -> None:
         """Yield the GIL when this thread has worked :data:`BUILD_SLICE_S` since the last
