@@ -289,7 +289,8 @@ def _serve(streams: list[ServedStream], ready, go, stop, subscribed) -> None:
 
 
 class StreamServer:
-    """A child process serving ``streams`` (fake engines; module docstring).
+    """A child process serving ``streams`` (fake engines; module docstring). Subclasses serve
+    other replies by overriding :meth:`_process_target` and :meth:`_process_args`.
 
     :param streams: the streams; their payloads are inherited by the fork (no pickling).
     """
@@ -309,14 +310,21 @@ class StreamServer:
             come up in time.
         """
         check_fork_safe()
-        self._proc = _FORK.Process(target=_serve, args=(self.streams, self._ready, self._go,
-                                                        self._stop, self._subscribed),
+        self._proc = _FORK.Process(target=self._process_target(), args=self._process_args(),
                                    daemon=True)
         self._proc.start()
         if not self._ready.wait(timeout_s):
             self.close()
-            raise RuntimeError("stream server did not start")
+            raise RuntimeError(f"{type(self).__name__} did not start")
         return self
+
+    def _process_target(self) -> Callable[..., None]:
+        """The child's body (a subclass serves other replies)."""
+        return _serve
+
+    def _process_args(self) -> tuple:
+        """The child body's arguments (inherited by the fork, not pickled)."""
+        return (self.streams, self._ready, self._go, self._stop, self._subscribed)
 
     @property
     def subscriptions(self) -> int:

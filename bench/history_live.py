@@ -54,9 +54,10 @@ def live_payloads(n: int, seed: int) -> list[bytes]:
     return out
 
 
-def _live_path_s(frames: list[bytes], mode: ReplayMode) -> float:
-    """CPU seconds of this thread per message of ``frames`` through ``mode``'s rules, from
-    a synchronized empty state (the replay answered empty at seq 0).
+def _live_path_s(frames: list[list[bytes]], mode: ReplayMode) -> float:
+    """CPU seconds of this thread per message of ``frames`` (each a live message's frames)
+    through ``mode``'s rules, from a synchronized empty state (the replay answered empty at
+    seq 0).
 
     :raises AssertionError: the stream did not apply every frame.
     """

@@ -37,7 +37,7 @@ import gc
 import multiprocessing as mp
 import random
 import time
-from typing import Optional, Sequence
+from typing import Callable, Sequence
 
 import zmq
 
@@ -51,8 +51,8 @@ from ._common import (
     HASH_SEED,
     Result,
     ServedStream,
+    StreamServer,
     bind_stream_sockets,
-    check_fork_safe,
     chain_events,
     make_streams,
     percentile,
@@ -135,8 +135,9 @@ def _serve(streams: list[ServedStream], histories: list[list[bytes]], spares: li
         ctx.term()
 
 
-class HistoryServer:
-    """The forked vLLM-style publisher of the module docstring.
+class HistoryServer(StreamServer):
+    """The forked vLLM-style publisher of the module docstring (start, subscriptions and close
+    as :class:`bench._common.StreamServer`'s).
 
     :param streams: endpoints, one per stream.
     :param histories: each stream's published batches, seq 0 first.
@@ -145,34 +146,18 @@ class HistoryServer:
 
     def __init__(self, streams: list[ServedStream], histories: list[list[bytes]],
                  spares: list[list[bytes]]) -> None:
-        self.streams = streams
+        super().__init__(streams)
         self.histories = histories
+        self.spares = spares
         self.last_seq = [len(h) - 1 for h in histories]
-        self._args = (streams, histories, spares)
-        self._ready, self._stop = _FORK.Event(), _FORK.Event()
         self._commands: mp.Queue = _FORK.Queue()
-        self._subscribed = _FORK.Value("i", 0)
-        self._proc: Optional[mp.Process] = None
 
-    def start(self) -> "HistoryServer":
-        """Fork the server; return once its sockets are bound.
+    def _process_target(self) -> Callable[..., None]:
+        return _serve
 
-        :raises RuntimeError: threads running (unsafe fork) or the child did not start.
-        """
-        check_fork_safe()
-        self._proc = _FORK.Process(target=_serve, args=(*self._args, self._ready, self._stop,
-                                                        self._commands, self._subscribed),
-                                   daemon=True)
-        self._proc.start()
-        if not self._ready.wait(60):
-            self.close()
-            raise RuntimeError("history server did not start")
-        return self
-
-    @property
-    def subscriptions(self) -> int:
-        """Subscriptions seen by all the ``XPUB`` sockets so far."""
-        return self._subscribed.value
+    def _process_args(self) -> tuple:
+        return (self.streams, self.histories, self.spares, self._ready, self._stop,
+                self._commands, self._subscribed)
 
     def gap(self, i: int) -> int:
         """Lose one batch of stream ``i`` on the wire and publish the next one; returns the
@@ -180,16 +165,6 @@ class HistoryServer:
         self._commands.put(("gap", i))
         self.last_seq[i] += 2
         return self.last_seq[i]
-
-    def close(self) -> None:
-        """Stop the child (terminate it after 10 s)."""
-        self._stop.set()
-        if self._proc is not None:
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(10)
-            self._proc = None
 
 
 def history_stream_config(s: ServedStream, i: int) -> StreamConfig:

@@ -202,7 +202,8 @@ def history_block(r: Result, machine: dict[str, str]) -> str:
     begin, end = _bench_markers(r.number)
     met = {True: "met", False: "**not met**", None: "n/a"}[r.met]
     lines = [begin, f"### {r.number}. {r.name}", "",
-             f"Run {machine.get('date', '?')} ({machine.get('cores', '?')} cores, load average "
+             f"Run {machine.get('date', '?')} (`{machine.get('command', 'python -m bench.run')}`, "
+             f"{machine.get('cores', '?')} cores, load average "
              f"{machine.get('load average', '?')}). Target: {r.target}. Result: "
              f"{r.ratio_text()}: {met}.", ""]
     lines += [f"- {f}" for f in r.figures]
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="benchmarks 9-12 at a tenth of their sizes (writes nothing)")
     parser.add_argument("--b12-loads", default="http", help="benchmark 12's loads, of "
                         "none,spin,http")
-    parser.add_argument("--b12-variants", default="before,adaptive",
+    parser.add_argument("--b12-variants", default="adaptive",
                         help="benchmark 12's pacing variants, of before,adaptive,switch")
     parser.add_argument("--b12-rounds", type=int, default=1, help="benchmark 12's rounds")
     args = parser.parse_args(argv)
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     wanted = [int(x) for x in args.only.split(",") if x] or sorted(BENCHES)
     machine = machine_info()
+    machine["command"] = " ".join(["python -m bench.run", *(sys.argv[1:] if argv is None
+                                                             else argv)])
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     results: list[Result] = []
     failed = False
