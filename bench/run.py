@@ -13,7 +13,7 @@ issue's two measures (:mod:`bench.history_replay`), 11 the live path's digest co
 default); ``--small`` runs 9..12 at a tenth of their sizes to check that they run (nothing is
 written then); ``--b12-loads`` / ``--b12-variants`` / ``--b12-rounds`` widen benchmark 12;
 ``--no-write`` leaves RESULTS.md alone. A full run writes the whole file; ``--only`` with any
-of 9..12 rewrites only those benchmarks' parts of its history section. Whole suite: about 5
+of 9..12 rewrites only those benchmarks' parts of its history section. Whole suite: about 6
 minutes on 2 quiet cores (README "Performance").
 """
 
