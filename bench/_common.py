@@ -94,7 +94,7 @@ def _ratio(value: float, limit: float, le: bool) -> str:
 
 
 def machine_info() -> dict[str, str]:
-    """CPU model, cores, Python version, date (for RESULTS.md)."""
+    """CPU model, cores, Python version, date, load average (for RESULTS.md)."""
     model = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,6 +110,8 @@ def machine_info() -> dict[str, str]:
         "python": sys.version.split()[0] + " (" + platform.python_implementation() + ")",
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        # The machine is often shared: its 1-minute load when the run started.
+        "load average": f"{os.getloadavg()[0]:.1f}",
     }
 
 
@@ -183,9 +185,11 @@ def chain_events(tokens: Sequence[int], first_hash: int, blocks_per_event: int =
 
 
 def bind_stream_sockets(ctx: zmq.Context, streams: Sequence["ServedStream"],
-                        sndhwm: Optional[int] = None) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
-    """One bound ``XPUB`` (live) and ``ROUTER`` (snapshot) per stream, linger 0, for a
-    benchmark's server process; the caller closes them. ``sndhwm`` 0 = never drop."""
+                        sndhwm: Optional[int] = None, router_sndhwm: Optional[int] = None
+                        ) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
+    """One bound ``XPUB`` (live) and ``ROUTER`` (snapshot or history replies) per stream,
+    linger 0, for a benchmark's server process; the caller closes them. ``sndhwm`` /
+    ``router_sndhwm`` 0 = never drop (``None``: libzmq's default of 1,000 messages)."""
     pubs, routers = [], []
     for s in streams:
         pub = ctx.socket(zmq.XPUB)
@@ -195,10 +199,28 @@ def bind_stream_sockets(ctx: zmq.Context, streams: Sequence["ServedStream"],
         pub.bind(s.endpoint)
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        if router_sndhwm is not None:
+            router.setsockopt(zmq.SNDHWM, router_sndhwm)
         router.bind(s.replay_endpoint)
         pubs.append(pub)
         routers.append(router)
     return pubs, routers
+
+
+def poll_requests(poller: zmq.Poller, timeout_ms: int, subscribed) -> list[zmq.Socket]:
+    """One poll of a server process's sockets: every subscription an ``XPUB`` reports is
+    counted in ``subscribed`` (a shared ``multiprocessing.Value``; tests wait on it instead of
+    sleeping until a subscription has reached the publisher) and the ``ROUTER`` sockets with a
+    request waiting are returned (the caller receives the request)."""
+    routers = []
+    for sock, _ in poller.poll(timeout_ms):
+        if sock.type == zmq.XPUB:
+            if sock.recv()[:1] == b"\x01":
+                with subscribed.get_lock():
+                    subscribed.value += 1
+        else:
+            routers.append(sock)
+    return routers
 
 
 def snapshot_payloads(events: Sequence[dict], events_per_message: int = 64) -> list[bytes]:
@@ -246,13 +268,7 @@ def _serve(streams: list[ServedStream], ready, go, stop, subscribed) -> None:
             # Until "go", wake every 1 ms: the ingest benchmarks time from go() on, and a
             # 50 ms poll added up to 50 ms (25 on average, ~2% of benchmark 1) before the
             # first send.
-            for sock, _ in poller.poll(50 if sent else 1):
-                if sock.type == zmq.XPUB:
-                    msg = sock.recv()
-                    if msg[:1] == b"\x01":
-                        with subscribed.get_lock():
-                            subscribed.value += 1
-                    continue
+            for sock in poll_requests(poller, 50 if sent else 1, subscribed):
                 i = routers.index(sock)
                 frames = sock.recv_multipart()
                 ident = frames[0]
@@ -273,7 +289,8 @@ def _serve(streams: list[ServedStream], ready, go, stop, subscribed) -> None:
 
 
 class StreamServer:
-    """A child process serving ``streams`` (fake engines; module docstring).
+    """A child process serving ``streams`` (fake engines; module docstring). Subclasses serve
+    other replies by overriding :meth:`_process_target` and :meth:`_process_args`.
 
     :param streams: the streams; their payloads are inherited by the fork (no pickling).
     """
@@ -293,14 +310,21 @@ class StreamServer:
             come up in time.
         """
         check_fork_safe()
-        self._proc = _FORK.Process(target=_serve, args=(self.streams, self._ready, self._go,
-                                                        self._stop, self._subscribed),
+        self._proc = _FORK.Process(target=self._process_target(), args=self._process_args(),
                                    daemon=True)
         self._proc.start()
         if not self._ready.wait(timeout_s):
             self.close()
-            raise RuntimeError("stream server did not start")
+            raise RuntimeError(f"{type(self).__name__} did not start")
         return self
+
+    def _process_target(self) -> Callable[..., None]:
+        """The child's body (a subclass serves other replies)."""
+        return _serve
+
+    def _process_args(self) -> tuple:
+        """The child body's arguments (inherited by the fork, not pickled)."""
+        return (self.streams, self._ready, self._go, self._stop, self._subscribed)
 
     @property
     def subscriptions(self) -> int:
@@ -374,14 +398,17 @@ def all_synchronized(directory: Directory) -> bool:
     return all(st.state.value == "synchronized" for st in directory.statuses())
 
 
-def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
-    """Shortest wall time of ``repeat`` calls of ``fn`` (GC collected before each), seconds."""
+def best_of(fn: Callable[[], object], repeat: int = 3,
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Shortest time of ``repeat`` calls of ``fn`` (GC collected before each), seconds, by
+    ``clock`` (wall time; ``time.thread_time`` for this thread's CPU, which other processes on
+    a shared machine do not stretch)."""
     best = float("inf")
     for _ in range(repeat):
         gc.collect()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 

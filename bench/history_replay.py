@@ -37,7 +37,7 @@ import gc
 import multiprocessing as mp
 import random
 import time
-from typing import Optional, Sequence
+from typing import Callable, Sequence
 
 import zmq
 
@@ -51,10 +51,12 @@ from ._common import (
     HASH_SEED,
     Result,
     ServedStream,
-    check_fork_safe,
+    StreamServer,
+    bind_stream_sockets,
     chain_events,
     make_streams,
     percentile,
+    poll_requests,
     stored_map,
     token_pool,
     wait_until,
@@ -72,7 +74,6 @@ GAP_ROUNDS = 15
 REBUILD10_ROUNDS = 2
 QUIET10_ROUNDS = 2
 IDLE_SAMPLES = 2000
-SPARE_BATCHES = 2 * GAP_ROUNDS + 4
 _FORK = mp.get_context("fork")
 
 
@@ -102,17 +103,8 @@ def _serve(streams: list[ServedStream], histories: list[list[bytes]], spares: li
     pubs: list[zmq.Socket] = []
     routers: list[zmq.Socket] = []
     try:
-        for s in streams:
-            pub = ctx.socket(zmq.XPUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.SNDHWM, 0)
-            pub.bind(s.endpoint)
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.SNDHWM, 0)
-            router.bind(s.replay_endpoint)
-            pubs.append(pub)
-            routers.append(router)
+        # Send high-water marks 0: a benchmark measures the directory, not libzmq's drops.
+        pubs, routers = bind_stream_sockets(ctx, streams, sndhwm=0, router_sndhwm=0)
         buffers = [collections.deque(enumerate(h), maxlen=HISTORY10_BATCHES) for h in histories]
         spare = [collections.deque(p) for p in spares]
         poller = zmq.Poller()
@@ -120,12 +112,7 @@ def _serve(streams: list[ServedStream], histories: list[list[bytes]], spares: li
             poller.register(sock, zmq.POLLIN)
         ready.set()
         while not stop.is_set():
-            for sock, _ in poller.poll(1):
-                if sock.type == zmq.XPUB:
-                    if sock.recv()[:1] == b"\x01":
-                        with subscribed.get_lock():
-                            subscribed.value += 1
-                    continue
+            for sock in poll_requests(poller, 1, subscribed):
                 i = routers.index(sock)
                 frames = sock.recv_multipart()
                 ident, start = frames[0], int.from_bytes(frames[-1], "big")
@@ -148,8 +135,9 @@ def _serve(streams: list[ServedStream], histories: list[list[bytes]], spares: li
         ctx.term()
 
 
-class HistoryServer:
-    """The forked vLLM-style publisher of the module docstring.
+class HistoryServer(StreamServer):
+    """The forked vLLM-style publisher of the module docstring (start, subscriptions and close
+    as :class:`bench._common.StreamServer`'s).
 
     :param streams: endpoints, one per stream.
     :param histories: each stream's published batches, seq 0 first.
@@ -158,34 +146,18 @@ class HistoryServer:
 
     def __init__(self, streams: list[ServedStream], histories: list[list[bytes]],
                  spares: list[list[bytes]]) -> None:
-        self.streams = streams
+        super().__init__(streams)
         self.histories = histories
+        self.spares = spares
         self.last_seq = [len(h) - 1 for h in histories]
-        self._args = (streams, histories, spares)
-        self._ready, self._stop = _FORK.Event(), _FORK.Event()
         self._commands: mp.Queue = _FORK.Queue()
-        self._subscribed = _FORK.Value("i", 0)
-        self._proc: Optional[mp.Process] = None
 
-    def start(self) -> "HistoryServer":
-        """Fork the server; return once its sockets are bound.
+    def _process_target(self) -> Callable[..., None]:
+        return _serve
 
-        :raises RuntimeError: threads running (unsafe fork) or the child did not start.
-        """
-        check_fork_safe()
-        self._proc = _FORK.Process(target=_serve, args=(*self._args, self._ready, self._stop,
-                                                        self._commands, self._subscribed),
-                                   daemon=True)
-        self._proc.start()
-        if not self._ready.wait(60):
-            self.close()
-            raise RuntimeError("history server did not start")
-        return self
-
-    @property
-    def subscriptions(self) -> int:
-        """Subscriptions seen by all the ``XPUB`` sockets so far."""
-        return self._subscribed.value
+    def _process_args(self) -> tuple:
+        return (self.streams, self.histories, self.spares, self._ready, self._stop,
+                self._commands, self._subscribed)
 
     def gap(self, i: int) -> int:
         """Lose one batch of stream ``i`` on the wire and publish the next one; returns the
@@ -194,99 +166,103 @@ class HistoryServer:
         self.last_seq[i] += 2
         return self.last_seq[i]
 
-    def close(self) -> None:
-        """Stop the child (terminate it after 10 s)."""
-        self._stop.set()
-        if self._proc is not None:
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(10)
-            self._proc = None
 
-
-def _stream_cfg(s: ServedStream, i: int) -> StreamConfig:
+def history_stream_config(s: ServedStream, i: int) -> StreamConfig:
+    """Stream ``i`` of a :class:`HistoryServer` as a §8 history-mode stream (instance
+    ``127.0.0.1:<21000 + i>``, rank 0)."""
     return StreamConfig(instance_name=f"127.0.0.1:{21000 + i}", dp_rank=0, block_size=BLOCK_SIZE,
                         endpoint=s.endpoint, replay_endpoint=s.replay_endpoint,
                         hash_seed=HASH_SEED, replay_mode="history")
 
 
-def _synced_at(directory: Directory, name: str, seq: int) -> bool:
+def synced_at(directory: Directory, name: str, seq: int) -> bool:
+    """True when instance ``name``'s stream is synchronized at ``seq``."""
     return any(st.stream.instance_name == name and st.state.value == "synchronized"
                and st.sequence == seq for st in directory.statuses())
 
 
-def _status(directory: Directory, name: str):
+def stream_status(directory: Directory, name: str):
+    """Instance ``name``'s :class:`~kvsvc.streams.state.StreamStatus`."""
     return next(st for st in directory.statuses() if st.stream.instance_name == name)
 
 
-def bench_catch_up_vs_rebuild() -> Result:
-    """Benchmark 9 (module docstring)."""
+def bench_catch_up_vs_rebuild(big_batches: int = BIG_BATCHES, rebuild_rounds: int = REBUILD_ROUNDS,
+                              gap_rounds: int = GAP_ROUNDS) -> Result:
+    """Benchmark 9 (module docstring): ``big_batches`` x 16 blocks (the issue: 100,000
+    blocks), ``rebuild_rounds`` rebuilds, ``gap_rounds`` 1-batch gaps per stream (the first
+    one a warm-up).
+
+    :raises AssertionError: a rebuild or catch-up left another block count than published.
+    :raises TimeoutError: a stream did not synchronize in time.
+    """
     res = Result(9, "history catch-up vs rebuild at 100k blocks",
                  "rebuild >= 20 x catch-up (1-batch gap) at 100k blocks; catch-up at 100k "
                  "<= 3 x catch-up at 160 blocks")
     pool = token_pool(1 << 21, seed=9)
     big, small, *spares = history_payloads(
-        [BIG_BATCHES, SMALL_BATCHES, SPARE_BATCHES, SPARE_BATCHES], 91, pool)
+        [big_batches, SMALL_BATCHES, 2 * gap_rounds + 4, 2 * gap_rounds + 4], 91, pool)
     streams = make_streams(2)
     server = HistoryServer(streams, [big, small], spares).start()
     directory = None
     rebuild: list[float] = []
     catch: dict[int, list[float]] = {0: [], 1: []}
     try:
-        cfg_big, cfg_small = _stream_cfg(streams[0], 0), _stream_cfg(streams[1], 1)
+        cfg_big, cfg_small = (history_stream_config(s, i) for i, s in enumerate(streams))
         directory = Directory(KvEventsConfig.model_validate({"streams": [
             cfg_small.model_dump(mode="json")], "resync_interval_ms": 600_000}))
         directory.start()
-        wait_until(lambda: _synced_at(directory, cfg_small.instance_name, SMALL_BATCHES - 1),
+        wait_until(lambda: synced_at(directory, cfg_small.instance_name, SMALL_BATCHES - 1),
                    60, "small stream", interval_s=0.005)
-        for r in range(REBUILD_ROUNDS):
+        for r in range(rebuild_rounds):
             gc.collect()
             t0 = time.perf_counter()
             sid = directory.add_stream(cfg_big)
-            t1 = wait_until(lambda: _synced_at(directory, cfg_big.instance_name,
+            t1 = wait_until(lambda: synced_at(directory, cfg_big.instance_name,
                                                server.last_seq[0]), 120, "rebuild",
                             interval_s=0.0005)
             rebuild.append(t1 - t0)
-            st = _status(directory, cfg_big.instance_name)
-            if st.device_blocks != BIG_BATCHES * BLOCKS_PER_BATCH or \
+            st = stream_status(directory, cfg_big.instance_name)
+            if st.device_blocks != big_batches * BLOCKS_PER_BATCH or \
                     getattr(st.completeness, "value", st.completeness) != "exact":
                 raise AssertionError(f"rebuild gave {st.device_blocks} blocks, "
                                      f"{st.completeness}")
-            if r != REBUILD_ROUNDS - 1:
+            if r != rebuild_rounds - 1:
                 directory.remove_stream(sid)
-        wait_until(lambda: server.subscriptions >= 2 + REBUILD_ROUNDS - 1, 30, "subscriptions",
+        wait_until(lambda: server.subscriptions >= 2 + rebuild_rounds - 1, 30, "subscriptions",
                    interval_s=0.01)
         # A live batch sent before the SUB's subscription reached the XPUB is lost: let each
         # subscription settle by one gap round that is not measured.
         for i in (0, 1):
             target = server.gap(i)
-            wait_until(lambda: _synced_at(directory, _stream_cfg(streams[i], i).instance_name,
-                                          target), 30, "warm-up gap", interval_s=0.001)
-        for _ in range(GAP_ROUNDS - 1):
+            wait_until(lambda: synced_at(directory,
+                                         history_stream_config(streams[i], i).instance_name,
+                                         target), 30, "warm-up gap", interval_s=0.001)
+        for _ in range(gap_rounds - 1):
             for i in (0, 1):
-                name = _stream_cfg(streams[i], i).instance_name
+                name = history_stream_config(streams[i], i).instance_name
                 gc.collect()
                 t0 = time.perf_counter()
                 target = server.gap(i)
-                t1 = wait_until(lambda: _synced_at(directory, name, target), 30, "catch-up",
+                t1 = wait_until(lambda: synced_at(directory, name, target), 30, "catch-up",
                                 interval_s=0.0002)
                 catch[i].append(t1 - t0)
-        st = _status(directory, cfg_big.instance_name)
-        if st.device_blocks != (BIG_BATCHES + 2 * GAP_ROUNDS) * BLOCKS_PER_BATCH:
+        st = stream_status(directory, cfg_big.instance_name)
+        if st.device_blocks != (big_batches + 2 * gap_rounds) * BLOCKS_PER_BATCH:
             raise AssertionError(f"after the catch-ups the stream holds {st.device_blocks} blocks")
     finally:
         if directory is not None:
             directory.close()
         server.close()
+    if big_batches != BIG_BATCHES:
+        res.notes.append(f"reduced size: {big_batches} batches (the issue: {BIG_BATCHES})")
     r50, c50, s50 = (percentile(rebuild, 50), percentile(catch[0], 50),
                      percentile(catch[1], 50))
     res.ratios["rebuild / catch-up (100k)"] = (r50 / c50, 20.0, False)
     res.ratios["catch-up 100k / 160 blocks"] = (c50 / s50, 3.0, True)
     res.figures.append(
-        f"rebuild from seq 0 of {BIG_BATCHES} batches ({BIG_BATCHES * BLOCKS_PER_BATCH} blocks, "
-        f"exact): p50 {r50 * 1e3:.0f} ms, max {max(rebuild) * 1e3:.0f} ms ({REBUILD_ROUNDS} "
-        f"rounds), {r50 / BIG_BATCHES * 1e6:.0f} us per batch")
+        f"rebuild from seq 0 of {big_batches} batches ({big_batches * BLOCKS_PER_BATCH} blocks, "
+        f"exact): p50 {r50 * 1e3:.0f} ms, max {max(rebuild) * 1e3:.0f} ms ({rebuild_rounds} "
+        f"rounds), {r50 / big_batches * 1e6:.0f} us per batch")
     res.figures.append(
         f"catch-up after a 1-batch gap (reply L, L+1, L+2): at 100k blocks p50 "
         f"{c50 * 1e3:.2f} ms, p99 {percentile(catch[0], 99) * 1e3:.2f} ms; at 160 blocks p50 "
@@ -295,42 +271,71 @@ def bench_catch_up_vs_rebuild() -> Result:
     return res
 
 
-def bench_rebuild_10k() -> Result:
-    """Benchmark 10 (module docstring)."""
-    res = Result(10, "query p99 while a 10,000-batch history rebuilds",
-                 "query p99 while rebuilding <= 5 x idle p99")
+def rebuild_fixture(batches: int) -> tuple[HistoryServer, list[StreamConfig], list[int]]:
+    """The engines of benchmarks 10 and 12, started: ``OTHER_STREAMS`` streams of
+    ``OTHER_BATCHES`` batches (the first one also holds the ``PROMPT_TOKENS``-token prompt,
+    parent-chained in two batches) and, last, the stream to rebuild (``batches`` batches).
+
+    :returns: (the server, the streams' configs in that order, the prompt).
+    :raises RuntimeError: threads running (unsafe fork) or the server did not start.
+    """
     pool = token_pool(1 << 21, seed=10)
     prompt = pool[:PROMPT_TOKENS]
-    *others, big = history_payloads([OTHER_BATCHES] * OTHER_STREAMS + [HISTORY10_BATCHES], 100,
+    *others, big = history_payloads([OTHER_BATCHES] * OTHER_STREAMS + [batches], 100,
                                     pool[PROMPT_TOKENS:])
-    for i, payloads in enumerate(others):
-        if i == 0:  # the prompt's 32 blocks, parent-chained, in two batches
-            payloads += [encode_batch(Flavor.VLLM, time.time(), [e], 0)
-                         for e in chain_events(prompt, 1)]
+    others[0] += [encode_batch(Flavor.VLLM, time.time(), [e], 0) for e in chain_events(prompt, 1)]
     streams = make_streams(OTHER_STREAMS + 1)
     server = HistoryServer(streams, others + [big], [[] for _ in streams]).start()
+    return server, [history_stream_config(s, i) for i, s in enumerate(streams)], prompt
+
+
+def others_config(cfgs: list[StreamConfig]) -> KvEventsConfig:
+    """The §8 config of the fixture's other streams (all but the last), periodic resync off."""
+    return KvEventsConfig.model_validate({
+        "streams": [c.model_dump(mode="json") for c in cfgs[:-1]], "resync_interval_ms": 600_000})
+
+
+def wait_others(directory: Directory, server: HistoryServer, cfgs: list[StreamConfig],
+                prompt: list[int]) -> None:
+    """Wait until the fixture's other streams are synchronized at their last seq and check the
+    query answer: all of the prompt on the first stream, nothing on the others.
+
+    :raises TimeoutError: not synchronized within 60 s.
+    :raises AssertionError: other answers.
+    """
+    wait_until(lambda: all(synced_at(directory, c.instance_name, server.last_seq[i])
+                           for i, c in enumerate(cfgs[:-1])), 60, "other streams",
+               interval_s=0.005)
+    got = [m.device_hit_tokens for m in directory.query(prompt)]
+    if got != [PROMPT_TOKENS] + [0] * (OTHER_STREAMS - 1):
+        raise AssertionError(f"query answers are not the expected ones: {got}")
+
+
+def bench_rebuild_10k(batches: int = HISTORY10_BATCHES, rounds: int = REBUILD10_ROUNDS,
+                      quiet_rounds: int = QUIET10_ROUNDS) -> Result:
+    """Benchmark 10 (module docstring): a history of ``batches`` x 16 blocks (the issue:
+    10,000), ``rounds`` rebuilds with the request loop, ``quiet_rounds`` without.
+
+    :raises AssertionError: wrong query answers or block count.
+    :raises TimeoutError: a rebuild did not finish in 120 s.
+    """
+    res = Result(10, "query p99 while a 10,000-batch history rebuilds",
+                 "query p99 while rebuilding <= 5 x idle p99")
+    server, cfgs, prompt = rebuild_fixture(batches)
     directory = None
     idle: list[float] = []
     busy: list[float] = []
     windows: list[float] = []
     quiet: list[float] = []
     try:
-        cfgs = [_stream_cfg(s, i) for i, s in enumerate(streams)]
-        directory = Directory(KvEventsConfig.model_validate({
-            "streams": [c.model_dump(mode="json") for c in cfgs[:-1]],
-            "resync_interval_ms": 600_000}))
+        directory = Directory(others_config(cfgs))
         directory.start()
-        wait_until(lambda: all(_synced_at(directory, c.instance_name, server.last_seq[i])
-                               for i, c in enumerate(cfgs[:-1])), 60, "other streams",
-                   interval_s=0.005)
-        got = [m.device_hit_tokens for m in directory.query(prompt)]
-        if got != [PROMPT_TOKENS] + [0] * (OTHER_STREAMS - 1):
-            raise AssertionError(f"query answers are not the expected ones: {got}")
+        wait_others(directory, server, cfgs, prompt)
         clock = time.perf_counter
         for _ in range(200):
             directory.query(prompt)
         name = cfgs[-1].instance_name
-        for _ in range(REBUILD10_ROUNDS):
+        for _ in range(rounds):
             gc.collect()
             for _ in range(IDLE_SAMPLES):
                 t0 = clock()
@@ -339,23 +344,23 @@ def bench_rebuild_10k() -> Result:
             t_add = clock()
             sid = directory.add_stream(cfgs[-1])
             deadline = t_add + 120
-            while not _synced_at(directory, name, server.last_seq[-1]):
+            while not synced_at(directory, name, server.last_seq[-1]):
                 if clock() > deadline:
                     raise TimeoutError("10,000-batch rebuild did not finish in 120 s")
                 t0 = clock()
                 directory.query(prompt)
                 busy.append(clock() - t0)
             windows.append(clock() - t_add)
-            st = _status(directory, name)
-            if st.device_blocks != HISTORY10_BATCHES * BLOCKS_PER_BATCH:
+            st = stream_status(directory, name)
+            if st.device_blocks != batches * BLOCKS_PER_BATCH:
                 raise AssertionError(f"rebuild gave {st.device_blocks} blocks")
             directory.remove_stream(sid)
         # The same rebuild with no request loop competing for the GIL.
-        for _ in range(QUIET10_ROUNDS):
+        for _ in range(quiet_rounds):
             gc.collect()
             t_add = clock()
             sid = directory.add_stream(cfgs[-1])
-            quiet.append(wait_until(lambda: _synced_at(directory, name, server.last_seq[-1]),
+            quiet.append(wait_until(lambda: synced_at(directory, name, server.last_seq[-1]),
                                     120, "quiet rebuild", interval_s=0.002) - t_add)
             directory.remove_stream(sid)
     finally:
@@ -364,6 +369,8 @@ def bench_rebuild_10k() -> Result:
         server.close()
     if not busy:
         raise AssertionError("no query sample taken while rebuilding")
+    if batches != HISTORY10_BATCHES:
+        res.notes.append(f"reduced size: {batches} batches (the issue: {HISTORY10_BATCHES})")
     i99, b99 = percentile(idle, 99), percentile(busy, 99)
     res.ratios["query p99"] = (b99 / i99, 5.0, True)
     res.figures.append(
@@ -372,24 +379,17 @@ def bench_rebuild_10k() -> Result:
         f"rebuilding p50 {percentile(busy, 50) * 1e6:.0f} us, p99 {b99 * 1e6:.0f} us "
         f"({len(busy)} samples)")
     res.figures.append(
-        f"rebuild from seq 0 of {HISTORY10_BATCHES} batches x {BLOCKS_PER_BATCH} blocks "
-        f"({HISTORY10_BATCHES * BLOCKS_PER_BATCH} blocks, exact): add to synchronized p50 "
+        f"rebuild from seq 0 of {batches} batches x {BLOCKS_PER_BATCH} blocks "
+        f"({batches * BLOCKS_PER_BATCH} blocks, exact): add to synchronized p50 "
         f"{percentile(windows, 50) * 1e3:.0f} ms, max {max(windows) * 1e3:.0f} ms "
-        f"({REBUILD10_ROUNDS} rounds, the query loop running); without requests p50 "
+        f"({rounds} rounds, the query loop running); without requests p50 "
         f"{percentile(quiet, 50) * 1e3:.0f} ms, max {max(quiet) * 1e3:.0f} ms "
-        f"({QUIET10_ROUNDS} rounds)")
+        f"({quiet_rounds} rounds)")
     if percentile(windows, 50) > 4 * percentile(quiet, 50):
         res.notes.append(
             "the rebuild window with a spinning request loop is far longer than without: "
             "each of the 10,000 reply messages is one receive on the stream thread, which "
             "gives up the GIL and waits up to a switch interval (5 ms) to get it back from the "
-            "request thread (benchmark 8's snapshots come in a few large messages); see "
-            "FINDINGS-history.md")
+            "request thread (benchmark 8's snapshots come in a few large messages); benchmark "
+            "12 measures where the time goes")
     return res
-
-
-if __name__ == "__main__":  # pragma: no cover - manual run
-    for fn in (bench_catch_up_vs_rebuild, bench_rebuild_10k):
-        r = fn()
-        print(r.ratio_text())
-        print("\n".join(r.figures))

@@ -83,6 +83,7 @@ from ._common import (
     directory_config,
     make_streams,
     percentile,
+    poll_requests,
     snapshot_payloads,
     token_pool,
     wait_until,
@@ -110,12 +111,7 @@ def _serve(streams: list[ServedStream], ready, stop, trigger, subscribed) -> Non
         fired = 0
         wm = NO_WATERMARK.to_bytes(8, "big")
         while not stop.is_set():
-            for sock, _ in poller.poll(10):
-                if sock.type == zmq.XPUB:
-                    if sock.recv()[:1] == b"\x01":
-                        with subscribed.get_lock():
-                            subscribed.value += 1
-                    continue
+            for sock in poll_requests(poller, 10, subscribed):
                 i = routers.index(sock)
                 ident = sock.recv_multipart()[0]
                 for payload in streams[i].snapshot:

@@ -1,13 +1,20 @@
-"""The issue-3 benchmark suite: ``python -m bench.run`` (or ``make bench``).
+"""The benchmark suite: ``python -m bench.run`` (or ``make bench``).
 
-Runs benchmarks 1..7 one after another in this process (publishers and engines in child
+Runs benchmarks 1..12 one after another in this process (publishers and engines in child
 processes), prints a table of ratios against the targets plus the absolute figures, and writes
 ``bench/RESULTS.md`` with the machine it ran on and the analysis of every unmet target
 (:data:`ANALYSIS`, written from the profiles taken while building the suite).
 
+Benchmarks 1..7 are issue 3's, 8 issue 6's, 9..12 issue 12's history mode (§7h): 9 and 10 the
+issue's two measures (:mod:`bench.history_replay`), 11 the live path's digest cost
+(:mod:`bench.history_live`), 12 a rebuild under request load (:mod:`bench.history_load`).
+
 ``--only 1,3`` runs a subset; ``--idle-seconds`` shortens benchmark 7 (the issue's 60 s is the
-default); ``--no-write`` leaves RESULTS.md alone. Benchmarks 9 and 10 (issue 12,
-:mod:`bench.history_replay`) also write their own section of RESULTS.md when run with ``--only``. Whole suite: about 3 minutes on 2 cores.
+default); ``--small`` runs 9..12 at a tenth of their sizes to check that they run (nothing is
+written then); ``--b12-loads`` / ``--b12-variants`` / ``--b12-rounds`` widen benchmark 12;
+``--no-write`` leaves RESULTS.md alone. A full run writes the whole file; ``--only`` with any
+of 9..12 rewrites only those benchmarks' parts of its history section. Whole suite: about 6
+minutes on 2 quiet cores (README "Performance").
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ if __package__ in (None, ""):  # ``python bench/run.py``
     __package__ = "bench"
 
 from bench._common import Result, machine_info  # noqa: E402
+from bench.history_live import bench_history_live  # noqa: E402
+from bench.history_load import bench_rebuild_under_load  # noqa: E402
 from bench.history_replay import bench_catch_up_vs_rebuild, bench_rebuild_10k  # noqa: E402
 from bench.http_load import bench_http  # noqa: E402
 from bench.ingest import bench_ingest_many, bench_ingest_one  # noqa: E402
@@ -142,8 +151,14 @@ BENCHES = {
     6: lambda a: bench_snapshot(),
     7: lambda a: bench_idle(a.idle_seconds),
     8: lambda a: bench_load_recovering(),  # issue 6
-    9: lambda a: bench_catch_up_vs_rebuild(),  # issue 12
-    10: lambda a: bench_rebuild_10k(),  # issue 12
+    # Issue 12; ``--small``: a tenth of the sizes, one round each (a check that they run).
+    9: lambda a: (bench_catch_up_vs_rebuild(625, 2, 4) if a.small
+                  else bench_catch_up_vs_rebuild()),
+    10: lambda a: bench_rebuild_10k(1_000, 1, 1) if a.small else bench_rebuild_10k(),
+    11: lambda a: bench_history_live(200, 400) if a.small else bench_history_live(),
+    12: lambda a: bench_rebuild_under_load(1_000 if a.small else 10_000,
+                                           a.b12_loads.split(","), a.b12_variants.split(","),
+                                           a.b12_rounds),
 }
 
 
@@ -155,9 +170,20 @@ def _table(results: list[Result]) -> list[str]:
     return rows
 
 
-#: Issue 12's benchmarks: their section of RESULTS.md is written by ``--only 9,10`` too.
-HISTORY_BENCHES = (9, 10)
+#: Issue 12's benchmarks: their part of RESULTS.md is one section, each benchmark's own block
+#: rewritten by the runs that measure it (``--only 9,10`` keeps 11 and 12).
+HISTORY_BENCHES = (9, 10, 11, 12)
 HISTORY_BEGIN, HISTORY_END = "<!-- history:begin -->", "<!-- history:end -->"
+#: Hand-written figures of earlier runs, kept as they are by every rewrite.
+EARLIER_BEGIN, EARLIER_END = "<!-- history-earlier:begin -->", "<!-- history-earlier:end -->"
+HISTORY_INTRO = """\
+## History mode (issue 12, §7h): benchmarks 9-12
+
+`python -m bench.run --only 9,10,11,12` (`--small` for a quick check at a tenth of the sizes).
+9 and 10 are the issue's two measures (`bench/history_replay.py`, a forked vLLM-style
+publisher whose publishing loop answers history requests), 11 the digest's cost on the live
+path (`bench/history_live.py`, in process), 12 a 10,000-batch rebuild under request load and
+where its time goes (`bench/history_load.py`). Each block below is from the run named in it."""
 
 
 def _section(text: str, begin: str, end: str) -> str:
@@ -167,24 +193,45 @@ def _section(text: str, begin: str, end: str) -> str:
     return ""
 
 
-def history_section(results: list[Result], machine: dict[str, str]) -> str:
-    """RESULTS.md's issue-12 section (benchmarks 9 and 10), between its markers."""
-    mine = [r for r in results if r.number in HISTORY_BENCHES]
-    lines = [HISTORY_BEGIN, "## History replay (issue 12): `python -m bench.run --only 9,10`",
-             "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
-    lines += _table(mine)
-    for r in mine:
-        lines += ["", f"### {r.number}. {r.name}", ""]
-        lines += [f"- {f}" for f in r.figures]
-        lines += [f"- {n}" for n in r.notes]
-    lines.append(HISTORY_END)
+def _bench_markers(n: int) -> tuple[str, str]:
+    return f"<!-- history:{n}:begin -->", f"<!-- history:{n}:end -->"
+
+
+def history_block(r: Result, machine: dict[str, str]) -> str:
+    """Benchmark ``r``'s block of the history section, between its markers."""
+    begin, end = _bench_markers(r.number)
+    met = {True: "met", False: "**not met**", None: "n/a"}[r.met]
+    lines = [begin, f"### {r.number}. {r.name}", "",
+             f"Run {machine.get('date', '?')} (`{machine.get('command', 'python -m bench.run')}`, "
+             f"{machine.get('cores', '?')} cores, load average "
+             f"{machine.get('load average', '?')}). Target: {r.target}. Result: "
+             f"{r.ratio_text()}: {met}.", ""]
+    lines += [f"- {f}" for f in r.figures]
+    lines += [f"- {n}" for n in r.notes]
+    lines.append(end)
     return "\n".join(lines)
+
+
+def history_section(results: list[Result], machine: dict[str, str], old: str) -> str:
+    """RESULTS.md's issue-12 section: this run's blocks of benchmarks 9..12, the blocks of
+    ``old`` (the current file's text) for those not run, then the earlier runs' figures."""
+    ran = {r.number: r for r in results if r.number in HISTORY_BENCHES and r.skipped is None}
+    parts = [HISTORY_BEGIN, HISTORY_INTRO]
+    for n in HISTORY_BENCHES:
+        block = history_block(ran[n], machine) if n in ran else _section(old, *_bench_markers(n))
+        if block:
+            parts.append(block)
+    earlier = _section(old, EARLIER_BEGIN, EARLIER_END)
+    if earlier:
+        parts.append(earlier)
+    parts.append(HISTORY_END)
+    return "\n\n".join(parts)
 
 
 def write_history_section(results: list[Result], machine: dict[str, str]) -> None:
     """Replace (or append) the issue-12 section of ``bench/RESULTS.md``; the rest is kept."""
     old = RESULTS.read_text() if RESULTS.exists() else ""
-    new = history_section(results, machine)
+    new = history_section(results, machine, old)
     current = _section(old, HISTORY_BEGIN, HISTORY_END)
     if current:
         text = old.replace(current, new)
@@ -197,7 +244,7 @@ def write_history_section(results: list[Result], machine: dict[str, str]) -> Non
 
 def write_results(results: list[Result], machine: dict[str, str], wall_s: float) -> None:
     """Write ``bench/RESULTS.md``."""
-    lines = ["# kvsvc benchmark results (issue 3)", "",
+    lines = ["# kvsvc benchmark results (issues 3, 6 and 12)", "",
              "Written by `python -m bench.run`; every ratio is measured side by side in this "
              "one run.", "", "## Machine", ""]
     lines += [f"- {k}: {v}" for k, v in machine.items()]
@@ -205,6 +252,8 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
     lines += _table(results)
     lines += ["", "## Details", ""]
     for r in results:
+        if r.number in HISTORY_BENCHES:  # in their own section below
+            continue
         lines += [f"### {r.number}. {r.name}", "", f"Target: {r.target}. Result: "
                   f"{r.ratio_text()}.", ""]
         lines += [f"- {f}" for f in r.figures]
@@ -213,11 +262,8 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
             lines += ["", ANALYSIS[r.number]]
         lines.append("")
     old = RESULTS.read_text() if RESULTS.exists() else ""
-    # Keep issue 12's section (written by `--only 9,10`) unless this run measured it again.
-    if not any(r.number in HISTORY_BENCHES for r in results):
-        section = _section(old, HISTORY_BEGIN, HISTORY_END)
-        if section:
-            lines += [section, ""]
+    # Issue 12's section: this run's blocks, the earlier ones kept.
+    lines += [history_section(results, machine, old), ""]
     # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing).
     begin, end = "<!-- routing:begin -->", "<!-- routing:end -->"
     if begin in old and end in old:
@@ -227,16 +273,25 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite. :returns: 0 when every benchmark ran (targets met or not), 1 otherwise."""
-    parser = argparse.ArgumentParser(description="kvsvc benchmark suite (issue 3)")
+    parser = argparse.ArgumentParser(description="kvsvc benchmark suite (issues 3, 6, 12)")
     parser.add_argument("--only", default="", help="comma-separated benchmark numbers")
     parser.add_argument("--idle-seconds", type=float, default=60.0,
                         help="benchmark 7 window (issue: 60)")
     parser.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--small", action="store_true",
+                        help="benchmarks 9-12 at a tenth of their sizes (writes nothing)")
+    parser.add_argument("--b12-loads", default="http", help="benchmark 12's loads, of "
+                        "none,spin,http")
+    parser.add_argument("--b12-variants", default="adaptive",
+                        help="benchmark 12's pacing variants, of before,adaptive,switch")
+    parser.add_argument("--b12-rounds", type=int, default=1, help="benchmark 12's rounds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     wanted = [int(x) for x in args.only.split(",") if x] or sorted(BENCHES)
     machine = machine_info()
+    machine["command"] = " ".join(["python -m bench.run", *(sys.argv[1:] if argv is None
+                                                             else argv)])
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     results: list[Result] = []
     failed = False
@@ -259,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(_table(results)))
     print(f"\nsuite wall time {wall:.0f} s")
+    if args.small:
+        args.no_write = True  # a tenth of the sizes: figures not to keep
     if not args.no_write and not args.only:
         write_results(results, machine, wall)
         print(f"wrote {RESULTS}")

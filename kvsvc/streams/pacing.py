@@ -12,9 +12,9 @@ Against a *CPU-bound* thread (a request loop that never blocks, or request threa
 saturated worker) each yield costs much more than its 20 us: the taker keeps the GIL until the
 interpreter's switch interval (5 ms by default) forces it to drop it, so the builder gets one
 0.3 ms slice per ~5 ms. A history rebuild (§7h: 10,000 small reply messages) measured ~10x its
-quiet time that way (bench/history.py measure 4; the reply's pyzmq receives, which release the
-GIL too, are a small part of it: too short for a waiter to take the GIL). So a history reply's
-next slice after a late yield is longer (:func:`reply_slice_s`, at most
+quiet time that way (bench/history_load.py, benchmark 12; the reply's pyzmq receives, which
+release the GIL too, are a small part of it: too short for a waiter to take the GIL). So a
+history reply's next slice after a late yield is longer (:func:`reply_slice_s`, at most
 :data:`REPLY_SLICE_MAX_S`). :class:`SwitchIntervalLease` (lowering the process's switch interval
 while a reply is received) was measured too and is off (:data:`REPLY_SWITCH_INTERVAL_S`).
 """
@@ -47,8 +47,8 @@ REPLY_SLICE_SHARE = 0.25
 #: The interpreter's switch interval (seconds) while a history reply is received, through
 #: :class:`SwitchIntervalLease`; ``None`` (the default) leaves it alone. Measured and not used:
 #: 0.5 ms made a 10,000-batch rebuild against a spinning thread 3.5-5x faster, but the other
-#: streams' query p99 under HTTP load 11-13x idle (bench/history.py measure 4): a waiting
-#: request thread queues behind every thread the shorter interval preempts.
+#: streams' query p99 under HTTP load 11-13x idle (bench/history_load.py, benchmark 12): a
+#: waiting request thread queues behind every thread the shorter interval preempts.
 REPLY_SWITCH_INTERVAL_S: Optional[float] = None
 
 
