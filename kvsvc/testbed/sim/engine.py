@@ -404,18 +404,23 @@ class _RankIO(BackgroundThread):
                 self._state.subscriptions += 1 if msg[0] == 1 else -1
             log.debug("sim %s: %s %r", self._label, "subscribe" if msg[0] else "unsubscribe", msg[1:])
 
-    def _serve_snapshots(self, router: zmq.Socket, pub: zmq.Socket) -> None:
-        st = self._state
+    def _next_request(self, router: zmq.Socket, kind: str) -> Optional[tuple[bytes, int]]:
+        """The next queued replay request ``[ident, b"", start_seq]`` (§7) as (ident,
+        start_seq), skipping malformed ones with a warning; ``None`` when none is queued."""
         while True:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                log.warning("sim %s: ignoring malformed snapshot request (%d frames)",
-                            self._label, len(frames))
-                continue
-            ident = frames[0]
+                return None
+            if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
+                return frames[0], int.from_bytes(frames[2], "big")
+            log.warning("sim %s: ignoring malformed %s request (%d frames)",
+                        self._label, kind, len(frames))
+
+    def _serve_snapshots(self, router: zmq.Socket, pub: zmq.Socket) -> None:
+        st = self._state
+        while (request := self._next_request(router, "snapshot")) is not None:
+            ident, start = request
             with st.lock:
                 blocks = st.bm.snapshot()
                 watermark = st.next_seq - 1 if st.next_seq > 0 else NO_SEQ
@@ -432,7 +437,7 @@ class _RankIO(BackgroundThread):
             else:
                 messages.append([ident, b"", _NO_SEQ_BYTES, b""])
             log.info("sim %s: snapshot requested from seq %d: watermark %s, %d blocks, %d data "
-                     "messages%s%s", self._label, int.from_bytes(frames[2], "big"),
+                     "messages%s%s", self._label, start,
                      "none" if watermark == NO_SEQ else watermark, len(blocks), len(payloads),
                      f", truncated to {truncate}" if truncate is not None else "",
                      f", delayed {delay:.3f} s" if delay else "")
@@ -450,16 +455,8 @@ class _RankIO(BackgroundThread):
         reply. A delay fault stalls this thread (live publishing too, as on a busy engine); a
         truncation fault sends only the first messages and no end marker."""
         st = self._state
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                log.warning("sim %s: ignoring malformed replay request (%d frames)",
-                            self._label, len(frames))
-                continue
-            ident, start = frames[0], int.from_bytes(frames[2], "big")
+        while (request := self._next_request(router, "replay")) is not None:
+            ident, start = request
             self._flush_live(pub)
             with st.lock:
                 batches = [(s, p) for s, p in st.history if s >= start]
