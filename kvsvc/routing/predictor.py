@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvsvc.cluster.model import Instance, ProfilingData, instance_identity
 
@@ -177,6 +177,29 @@ def fit(profiling: ProfilingData) -> TimePredictor:
     return TimePredictor(ttft, tpot, tuple(problems))
 
 
+#: :func:`growing_ttft` checks a fit over 1 .. this many tokens (beyond any served context).
+GROWTH_CHECK_TOKENS = 1 << 20
+
+
+def growing_ttft(predictor: TimePredictor) -> TimePredictor:
+    """``predictor`` without its TTFT fit when that fit is not a prefill time that grows with
+    the prompt over 1 .. :data:`GROWTH_CHECK_TOKENS` tokens: positive at n = 1 and a
+    non-negative slope ``c1 + 2 c2 n`` at both ends (the slope is linear in n, so that holds
+    in between). The TTFT policy (§12) compares predicted times across instances: a fit that
+    falls towards 0 (a least-squares quadratic extrapolates far past its points) would win
+    every decision whatever the instance's queue. Adds a problem line naming
+    :data:`TTFT_FIELD` and the coefficients; other fits are returned unchanged."""
+    c = predictor.ttft_coefficients
+    if c is None:
+        return predictor
+    c0, c1, c2 = c
+    if c0 + c1 + c2 > 0 and c1 + 2 * c2 >= 0 and c1 + 2 * c2 * GROWTH_CHECK_TOKENS >= 0:
+        return predictor
+    problem = (f"{TTFT_FIELD}: the fit {c0:.6g} + {c1:.6g} n + {c2:.6g} n^2 ms does not grow "
+               f"with the prompt over 1..{GROWTH_CHECK_TOKENS} tokens")
+    return TimePredictor(None, predictor.tpot_coefficients, (*predictor.problems, problem))
+
+
 class PredictorCache:
     """Each instance incarnation's :class:`TimePredictor`, fitted once, on first use (the
     source fits at registration). Thread-safe; the request path only fits a new incarnation's
@@ -191,13 +214,17 @@ class PredictorCache:
     :param fallback: what the policy does without a fit, for the WARNING.
     :param fields: the profiling fields the policy uses: only their problems are warned about
         (TTFT uses no TPOT prediction).
+    :param check: applied to each new fit before it is kept (e.g. :func:`growing_ttft`);
+        ``None``: the fit as it is (SLO_AWARE, as the source).
     """
 
     def __init__(self, policy: str, fallback: str,
-                 fields: tuple[str, ...] = (TTFT_FIELD, TPOT_FIELD)) -> None:
+                 fields: tuple[str, ...] = (TTFT_FIELD, TPOT_FIELD),
+                 check: Optional[Callable[[TimePredictor], TimePredictor]] = None) -> None:
         self.policy = policy
         self.fallback = fallback
         self.fields = fields
+        self.check = check
         self._lock = threading.Lock()
         self._fits: dict[str, tuple[str, ProfilingData, TimePredictor]] = {}
 
@@ -209,6 +236,8 @@ class PredictorCache:
         if known is not None and known[0] == identity and known[1] is inst.profiling:
             return known[2]
         predictor = fit(inst.profiling)
+        if self.check is not None:
+            predictor = self.check(predictor)
         with self._lock:
             again = self._fits.get(inst.name)
             warn = again is None or again[0] != identity or again[1] != inst.profiling

@@ -58,7 +58,7 @@ from kvsvc.routing.policy import (
     candidate_pools,
     rank_hits,
 )
-from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor
+from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor, growing_ttft
 from kvsvc.routing.request_metrics import (
     EMPTY_REQUEST_METRICS,
     PendingPrefill,
@@ -142,7 +142,7 @@ class TtftPolicy(CacheAware):
         self.ledger = ledger
         self.predictors = PredictorCache(
             self.name, f"assumes {self.default_prefill_tokens_per_s:g} tokens/s there "
-                       "(--default_prefill_tokens_per_s, §12)", fields=(TTFT_FIELD,))
+                       "(--default_prefill_tokens_per_s, §12)", fields=(TTFT_FIELD,), check=growing_ttft)
 
     def choose(self, token_ids: Optional[Sequence[int]], snapshot: RegistrySnapshot,
                matches: Optional[list[StreamMatch]],

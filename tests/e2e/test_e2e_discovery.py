@@ -407,7 +407,9 @@ def test_sim_health_server_and_registration_lease_regrant(etcd_server):
                              what="registered again")
             assert again.lease != kv.lease
             assert json.loads(again.value) == value
-            assert reg.stats().registrations == 2
+            # The thread counts a put after etcd has it: wait for the count, not just the key.
+            wait_for(lambda: reg.stats().registrations == 2, timeout_s=5.0,
+                     what="second registration counted")
         finally:
             etcd.close()
     with pytest.raises(requests.ConnectionError):

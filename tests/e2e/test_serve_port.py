@@ -41,8 +41,10 @@ def test_busy_port_fails_at_once_with_the_config_exit_code(listener):
     assert code == EXIT_CONFIG, err
     assert f"kvsvc: invalid configuration: --port: cannot listen on 127.0.0.1:{port}: " \
            "already in use" in err
+    # Refused before gunicorn starts: none of its bind retries (about 8 s) ran. Said by the
+    # output, not by a time bound (the machine's load decides the time).
     assert "gunicorn" not in err.lower() and "Retrying" not in err
-    assert elapsed < 5.0  # gunicorn's retries take about 8 s
+    del elapsed
 
 
 def test_busy_port_from_the_environment_names_the_variable(listener):

@@ -119,6 +119,23 @@ def test_negative_fitted_prediction_counts_zero():
     assert d.candidates[0].predicted_prefill_ms == 0.0
 
 
+def test_a_fit_that_does_not_grow_falls_back_and_cannot_take_every_request(caplog):
+    """A decreasing fit (1000 ms at 100 tokens, 1 ms at 300) predicts 0 or less for longer
+    prompts; kept as it is, its instance would win every decision whatever its queue."""
+    falling = dataclasses.replace(
+        inst("a:1", waiting=100000),
+        profiling=ProfilingData(ttft=((100, 1000.0), (200, 500.0), (300, 1.0))))
+    idle = inst("b:1", waiting=0)
+    policy = TtftPolicy(RequestMetricsLedger(), default_prefill_tokens_per_s=20000)
+    with caplog.at_level(logging.WARNING, logger="kvsvc.routing.predictor"):
+        d = policy.choose(TOKENS, snap(falling, idle), [], now=NOW)
+    assert d.prefill is not None and d.prefill.name == "b:1"
+    # a:1 is priced at the default rate: 1000 tokens / 20000 per s = 50 ms per prefill.
+    assert p_scores(d)["a:1"] == (100000 * 50.0, 50.0, 100000 * 50.0 + 50.0)
+    (line,) = [r.getMessage() for r in caplog.records if "instance a:1" in r.getMessage()]
+    assert "ttft_profiling_data: the fit" in line and "does not grow with the prompt" in line
+
+
 def test_ties_rotate_and_decode_is_chosen_as_car():
     policy = TtftPolicy(RequestMetricsLedger())
     s = snap(inst("a:1", InstanceType.PREFILL), inst("b:1", InstanceType.PREFILL),
