@@ -245,15 +245,9 @@ class ProtocolPublisher:
     def _run(self) -> None:
         router = None
         try:
-            try:
-                router = self.ctx.socket(zmq.ROUTER)
-                router.setsockopt(zmq.LINGER, 0)
-                router.bind(self.replay_endpoint)
-            except zmq.ZMQError as exc:
-                self._start_error = exc
+            router = _bind_router(self)
+            if router is None:
                 return
-            finally:
-                self._ready.set()
             pending: list[tuple[float, bytes]] = []  # (due time, peer identity)
             while not self._stop.is_set():
                 if router.poll(10, zmq.POLLIN):
@@ -472,15 +466,9 @@ class HistoryPublisher:
     def _run(self) -> None:
         router = None
         try:
-            try:
-                router = self.ctx.socket(zmq.ROUTER)
-                router.setsockopt(zmq.LINGER, 0)
-                router.bind(self.replay_endpoint)
-            except zmq.ZMQError as exc:
-                self._start_error = exc
+            router = _bind_router(self)
+            if router is None:
                 return
-            finally:
-                self._ready.set()
             pending: list[tuple[bytes, int]] = []
             while not self._stop.is_set():
                 if router.poll(10, zmq.POLLIN):
@@ -525,3 +513,22 @@ class HistoryPublisher:
             router.send_multipart([ident, *((b"", b"", END_MARKER[1], b"") if self.topic_frame
                                              else END_MARKER)])
             self.replies_sent += 1
+
+
+def _bind_router(owner) -> Optional[zmq.Socket]:
+    """Bind ``owner``'s replay ``ROUTER`` (linger 0) on its replay thread; on failure keep the
+    error in ``owner._start_error`` and return ``None``. Sets ``owner._ready`` either way, so
+    ``start()`` returns once the thread's bind has succeeded or failed."""
+    router = None
+    try:
+        router = owner.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(owner.replay_endpoint)
+        return router
+    except zmq.ZMQError as exc:
+        owner._start_error = exc
+        if router is not None:
+            router.close()
+        return None
+    finally:
+        owner._ready.set()
