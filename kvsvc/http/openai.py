@@ -6,7 +6,9 @@
   P when it refuses before the first byte; :meth:`kvsvc.routing.router.Router.forward`). Every
   proxied response carries ``x-kvsvc-prefill`` (the P that answered) and ``x-kvsvc-decode``
   (the D, empty when none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
-  that P's reusable prefix (:func:`~kvsvc.routing.cache_audit.prediction`; not RR). Bodies over ``--max_request_bytes`` get 413 before they are read.
+  that P's reusable prefix (:func:`~kvsvc.routing.cache_audit.prediction`; not RR), and
+  ``x-kvsvc-predicted-ttft-ms`` when it predicted that P's time to first token (SLO_AWARE,
+  TTFT; :func:`predicted_ttft_ms`). Bodies over ``--max_request_bytes`` get 413 before they are read.
 - A streamed answer whose upstream body breaks after the head (the engine died, reset the
   connection, or sent nothing within ``--upstream_read_timeout_s``) ends with one SSE event in
   OpenAI's streaming error shape, ``data: {"error": {"message", "type", "param", "code":
@@ -57,6 +59,7 @@ from kvsvc.http.errors import OPENAI_ERRORS, status_of
 from kvsvc.http.extensions import router, service
 from kvsvc.http.metrics import metrics
 from kvsvc.routing.cache_audit import prediction
+from kvsvc.routing.policy import PREFILL_SIDE, Decision
 from kvsvc.routing.proxy import UpstreamBody
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ PREFILL_HEADER = "x-kvsvc-prefill"
 DECODE_HEADER = "x-kvsvc-decode"
 #: The cached tokens routing predicted on the P that answered (absent when it predicted none).
 PREDICTED_HEADER = "x-kvsvc-predicted-cached-tokens"
+#: The TTFT (ms, the profiling data's unit) SLO_AWARE or TTFT predicted on the P that answered.
+PREDICTED_TTFT_HEADER = "x-kvsvc-predicted-ttft-ms"
 
 #: Endpoint label of ``kvsvc_proxy_requests_total`` per proxied path.
 _PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
@@ -79,6 +84,14 @@ UPSTREAM_BROKEN = "upstream_broken"
 _STARTED = "kvsvc_started"
 _COUNTED_AT_END = "kvsvc_counted_at_end"
 
+
+def predicted_ttft_ms(decision: Decision, target: str) -> Optional[float]:
+    """The predicted TTFT (ms) of ``decision``'s P-side candidate ``target`` (``host:port``),
+    ``None`` when the policy predicted none there (RR, CAR) or ``target`` is not a candidate."""
+    for c in decision.candidates:
+        if c.side == PREFILL_SIDE and c.name == target:
+            return c.predicted_ttft_ms
+    return None
 
 def blueprint() -> flask.Blueprint:
     """The OpenAI endpoints with their body bound, error shape and answer counter."""
@@ -188,6 +201,9 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
         predicted = prediction(decision, reply.target)  # what the cache audit compares
         if predicted is not None:
             headers.append((PREDICTED_HEADER, str(predicted.predicted_tokens)))
+        ttft = predicted_ttft_ms(decision, reply.target)
+        if ttft is not None:
+            headers.append((PREDICTED_TTFT_HEADER, f"{ttft:.1f}"))
         log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
                   reply.target, routed.decode or "-", decision.policy, decision.input_tokens,
                   (time.monotonic() - started) * 1000)

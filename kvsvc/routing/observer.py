@@ -65,6 +65,8 @@ class RequestInfo:
     :ivar dispatched_at: ``time.monotonic()`` seconds when the attempt was sent.
     :ivar decision: the policy's :class:`~kvsvc.routing.policy.Decision` (typed loosely so this
         module imports nothing of the policies), ``None`` when unknown.
+    :ivar streamed: the client asked for a stream (``"stream": true``): its first token is
+        heard when it is relayed; otherwise only the end is heard.
     """
 
     attempt_id: int
@@ -75,6 +77,7 @@ class RequestInfo:
     policy: str = ""
     dispatched_at: float = field(default_factory=time.monotonic)
     decision: Any = None
+    streamed: bool = True
 
 
 class RequestObserver(Protocol):

@@ -40,13 +40,17 @@ ledger calls its idle listeners with the D's name (outside its lock): the source
 ``flip_decode_to_prefill`` there (SLO_AWARE's :meth:`~kvsvc.routing.slo.SloAware.on_decode_idle`).
 
 Threads: the proxy's threads call the observer methods concurrently, policies read
-:meth:`RequestMetricsLedger.snapshot`; one lock, held only to update or copy. Nothing raises.
+:meth:`RequestMetricsLedger.snapshot`; one lock, held only to update or copy, except by
+GENERATE, which only the request's own relay thread writes (it is counted on the request and
+summed into its D's tokens by the snapshot). Nothing raises.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional
@@ -93,10 +97,36 @@ class PendingPrefill:
 
     :ivar dispatched_at: ``time.monotonic()`` seconds it was sent.
     :ivar estimated_prefill_ms: its predicted prefill time, milliseconds.
+    :ivar streamed: its first token will be heard (a non-streamed request stays pending until
+        its end, through its decode).
     """
 
     dispatched_at: float
     estimated_prefill_ms: float
+    streamed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEnd:
+    """One streamed request that recently left its P's prefill queue.
+
+    :ivar dispatched_at: ``time.monotonic()`` seconds it was sent.
+    :ivar ended_at: ``time.monotonic()`` seconds its first token was relayed, or it was
+        cancelled before one.
+    :ivar estimated_prefill_ms: its predicted prefill time, milliseconds.
+    :ivar first_token: it ended by its first token (the P's prefill lane was then free), not
+        by a cancel.
+    """
+
+    dispatched_at: float
+    ended_at: float
+    estimated_prefill_ms: float
+    first_token: bool
+
+
+#: Streamed prefill ends kept per instance (:attr:`RequestMetricsSnapshot.recent`): enough to
+#: cover several heartbeats of a busy P, bounded so the ledger's memory is.
+RECENT_PREFILL_ENDS = 256
 
 
 @dataclass(frozen=True)
@@ -105,11 +135,15 @@ class RequestMetricsSnapshot:
 
     :ivar metrics: instance ``host:port`` -> its metrics (absent: :data:`NO_REQUESTS`).
     :ivar pending: instance ``host:port`` -> its requests still in prefill, oldest first.
+    :ivar recent: instance ``host:port`` -> its last :data:`RECENT_PREFILL_ENDS` streamed
+        prefill ends, oldest first.
     """
 
     metrics: Mapping[str, InstanceRequestMetrics] = field(
         default_factory=lambda: MappingProxyType({}))
     pending: Mapping[str, tuple[PendingPrefill, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    recent: Mapping[str, tuple[PrefillEnd, ...]] = field(
         default_factory=lambda: MappingProxyType({}))
 
     def of(self, name: str) -> InstanceRequestMetrics:
@@ -119,6 +153,10 @@ class RequestMetricsSnapshot:
     def pending_of(self, name: str) -> tuple[PendingPrefill, ...]:
         """``name``'s requests still in prefill, oldest first."""
         return self.pending.get(name, ())
+
+    def recent_of(self, name: str) -> tuple[PrefillEnd, ...]:
+        """``name``'s recent streamed prefill ends, oldest first."""
+        return self.recent.get(name, ())
 
 
 #: A ledger with nothing in it (policies called without one).
@@ -134,31 +172,40 @@ class _Counts:
         self.p_req = self.p_tok = self.d_req = self.d_tok = 0
         self.p_ms = 0.0
 
-    def freeze(self) -> InstanceRequestMetrics:
+    def freeze(self, generated: int = 0) -> InstanceRequestMetrics:
         return InstanceRequestMetrics(self.p_req, self.p_tok, self.p_ms, self.d_req,
-                                      self.d_tok)
+                                      self.d_tok + generated)
 
 
 class _Open:
     """One request the ledger counts (under the ledger's lock)."""
 
-    __slots__ = ("info", "in_prefill", "decode_added")
+    __slots__ = ("info", "in_prefill", "decode_added", "generated")
 
     def __init__(self, info: RequestInfo) -> None:
         self.info = info
         self.in_prefill = True
         self.decode_added = 0
+        # GENERATE tokens, written only by the request's relay thread and without the lock
+        # (one call per relayed SSE event: under the lock, 128 relay threads queued on it);
+        # folded into the D's decode tokens when a snapshot is taken.
+        self.generated = 0
 
 
 class RequestMetricsLedger:
     """The per-instance request metrics of this worker (module docstring); a
     :class:`~kvsvc.routing.observer.RequestObserver`. One per service, built by
-    :func:`kvsvc.service.build_router`, heard by the proxy, read by SLO_AWARE and TTFT."""
+    :func:`kvsvc.service.build_router`, heard by the proxy, read by SLO_AWARE and TTFT.
 
-    def __init__(self) -> None:
+    :param clock: ``time.monotonic``-like seconds, the time of each :class:`PrefillEnd`.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._counts: dict[str, _Counts] = {}
         self._open: dict[int, _Open] = {}
+        self._recent: dict[str, collections.deque[PrefillEnd]] = {}
         self._idle_listeners: list[Callable[[str], None]] = []
 
     def add_idle_listener(self, listener: Callable[[str], None]) -> None:
@@ -189,9 +236,16 @@ class RequestMetricsLedger:
                 d.d_tok += info.prompt_tokens
                 rec.decode_added = info.prompt_tokens
 
-    def _finish_prefill(self, rec: _Open) -> None:
+    def _finish_prefill(self, rec: _Open, first_token: bool = False) -> None:
         rec.in_prefill = False
         info = rec.info
+        if info.streamed:
+            # A non-streamed end comes after the decode: its prefill end time is unknown.
+            ends = self._recent.get(info.prefill)
+            if ends is None:
+                ends = self._recent[info.prefill] = collections.deque(maxlen=RECENT_PREFILL_ENDS)
+            ends.append(PrefillEnd(info.dispatched_at, self._clock(),
+                                   info.estimated_prefill_ms, first_token))
         p = self._c(info.prefill)
         p.p_req -= 1
         p.p_tok -= info.prompt_tokens
@@ -205,7 +259,7 @@ class RequestMetricsLedger:
             rec = self._open.get(info.attempt_id)
             if rec is None or not rec.in_prefill:
                 return
-            self._finish_prefill(rec)
+            self._finish_prefill(rec, first_token=True)
             self._token(rec)
 
     def _token(self, rec: _Open) -> None:
@@ -214,11 +268,11 @@ class RequestMetricsLedger:
             rec.decode_added += 1
 
     def on_token(self, info: RequestInfo) -> None:
-        """GENERATE: one more token on the request's D."""
-        with self._lock:
-            rec = self._open.get(info.attempt_id)
-            if rec is not None:
-                self._token(rec)
+        """GENERATE: one more token on the request's D (lock-free: only the request's own
+        relay thread calls this for it)."""
+        rec = self._open.get(info.attempt_id)
+        if rec is not None and rec.info.decode:
+            rec.generated += 1
 
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """FINISH_DECODE (after FINISH_PREFILL when the answer was not streamed)."""
@@ -252,13 +306,19 @@ class RequestMetricsLedger:
     def snapshot(self) -> RequestMetricsSnapshot:
         """Every instance's metrics and pending prefills (copied under the lock)."""
         with self._lock:
-            metrics = {n: c.freeze() for n, c in self._counts.items()}
+            generated: dict[str, int] = {}
             pending: dict[str, list[PendingPrefill]] = {}
             for rec in self._open.values():
+                if rec.generated:
+                    generated[rec.info.decode] = generated.get(rec.info.decode, 0) + rec.generated
                 if rec.in_prefill:
                     pending.setdefault(rec.info.prefill, []).append(
-                        PendingPrefill(rec.info.dispatched_at, rec.info.estimated_prefill_ms))
+                        PendingPrefill(rec.info.dispatched_at, rec.info.estimated_prefill_ms,
+                                       rec.info.streamed))
+            recent = {n: tuple(v) for n, v in self._recent.items() if v}
+            metrics = {n: c.freeze(generated.get(n, 0)) for n, c in self._counts.items()}
         return RequestMetricsSnapshot(
             MappingProxyType(metrics),
             MappingProxyType({n: tuple(sorted(v, key=lambda p: p.dispatched_at))
-                              for n, v in pending.items()}))
+                              for n, v in pending.items()}),
+            MappingProxyType(recent))

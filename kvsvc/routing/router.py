@@ -173,7 +173,8 @@ class Router:
         def info_for(target: str) -> RequestInfo:
             return RequestInfo(next(self._attempt_ids), target, decode, decision.input_tokens,
                                decision.prefill_estimates_ms.get(target, 0.0),
-                               decision.policy, decision=decision)
+                               decision.policy, decision=decision,
+                               streamed=doc.get("stream") is True)
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),

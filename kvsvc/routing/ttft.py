@@ -13,35 +13,40 @@ no lambda to tune.
 (:mod:`kvsvc.routing.predictor`, clamped at 0) when its ``ttft_profiling_data`` gives a fit,
 else ``n / default_prefill_tokens_per_s`` seconds (``--default_prefill_tokens_per_s``).
 
-``queued_ms(P)``, the prefill work ahead of the request (README "Routing"): P's last load
-report (``waiting_requests_num`` ``W``, received at ``t_r``) corrected by the router's own
-requests still in prefill on P (dispatched, no first token relayed yet: the request-metrics
-ledger, :mod:`kvsvc.routing.request_metrics`), each with the prefill time predicted when it was
-dispatched:
+``queued_ms(P)``, the prefill work ahead of the request (README "Routing"), in ms: the
+router's own requests still in prefill on P (dispatched, no first token relayed yet: the
+request-metrics ledger, :mod:`kvsvc.routing.request_metrics`), each with the prefill time
+predicted when it was dispatched, plus the requests of other senders that P's last load report
+(``waiting_requests_num`` ``W``, received at ``t_r``) shows:
 
-    ``queued_ms(P) = W * unit_ms + after_ms``
+    ``queued_ms(P) = own_backlog_ms + foreign * unit_ms``
 
-- ``W * unit_ms``: the report counts every sender's queued requests up to ``t_r``, this
-  router's among them, so the own requests dispatched before ``t_r`` are not added again
-  (CAR's rule, :func:`~kvsvc.routing.in_flight.waiting_estimate`). The ledger cannot replace
-  the report there: a non-streamed answer relays no token before its end, so its request looks
-  "in prefill" through its whole decode; only the requests newer than the report are counted
-  from the ledger, and those are at most one heartbeat old.
-- ``unit_ms``: the mean predicted time of the own pending requests when there are any (the
-  traffic the instance sees), else ``prefill_ms(P, input_tokens)`` of the request being routed
-  (a queued request of unknown size costs a full prefill of this size).
-- ``after_ms``: the predicted times of the own pending requests dispatched after ``t_r``: no
-  report has seen them yet, so they are added on top.
+- ``own_backlog_ms``: one prefill runs at a time, first come first served, so the own
+  pending requests are replayed in dispatch order on a virtual clock that starts at P's last
+  relayed first token (the prefill lane was free then): each starts at the later of the
+  clock and its dispatch and lasts its prediction; what remains after ``now`` is the backlog.
+  A streamed request whose predicted end has passed without a first token is still running:
+  it ends at ``now`` at the earliest. A non-streamed one relays nothing before its end, so
+  past its predicted end it is taken to be decoding and adds nothing.
+- ``foreign``: the requests in ``W`` that are not this router's,
+  ``max(0, W - (own(t_r) - 1))`` where ``own(t_r)`` counts the own requests in prefill
+  at ``t_r`` (pending ones dispatched before it, and recent ones whose prefill ended after
+  it); one of those was prefilling, which ``W`` does not count. The report is not used for
+  the own requests: it is up to a heartbeat old, and a queue that drained since would be
+  priced in full.
+- ``unit_ms``: the mean predicted prefill time of the own requests on P (pending and
+  recent), else ``prefill_ms(P, input_tokens)`` of the request being routed (a queued request
+  of unknown size costs a full prefill of this size).
 
-With nothing pending the estimate is ``W * prefill_ms(P, input_tokens)``: the report alone;
-between two reports a burst sees its own dispatches at once. Nothing here does
-I/O; the choice reads the ledger's snapshot (copied under its lock) and the registry's.
+Nothing here does I/O; the choice reads the ledger's snapshot (copied under its lock) and the
+registry's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from types import MappingProxyType
 from typing import Optional, Sequence
 
@@ -62,6 +67,7 @@ from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor, g
 from kvsvc.routing.request_metrics import (
     EMPTY_REQUEST_METRICS,
     PendingPrefill,
+    PrefillEnd,
     RequestMetricsLedger,
 )
 from kvsvc.settings import (
@@ -104,22 +110,55 @@ def prefill_ms(predictor: TimePredictor, tokens: float, default_tokens_per_s: fl
         return max(0.0, predictor.predict_ttft(tokens))
     return 1000.0 * tokens / default_tokens_per_s
 
-def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms: float
-              ) -> float:
-    """``W * unit_ms + after_ms`` (module docstring), milliseconds >= 0.
+def own_backlog_ms(pending: Sequence[PendingPrefill], recent: Sequence[PrefillEnd],
+                   now: float) -> float:
+    """The own pending prefills still ahead at ``now`` (module docstring), ms >= 0.
+
+    :param pending: the router's requests still in prefill on P, oldest first.
+    :param recent: P's recent streamed prefill ends (the last first token anchors the clock).
+    :param now: ``time.monotonic()`` seconds.
+    """
+    clock = -math.inf
+    for end in reversed(recent):
+        if end.first_token:
+            clock = end.ended_at
+            break
+    for p in pending:
+        finish = max(clock, p.dispatched_at) + p.estimated_prefill_ms / 1000.0
+        if finish < now:
+            if not p.streamed:
+                continue  # past its predicted end: decoding, its first token unheard
+            finish = now
+        clock = finish
+    return max(0.0, (clock - now) * 1000.0)
+
+
+def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms: float,
+              recent: Sequence[PrefillEnd] = (), now: Optional[float] = None) -> float:
+    """``own_backlog_ms + foreign * unit_ms`` (module docstring), milliseconds >= 0.
 
     :param inst: the candidate (with its load report; without one ``W`` is 0).
-    :param pending: the router's own requests still in prefill there.
+    :param pending: the router's own requests still in prefill there, oldest first.
     :param full_prefill_ms: ``prefill_ms`` of the routed request's whole prompt there (the
-        unit when nothing is pending).
+        unit when nothing of the router's was seen there).
+    :param recent: the instance's recent streamed prefill ends, oldest first.
+    :param now: ``time.monotonic()`` seconds (default: the clock now).
     """
+    now = time.monotonic() if now is None else now
     load = inst.load
-    t_r = load.received_at if load is not None else -math.inf
-    waiting = load.waiting_requests_num if load is not None else 0
-    after = sum(p.estimated_prefill_ms for p in pending if p.dispatched_at > t_r)
-    unit = (sum(p.estimated_prefill_ms for p in pending) / len(pending) if pending
-            else full_prefill_ms)
-    return waiting * unit + after
+    own = own_backlog_ms(pending, recent, now)
+    if load is None or load.waiting_requests_num <= 0:
+        return own
+    t_r = load.received_at
+    at_report = (sum(1 for p in pending if p.dispatched_at <= t_r)
+                 + sum(1 for e in recent if e.dispatched_at <= t_r < e.ended_at))
+    foreign = max(0, load.waiting_requests_num - max(0, at_report - 1))
+    if not foreign:
+        return own
+    seen = [p.estimated_prefill_ms for p in pending] + [e.estimated_prefill_ms for e in recent]
+    unit = sum(seen) / len(seen) if seen else full_prefill_ms
+    return own + foreign * unit
+
 
 class TtftPolicy(CacheAware):
     """``TTFT`` (§12, module docstring). Thread-safe.
@@ -167,7 +206,8 @@ class TtftPolicy(CacheAware):
             own = prefill_ms(predictor, uncached_tokens(n_tokens, ranks, self.host_hit_weight),
                              self.default_prefill_tokens_per_s)
             queue = queued_ms(inst, metrics.pending_of(inst.name),
-                              prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s))
+                              prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s),
+                              metrics.recent_of(inst.name), now)
             rows.append((queue + own, inst, ranks, hit, queue, own))
         order, tied = self._pick([r[0] for r in rows], PREFILL_SIDE)
         cands: list[CandidateScore] = []

@@ -17,6 +17,9 @@ engines) and per policy (RR, CAR lambda 0.5, SLO_AWARE, TTFT; ``--policies`` add
 3. ``kvsvc serve`` under gunicorn (:class:`~kvsvc.testbed.demo.ServiceProcess`) with discovery, the
    policy's ``--load_balance_policy`` / ``--car_prefill_lambda`` and ``service_threads``
    gthread threads (``GUNICORN_CMD_ARGS``: the router holds one thread per request in flight).
+   The router runs on the wall clock, so its ``--target_ttft`` / ``--target_tpot`` are the
+   simulated targets divided by ``time_scale`` (:func:`wall_ms`), as the engines' registered
+   profiling data is (:func:`~kvsvc.testbed.sim.serving.profiling_data`).
 4. The first ``window_s`` trace seconds are replayed on the wall clock divided by
    ``time_scale``: each request is sent at its (compressed) arrival time (:func:`arrival_ms`:
    the conversation trace's 3-second timestamp buckets are spread out by default) as
@@ -36,7 +39,12 @@ output tokens or more), predicted vs actual cached tokens (the service's own aud
 absolute error in tokens, share within one block, and that share for the answers predicted
 from synchronized exact streams; RR predicts nothing), requests per engine max/mean (from
 ``x-kvsvc-prefill``), failed requests, and how late the client sent (p99 dispatch lag, wall
-ms: large values mean the machine did not keep up with the compression).
+ms: large values mean the machine did not keep up with the compression), and the router's
+predicted TTFT of the chosen P (``x-kvsvc-predicted-ttft-ms``, SLO_AWARE and TTFT) against the
+engine's. The default compression, 5x, is one a 2-core machine keeps up with: at 20x the router
+(relaying about 20k SSE events per wall second) and the engines fell behind, every wall-clock
+stall was multiplied 20 times into the simulated queues, and runs of the same policy differed
+by 3x in TTFT p90.
 
 Engine capacities (defaults, stated in the report): a Qwen2.5-7B-class model (28 layers, 4 KV
 heads of 128, bf16: 56 KiB of KV per token) on one 80 GB H100 per instance: Device 4096 blocks
@@ -47,8 +55,9 @@ decode steps ``8 ms + 0.1 ms B + 0.02 us B (L - 1)`` (:class:`~kvsvc.testbed.sim
 
 The routing section of the results file (``--results-file``, default ``bench/RESULTS.md``
 relative to the current directory; between :data:`BEGIN` and :data:`END`) is replaced by the
-report; the rest of the file is left alone (``python -m bench.run`` keeps this section). No
-other file is written; ``--no-write`` writes none.
+report; the rest of the file is left alone (``python -m bench.run`` keeps this section);
+``--no-write`` leaves it alone too. Each run's directory (under ``--log-dir``, else a temporary
+one) gets the engines' and the service's logs and ``answers.jsonl`` (:func:`write_answers`).
 
 Errors: :class:`~kvsvc.errors.ConfigError` for an unknown trace or a results file whose
 directory does not exist (checked before anything starts), :class:`~kvsvc.errors.LifecycleError`
@@ -71,7 +80,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
@@ -147,7 +156,7 @@ class BenchOptions:
     traces: tuple[str, ...] = ("conversation", "synthetic")
     window_s: float = 600.0
     max_requests: int = 0
-    time_scale: float = 20.0
+    time_scale: float = 5.0
     policies: tuple[tuple[str, Optional[float]], ...] = POLICIES
     engines: int = 8
     block_size: int = 128
@@ -200,6 +209,8 @@ class RunResult:
         (:func:`explain_misses`).
     :param head_ms: client send to response head of every answer, wall ms, sorted (the
         router's own delay plus, non-streamed, the whole answer).
+    :param ttft_error_ms: predicted minus actual TTFT of every answer the router predicted
+        one for (SLO_AWARE, TTFT), simulated ms, sorted.
     """
 
     trace: str
@@ -219,6 +230,16 @@ class RunResult:
     audit: "AuditFigures" = field(default_factory=lambda: AuditFigures())
     misses: dict[str, float] = field(default_factory=dict)
     head_ms: list[float] = field(default_factory=list)
+    ttft_error_ms: list[float] = field(default_factory=list)
+
+    def ttft_abs_error(self, q: float) -> float:
+        """Quantile ``q`` of ``|predicted - actual|`` TTFT, simulated ms (NaN when none)."""
+        return _quantile(sorted(abs(e) for e in self.ttft_error_ms), q)
+
+    @property
+    def ttft_bias(self) -> float:
+        """Median of predicted minus actual TTFT, simulated ms (NaN when none)."""
+        return _quantile(self.ttft_error_ms, 0.5)
 
     @property
     def slo_attainment(self) -> float:
@@ -343,6 +364,9 @@ class Answer:
     :param tpot_ms: simulated TPOT, ms; ``None`` with one output token.
     :param predicted: the router's predicted cached tokens on ``engine``
         (``x-kvsvc-predicted-cached-tokens``), ``None`` when it predicted none (RR, SLO_AWARE).
+    :param predicted_ttft_ms: the router's predicted TTFT on ``engine``
+        (``x-kvsvc-predicted-ttft-ms``), ``None`` when it predicted none; *wall* ms, like the
+        engines' profiling data (:func:`~kvsvc.testbed.sim.serving.profiling_data`).
     :param sent_at: ``time.monotonic()`` when the client sent it, seconds.
     :param head_at: ``time.monotonic()`` when the response head arrived, seconds: for a
         stream, about when the engine received the request (the sim sends the head at once).
@@ -356,6 +380,7 @@ class Answer:
     predicted: Optional[int]
     sent_at: float
     head_at: float
+    predicted_ttft_ms: Optional[float] = None
 
     def prefilled_at(self, time_scale: float) -> float:
         """``time.monotonic()`` seconds when the engine finished its prefill (about)."""
@@ -480,7 +505,9 @@ class _Client:
                           int(usage["prompt_tokens_details"]["cached_tokens"]), ttft,
                           tpot if int(usage["completion_tokens"]) >= 2 else None,
                           int(predicted) if predicted is not None else None, sent,
-                          head_at if stream else sent)
+                          head_at if stream else sent,
+                          float(pttft) if (pttft := r.headers.get(
+                              "x-kvsvc-predicted-ttft-ms")) is not None else None)
         except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
             log.warning("bench: request failed: %s", exc)
             return None
@@ -656,8 +683,8 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
         cfg.write_text(json.dumps(discovery_config(demo_opts)), encoding="utf-8")
         args = ["--load_balance_policy", policy, "--model", MODEL,
                 # The service's targets are whole ms (its settings table).
-                "--target_ttft", str(round(opts.target_ttft_ms)),
-                "--target_tpot", str(round(opts.target_tpot_ms))]
+                "--target_ttft", str(wall_ms(opts.target_ttft_ms, opts.time_scale)),
+                "--target_tpot", str(wall_ms(opts.target_tpot_ms, opts.time_scale))]
         if lam is not None:
             args += ["--car_prefill_lambda", repr(lam)]
         service = ServiceProcess(cfg, free_port_run(1), token, run_dir / "service.log",
@@ -679,6 +706,9 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             result.prompt_tokens += got.prompt_tokens
             result.cached_tokens += got.cached_tokens
             result.ttft_ms.append(got.ttft_ms)
+            if got.predicted_ttft_ms is not None:
+                result.ttft_error_ms.append(got.predicted_ttft_ms * opts.time_scale
+                                            - got.ttft_ms)
             if got.tpot_ms is not None:
                 result.tpot_ms.append(got.tpot_ms)
         result.misses = explain_misses(reqs, answers, opts.block_size, opts.time_scale)
@@ -686,7 +716,9 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
                                 if a is not None)
         result.wall_s = time.monotonic() - result.wall_s
         result.ttft_ms.sort()
+        result.ttft_error_ms.sort()
         result.tpot_ms.sort()
+        write_answers(run_dir / "answers.jsonl", reqs, answers)
         result.lag_ms.sort()
         try:
             # Every answer ended before its client returned: the audit has heard it.
@@ -705,6 +737,24 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             finally:
                 engines.close()
     return result
+
+
+def wall_ms(simulated_ms: float, time_scale: float) -> int:
+    """A service target (whole ms, >= 1) for ``simulated_ms`` on engines compressed by
+    ``time_scale``: the service times them on the wall clock, as their profiling data is."""
+    return max(1, round(simulated_ms / time_scale))
+
+
+def write_answers(path: Path, reqs: Sequence[TraceRequest],
+                  answers: Sequence[Optional[Answer]]) -> None:
+    """One JSON line per request, in trace order: its trace timestamp and input length, and
+    what the client saw (:class:`Answer` fields; ``null`` for a failed request), for reading a
+    run afterwards."""
+    with path.open("w", encoding="utf-8") as f:
+        for req, got in zip(reqs, answers):
+            row: dict = {"timestamp_ms": req.timestamp_ms, "input_length": req.input_length}
+            row["answer"] = asdict(got) if got is not None else None
+            f.write(json.dumps(row) + "\n")
 
 
 def arrival_ms(reqs: Sequence[TraceRequest], mode: str = "spread") -> list[float]:
@@ -898,7 +948,10 @@ def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") 
         f"{opts.max_num_seqs}, heartbeat every {opts.heartbeat_interval_s:g} simulated s; the "
         "engines register the profiling data of that model (§12). Real `kvsvc serve` under "
         f"gunicorn ({opts.service_threads} threads), discovery on etcd, `--target_ttft "
-        f"{opts.target_ttft_ms:g}` `--target_tpot {opts.target_tpot_ms:g}`; the first "
+        f"{wall_ms(opts.target_ttft_ms, opts.time_scale)}` `--target_tpot "
+        f"{wall_ms(opts.target_tpot_ms, opts.time_scale)}` (wall ms: "
+        f"{opts.target_ttft_ms:g} and {opts.target_tpot_ms:g} simulated ms; the engines "
+        "register wall-clock profiling data); the first "
         f"{opts.window_s:g} trace seconds of each trace replayed at {opts.time_scale:g}x "
         f"time compression with token-id prompts, "
         + ("streamed with usage, " if opts.stream else "non-streamed, ")
@@ -912,21 +965,26 @@ def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") 
         f"prefill); SLO = share of requests with TTFT <= {opts.target_ttft_ms:g} ms; pred = "
         "the router's predicted cached tokens for the chosen P against the engine's "
         "(mean absolute error in tokens; share within one block, of all audited answers and "
-        "of those predicted from synchronized exact streams; RR predicts nothing).", "",
+        "of those predicted from synchronized exact streams; RR predicts nothing); TTFT "
+        "err = the router's predicted TTFT for the chosen P against the engine's (median of "
+        "predicted - actual, and p50/p90 of its absolute value, simulated ms; SLO_AWARE and "
+        "TTFT only).", "",
         "| trace | load | policy | requests | failed | hit | % of ideal | TTFT p50 | p90 | "
-        "p99 | SLO | TPOT p90 | pred MAE | pred within 1 block (exact) | max/mean load | "
-        "client lag p99 (wall ms) | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "p99 | SLO | TPOT p90 | pred MAE | pred within 1 block (exact) | TTFT err median "
+        "(abs p50/p90) | max/mean load | client lag p99 (wall ms) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         a = r.audit
         pred = "-" if not a.audited else (f"{_pct(a.within_share)} "
                                           f"({_pct(a.exact_within_share)})")
         mae = "-" if not a.audited else f"{a.mae_tokens:.0f}"
+        terr = ("-" if not r.ttft_error_ms else f"{r.ttft_bias:+.0f} ({r.ttft_abs_error(0.5):.0f}"
+                f"/{r.ttft_abs_error(0.9):.0f})")
         lines.append(f"| {r.trace} | x{r.load:g} | {r.policy} | {r.requests} | {r.failed} | "
                      f"{100 * r.hit_ratio:.1f}% | {100 * r.of_ideal:.1f}% | "
                      f"{r.ttft(0.5):.0f} | {r.ttft(0.9):.0f} | {r.ttft(0.99):.0f} | "
                      f"{100 * r.slo_attainment:.1f}% | {r.tpot(0.9):.1f} | {mae} | {pred} | "
-                     f"{r.load_imbalance:.2f} | {_quantile(r.lag_ms, 0.99):.0f} | "
+                     f"{terr} | {r.load_imbalance:.2f} | {_quantile(r.lag_ms, 0.99):.0f} | "
                      f"{r.wall_s:.0f} |")
     causes: dict[str, int] = {}
     for r in results:

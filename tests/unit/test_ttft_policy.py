@@ -16,8 +16,8 @@ from kvsvc.cluster.model import InstanceType, LoadMetrics, ProfilingData
 from kvsvc.errors import ConfigError
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import REASON_MISSING, REASON_STALE, REASON_UNSYNCHRONIZED
-from kvsvc.routing.request_metrics import PendingPrefill, RequestMetricsLedger
-from kvsvc.routing.ttft import TtftPolicy, queued_ms
+from kvsvc.routing.request_metrics import PendingPrefill, PrefillEnd, RequestMetricsLedger
+from kvsvc.routing.ttft import TtftPolicy, own_backlog_ms, queued_ms
 from kvsvc.streams.state import StreamId
 from tests.unit.test_policy import NOW, REPORTED_AT, inst, match, snap
 
@@ -63,25 +63,62 @@ def test_uncached_tokens_use_cars_hit_terms(ranks, m, identities, own, reason):
     assert reason in {r.reason for r in c.ranks}
 
 
-def test_queue_is_the_report_plus_own_pending_prefills_sent_after_it():
-    before = PendingPrefill(REPORTED_AT - 0.5, 50.0)   # inside the report: not added again
-    after = PendingPrefill(REPORTED_AT + 1.0, 30.0)    # not seen by any report yet
-    assert queued_ms(inst("a:1", waiting=0), (before, after), 100.0) == 30.0
-    assert queued_ms(inst("a:1", waiting=4), (before, after), 100.0) == 190.0  # 4 x 40 + 30
-    assert queued_ms(inst("a:1", waiting=1), (before,), 100.0) == 50.0   # 1 x 50
-    assert queued_ms(inst("a:1", waiting=2), (), 100.0) == 200.0   # the report alone
-    assert queued_ms(inst("a:1", load=False), (after,), 100.0) == 30.0
+def test_own_backlog_replays_the_pending_prefills_one_at_a_time():
+    t = REPORTED_AT + 1.0
+    first, second = PendingPrefill(t, 50.0), PendingPrefill(t + 0.01, 30.0)
+    # first runs t..t+0.05, second waits for it: t+0.05..t+0.08; 60 ms remain at t+0.02.
+    assert own_backlog_ms((first, second), (), t + 0.02) == pytest.approx(60.0)
+    # The last first token relayed (t+0.03) frees the lane: second runs t+0.03..t+0.06.
+    done = PrefillEnd(t - 0.1, t + 0.03, 40.0, first_token=True)
+    cancelled = PrefillEnd(t, t + 0.035, 40.0, first_token=False)  # not a free lane
+    assert own_backlog_ms((second,), (done, cancelled), t + 0.04) == pytest.approx(20.0)
+    # A streamed request past its predicted end is still running: it ends now at the earliest.
+    late = t + 1.0
+    assert own_backlog_ms((first,), (), late) == 0.0
+    assert own_backlog_ms((first, PendingPrefill(late - 0.01, 30.0)), (), late) == \
+        pytest.approx(30.0)                         # the next one waits for it
+    # A non-streamed one past its predicted end is decoding: it holds nothing back.
+    quiet = PendingPrefill(t, 50.0, streamed=False)
+    assert own_backlog_ms((quiet, PendingPrefill(late - 0.01, 30.0)), (), late) == \
+        pytest.approx(20.0)
+    assert own_backlog_ms((quiet,), (), t + 0.01) == pytest.approx(40.0)
+
+
+def test_report_adds_only_the_requests_that_are_not_the_routers():
+    now = REPORTED_AT + 0.01
+    own = PendingPrefill(REPORTED_AT - 0.5, 50.0)      # in prefill at the report, still is
+    # Alone with nothing of the router's: W requests of a full prefill of this size (100 ms).
+    assert queued_ms(inst("a:1", waiting=2), (), 100.0, (), now) == 200.0
+    # One own request in prefill at the report was the one prefilling (W does not count it):
+    # the 2 waiting are foreign, priced at the mean of the own predictions (50 ms); own is
+    # past its predicted end, so it ends now at the earliest (no backlog).
+    assert queued_ms(inst("a:1", waiting=2), (own,), 100.0, (), now) == pytest.approx(100.0)
+    # Three own requests in prefill at the report (one ended after it): two of W are the
+    # router's own, one is foreign; the own backlog is the two still pending.
+    ended = PrefillEnd(REPORTED_AT - 0.6, REPORTED_AT + 0.005, 20.0, first_token=True)
+    own2 = PendingPrefill(REPORTED_AT - 0.4, 30.0)
+    q = queued_ms(inst("a:1", waiting=3), (own, own2), 100.0, (ended,), now)
+    backlog = own_backlog_ms((own, own2), (ended,), now)
+    assert backlog == pytest.approx(75.0)   # own from +0.005 to +0.055, own2 to +0.085
+    assert q == pytest.approx(backlog + 1 * (50.0 + 30.0 + 20.0) / 3)
+    # A report that has seen no more than the router's own adds nothing.
+    assert queued_ms(inst("a:1", waiting=1), (own, own2), 100.0, (ended,), now) == \
+        pytest.approx(backlog)
+    # Requests sent after the report are not in it: no correction, only the backlog.
+    after = PendingPrefill(REPORTED_AT + 0.002, 30.0)
+    assert queued_ms(inst("a:1", waiting=0), (after,), 100.0, (), now) == pytest.approx(22.0)
+    assert queued_ms(inst("a:1", load=False), (after,), 100.0, (), now) == pytest.approx(22.0)
 
 
 def test_dispatches_through_the_ledger_move_the_next_choice():
-    ledger = RequestMetricsLedger()
+    ledger = RequestMetricsLedger(clock=lambda: NOW)
     policy = TtftPolicy(ledger)
     s = snap(inst("a:1"), inst("b:1"))
     m = [match("a:1", dev=500), match("b:1")]
     d = policy.choose(TOKENS, s, m, now=NOW)
     assert d.prefill.name == "a:1"                 # 50 ms against 100 ms
-    infos = [RequestInfo(i, "a:1", "", N, d.prefill_estimates_ms["a:1"],
-                         dispatched_at=REPORTED_AT + 1.0) for i in (1, 2)]
+    infos = [RequestInfo(i, "a:1", "", N, d.prefill_estimates_ms["a:1"], dispatched_at=NOW)
+             for i in (1, 2)]
     for info in infos:
         ledger.on_dispatch(info)
     d = policy.choose(TOKENS, s, m, now=NOW)

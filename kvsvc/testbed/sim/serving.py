@@ -241,7 +241,10 @@ class ServingConfig:
 
 
 def profiling_data(config: ServingConfig) -> dict[str, list[list[float]]]:
-    """The registration's profiling fields (§12), computed by ``config``'s own model:
+    """The registration's profiling fields (§12), computed by ``config``'s own model, in
+    *wall* ms: the model's simulated durations divided by ``time_scale``, which is what a
+    router timing this engine on its own clock measures (a router's queue estimates run on
+    that clock; a compressed simulation's clients convert back):
 
     - ``ttft_profiling_data``: ``[[tokens, ms], ...]``, the prefill of ``tokens`` uncached
       tokens (:data:`TTFT_PROFILE_TOKENS`), ms rounded to 1 us;
@@ -251,12 +254,14 @@ def profiling_data(config: ServingConfig) -> dict[str, list[list[float]]]:
 
     Token counts and batch sizes are ints, times floats (xllm-service reads doubles).
     """
+    wall_us_per_ms = 1000.0 * config.time_scale
     batches = sorted({1 << i for i in range(config.max_num_seqs.bit_length())
                       if 1 << i <= config.max_num_seqs} | {config.max_num_seqs})
     return {
-        "ttft_profiling_data": [[n, round(config.prefill_us(n) / 1000.0, 3)]
+        "ttft_profiling_data": [[n, round(config.prefill_us(n) / wall_us_per_ms, 3)]
                                 for n in TTFT_PROFILE_TOKENS],
-        "tpot_profiling_data": [[length, b, round(config.tpot_us(b, length) / 1000.0, 3)]
+        "tpot_profiling_data": [[length, b, round(config.tpot_us(b, length) / wall_us_per_ms,
+                                                  3)]
                                 for length in TPOT_PROFILE_LENGTHS for b in batches],
     }
 
