@@ -44,7 +44,7 @@ from kvsvc.streams.counters import (
 from kvsvc.streams.state import Completeness, StreamId, StreamMatch, StreamState, StreamStatus
 
 #: ``error`` of a stream that has not been synchronized yet.
-NOT_YET = "not synchronized yet: waiting for the first snapshot"
+NOT_YET = "not synchronized yet: waiting for the first replay (snapshot or history)"
 #: Distinct other topics kept per stream (a bound: an engine may publish many).
 OTHER_TOPICS_MAX = 5
 #: Longest topic shown, bytes (the rest is cut as ``...``).

@@ -85,6 +85,7 @@ def test_every_answer_is_audited_exported_and_listed(cluster):
     r = client.post("/v1/completions", json={"model": "sim", "prompt": longer, "max_tokens": 2})
     assert r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert r.headers["x-kvsvc-predicted-cached-tokens"] == "32"
+    assert "x-kvsvc-predicted-ttft-ms" not in r.headers   # CAR predicts no time
     # Streamed, usage from the last chunk (include_usage): 36 blocks-worth predicted once the
     # second answer's block (7..10) is indexed.
     wait_for(lambda: predicted_hit(client, longer, name) == 36, 10.0, what="second indexed")

@@ -306,3 +306,9 @@ def test_sim_cli_flavor_sglang_replays_history(zmq_ctx):
         stop.set()
         t.join(10.0)
     assert not t.is_alive() and result == [0]
+
+
+@pytest.mark.parametrize("flavor", ["xllm", "sglang"])
+def test_the_vllm_array_form_is_refused_for_another_flavor(flavor):
+    with pytest.raises(ValueError, match=f"needs flavor vllm, got {flavor}"):
+        SimEngine("sim-x", 1, 2, flavor=flavor, vllm_array=True)

@@ -88,6 +88,9 @@ def test_a_request_in_prefill_raises_its_ps_estimate_until_its_end(etcd_server, 
         r = completion(app.test_client(), {"model": "m1", "prompt": tokens, "max_tokens": 5,
                                            "stream": True}, buffered=False)
         first = r.headers["x-kvsvc-prefill"]
+        # The answer names the chosen P's predicted TTFT (nothing queued there yet).
+        assert float(r.headers["x-kvsvc-predicted-ttft-ms"]) == pytest.approx(
+            ESTIMATE_MS[policy], abs=0.05)
         counted = ledger(app).snapshot().of(first)
         assert (counted.prefill_request_num, counted.prefill_token_num) == (1, 200)
         assert counted.estimated_prefill_ms == pytest.approx(ESTIMATE_MS[policy], abs=1e-6)

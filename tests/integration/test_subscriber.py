@@ -628,13 +628,14 @@ def test_no_snapshot_is_requested_before_the_live_channel_connects(h, zmq_ctx):
         sub = raw_stream(h, zmq_ctx, event_port, replay_port, replay_timeout_ms=300)
         # ... its live endpoint is not: the due first attempt says it waits, and sends nothing.
         st = error_contains(sub, "the snapshot is requested once the live channel")
-        assert st.error == (f"not synchronized yet: waiting for the first snapshot; the "
-                            f"snapshot is requested once the live channel "
+        assert st.error == ("not synchronized yet: waiting for the first replay (snapshot or "
+                            f"history); the snapshot is requested once the live channel "
                             f"tcp://127.0.0.1:{event_port} is connected")
         assert router.poll(0) == 0
         xpub, ident = live_up_then_request()
         # Waiting for the reply now, not for the live channel: the reason says so no more.
-        assert sub.status().error == "not synchronized yet: waiting for the first snapshot"
+        assert sub.status().error == ("not synchronized yet: waiting for the first replay "
+                                      "(snapshot or history)")
         router.send_multipart([ident, *encode_reply(None, encode_batch(
             [stored([1], None, blk(1), BS)]))])
         router.send_multipart([ident, *END_MARKER])

@@ -38,7 +38,7 @@ T0 = 1000.0
 ENDPOINT = "tcp://127.0.0.1:5557"
 SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
                             StreamState.UNSYNCHRONIZED)
-NOT_YET = "not synchronized yet: waiting for the first snapshot"
+NOT_YET = "not synchronized yet: waiting for the first replay (snapshot or history)"
 WAITING = f"{NOT_YET}; the snapshot is requested once the live channel {ENDPOINT} is connected"
 LOGGER = "kvsvc.streams.recovery"
 
@@ -530,7 +530,7 @@ def test_no_snapshot_before_the_live_handshake():
     assert s.at(7.0).m.tick(s.now) == NO_ACTIONS
     assert s.serving.status().error == WAITING           # noted once
     assert s.m.on_live_up(s.now) == NO_ACTIONS
-    assert s.serving.status().error == "not synchronized yet: waiting for the first snapshot"
+    assert s.serving.status().error == NOT_YET
     assert s.m.wakeup_at() == T0                          # still due since the start
     assert s.m.tick(s.now) == (RequestSnapshot(1, 0, True),)
     assert s.state() == RECOVERING

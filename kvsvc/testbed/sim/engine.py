@@ -523,7 +523,8 @@ class SimEngine:
     :param replay_endpoint: False: no ``ROUTER`` is bound (an engine started without
         ``replay_endpoint``: replay requests are never answered).
     :param vllm_array: vLLM only: publish the older tagged-array batch form.
-    :raises ValueError: bad sizes or ports, or ``serving`` without ``http_port``.
+    :raises ValueError: bad sizes or ports, ``serving`` without ``http_port``, or
+        ``vllm_array`` with another flavor.
     """
 
     def __init__(self, name: str, event_port: int, replay_port: int, dp_size: int = 1,
@@ -545,6 +546,9 @@ class SimEngine:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         self.flavor = Flavor(flavor)
+        if vllm_array and self.flavor is not Flavor.VLLM:
+            raise ValueError(f"vllm_array (--vllm-array) is a vLLM wire form: it needs flavor "
+                             f"vllm, got {self.flavor.value}")
         self.buffer_steps = buffer_steps
         self.replay_endpoint = replay_endpoint
         self.vllm_array = vllm_array
