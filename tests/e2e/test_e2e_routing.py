@@ -6,6 +6,7 @@ RR fairness, and a small ``bench-routing`` run."""
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import tempfile
 from pathlib import Path
@@ -292,6 +293,8 @@ def test_small_bench_routing_run(etcd_server, tmp_path, monkeypatch):
     assert (rr.audit.audited, rr.audit.unaudited["no_prediction"]) == (0, n)
     assert ttft.audit.audited == n and ttft.audit.exact_audited == n
     assert ttft.audit.within + sum(ttft.audit.causes.values()) == n
+    # TTFT named its predicted TTFT on every answer (x-kvsvc-predicted-ttft-ms); RR on none.
+    assert (len(rr.ttft_error_ms), len(ttft.ttft_error_ms)) == (0, n)
     text = report(results, opts)
     assert text.count("| conversation |") == 2
     assert [desc.split(" (")[0] for desc, _ in targets(results)] == [
@@ -383,3 +386,14 @@ def test_issue_14_targets_and_slo_attainment():
         False,   # a failed request in every run
     ]
     assert "99 of 100" in met[-2][0]
+
+
+def test_wall_clock_targets_and_ttft_prediction_error():
+    from kvsvc.testbed.bench_routing import RunResult, wall_ms
+
+    # The router runs on the wall clock: simulated targets are divided by the compression,
+    # kept whole ms and at least 1.
+    assert (wall_ms(1000.0, 5.0), wall_ms(50.0, 5.0), wall_ms(50.0, 100.0)) == (200, 10, 1)
+    r = RunResult("conversation", "TTFT", ttft_error_ms=sorted([-30.0, -5.0, 0.0, 10.0, 40.0]))
+    assert (r.ttft_bias, r.ttft_abs_error(0.5), r.ttft_abs_error(0.9)) == (0.0, 10.0, 40.0)
+    assert math.isnan(RunResult("conversation", "RR").ttft_bias)   # nothing predicted
