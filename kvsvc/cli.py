@@ -223,6 +223,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached
 
 
+
+def policy_summary(settings: ServiceSettings) -> str:
+    """The settings the configured routing policy uses, for ``check-config``'s summary."""
+    name = settings.load_balance_policy.upper()
+    if name == "CAR":
+        return (f"lambda {settings.car_prefill_lambda}, host hit weight "
+                f"{settings.car_host_hit_weight}")
+    if name == "TTFT":
+        return (f"host hit weight {settings.car_host_hit_weight}, default prefill "
+                f"{settings.default_prefill_tokens_per_s:g} tokens/s")
+    if name == "SLO_AWARE":
+        return f"target TTFT {settings.target_ttft} ms, target TPOT {settings.target_tpot} ms"
+    return "no parameters"
+
 def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig],
                       source: Optional[Callable[[SettingRow], str]] = None) -> list[str]:
     """Human-readable lines describing validated service settings (never the token itself):
@@ -238,9 +252,8 @@ def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig
              f"/metrics token: {'required' if settings.metrics_require_token else 'not required'}",
              f"registry: {settings.etcd_addr or 'none'}"
              + (f" (namespace {settings.etcd_namespace!r})" if settings.etcd_addr else ""),
-             f"routing: {settings.load_balance_policy} (lambda {settings.car_prefill_lambda}, "
-             f"host hit weight {settings.car_host_hit_weight}); tokenizer: "
-             f"{settings.tokenizer_path or 'none'}",
+             f"routing: {settings.load_balance_policy} ({policy_summary(settings)}); "
+             f"tokenizer: {settings.tokenizer_path or 'none'}",
              f"logs: {settings.log_format}, level {settings.log_level}, access log "
              f"{'on' if settings.access_log else 'off'}",
              f"worker: {settings.worker_threads} threads; snapshots at once: "

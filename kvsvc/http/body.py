@@ -372,15 +372,26 @@ def parse_chat_prompt(doc: dict[str, Any]) -> ChatPrompt:
     return ChatPrompt(messages, add_gen, tools, kwargs or {})
 
 
-def check_model_and_stream(doc: dict[str, Any], models: tuple[str, ...]) -> None:
-    """``stream`` (a boolean when present) and ``model`` (a non-empty string, one of ``models``
-    unless that is empty).
+#: Output-length fields of OpenAI bodies: an integer >= 1, or null / absent.
+OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
-    :raises BadRequest: ``stream`` not a boolean, ``model`` missing or not a string.
+
+def check_model_and_stream(doc: dict[str, Any], models: tuple[str, ...]) -> None:
+    """``stream`` (a boolean when present), the output limits (:data:`OUTPUT_LIMIT_FIELDS`:
+    an integer >= 1 when present and not null; an engine refuses anything else, and the router
+    would have routed and counted it first) and ``model`` (a non-empty string, one of
+    ``models`` unless that is empty).
+
+    :raises BadRequest: naming the field: ``stream`` not a boolean, an output limit not an
+        integer >= 1, ``model`` missing or not a string.
     :raises UnknownModel: ``model`` not served.
     """
     if "stream" in doc and not isinstance(doc["stream"], bool):
         raise BadRequest("stream: must be a boolean")
+    for name in OUTPUT_LIMIT_FIELDS:
+        value = doc.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise BadRequest(f"{name}: must be an integer >= 1 or null, got {value!r}"[:200])
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model: must be a non-empty string")

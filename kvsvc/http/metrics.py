@@ -141,7 +141,7 @@ class Metrics:
             ["policy", "prefill"], registry=reg)
         self.hit_ratio = Histogram(
             "kvsvc_routing_predicted_hit_ratio",
-            "Predicted KV-cache hit ratio of the chosen prefill instance (CAR), fraction.",
+            "Predicted KV-cache hit ratio of the chosen prefill instance (CAR, TTFT), fraction.",
             buckets=HIT_RATIO_BUCKETS, registry=reg)
         self.heartbeats = Counter(
             "kvsvc_heartbeats_total", "Heartbeats received (§9), by outcome.", ["outcome"],

@@ -144,21 +144,21 @@ def _as3(x: Optional[tuple[float, ...]]) -> Optional[tuple[float, float, float]]
 def fit(profiling: ProfilingData) -> TimePredictor:
     """Fit both predictors of one instance from its registered points (module docstring).
 
-    Each field without a usable fit gets a problem line: absent (``none registered``, or
-    ``no valid point left`` when the parser dropped every point), fewer than 3 valid points,
+    Each field without a usable fit gets a problem line: absent (``none registered``; none
+    when the parser dropped every point, its own line says so), fewer than 3 valid points,
     or points that do not determine the 3 coefficients; lines from the parser (dropped
     points) come first.
     """
     problems = list(profiling.problems)
 
-    def absent(field: str) -> str:
-        # Registered but every point dropped: the parser's line said why.
-        dropped = any(p.startswith(field + ":") for p in profiling.problems)
-        return f"{field}: {'no valid point left' if dropped else 'none registered'}"
+    def absent(field: str) -> None:
+        # Registered but every point dropped: the parser's line already says so.
+        if not any(p.startswith(field + ":") for p in profiling.problems):
+            problems.append(f"{field}: none registered")
 
     ttft = None
     if not profiling.ttft:
-        problems.append(absent(TTFT_FIELD))
+        absent(TTFT_FIELD)
     elif len(profiling.ttft) < COEFFICIENTS:
         problems.append(f"{TTFT_FIELD}: {len(profiling.ttft)} valid points, the fit needs "
                         f"{COEFFICIENTS}")
@@ -171,7 +171,7 @@ def fit(profiling: ProfilingData) -> TimePredictor:
                             "too large to solve for)")
     tpot = None
     if not profiling.tpot:
-        problems.append(absent(TPOT_FIELD))
+        absent(TPOT_FIELD)
     elif len(profiling.tpot) < COEFFICIENTS:
         problems.append(f"{TPOT_FIELD}: {len(profiling.tpot)} valid points, the fit needs "
                         f"{COEFFICIENTS}")

@@ -125,10 +125,10 @@ def own_backlog_ms(pending: Sequence[PendingPrefill], recent: Sequence[PrefillEn
             break
     for p in pending:
         finish = max(clock, p.dispatched_at) + p.estimated_prefill_ms / 1000.0
-        if finish < now:
-            if not p.streamed:
-                continue  # past its predicted end: decoding, its first token unheard
-            finish = now
+        if finish < now and p.streamed:
+            finish = now  # overran its prediction: still running, ends now at the earliest
+        # A non-streamed one past its predicted end is taken to have prefilled by then (it
+        # is decoding, its first token unheard): the lane was its own until that end.
         clock = finish
     return max(0.0, (clock - now) * 1000.0)
 

@@ -762,7 +762,9 @@ def write_answers(path: Path, reqs: Sequence[TraceRequest],
                   answers: Sequence[Optional[Answer]]) -> None:
     """One JSON line per request, in trace order: its trace timestamp and input length, and
     what the client saw (:class:`Answer` fields; ``null`` for a failed request), for reading a
-    run afterwards."""
+    run afterwards. Units as in :class:`Answer`: ``ttft_ms`` / ``tpot_ms`` simulated ms,
+    ``predicted_ttft_ms`` wall ms (multiply by the compression to compare), ``sent_at`` /
+    ``head_at`` the client's ``time.monotonic()`` seconds."""
     with path.open("w", encoding="utf-8") as f:
         for req, got in zip(reqs, answers):
             row: dict = {"timestamp_ms": req.timestamp_ms, "input_length": req.input_length}
@@ -991,8 +993,8 @@ def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") 
         pred = "-" if not a.audited else (f"{_pct(a.within_share)} "
                                           f"({_pct(a.exact_within_share)})")
         mae = "-" if not a.audited else f"{a.mae_tokens:.0f}"
-        terr = ("-" if not r.ttft_error_ms else f"{r.ttft_bias:+.0f} ({r.ttft_abs_error(0.5):.0f}"
-                f"/{r.ttft_abs_error(0.9):.0f})")
+        terr = ("-" if not r.ttft_error_ms else f"{round(r.ttft_bias):+d} "
+                f"({r.ttft_abs_error(0.5):.0f}/{r.ttft_abs_error(0.9):.0f})")
         lines.append(f"| {r.trace} | x{r.load:g} | {r.policy} | {r.requests} | {r.failed} | "
                      f"{100 * r.hit_ratio:.1f}% | {100 * r.of_ideal:.1f}% | "
                      f"{r.ttft(0.5):.0f} | {r.ttft(0.9):.0f} | {r.ttft(0.99):.0f} | "
@@ -1072,7 +1074,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--target-tpot", "--target_tpot", dest="target_tpot", type=float,
              default=d.target_tpot_ms, help="the service's --target_tpot, simulated ms")
     add_flag(parser, "--quick", action="store_true",
-             help="the conversation trace only, its first 240 trace seconds (about 3 min)")
+             help="the conversation trace only, its first 240 trace seconds (about 7 min with "
+                  "the 4 default policies at 5x)")
     add_flag(parser, "--no-stream", action="store_true",
              help="non-streamed requests (the router then hears only each answer's end)")
     add_flag(parser, "--engines", type=int, default=d.engines, help="simulated engines")
@@ -1155,7 +1158,8 @@ def results_file(args: argparse.Namespace) -> Optional[Path]:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """The :class:`BenchOptions` of parsed :func:`add_arguments` flags (the rest default).
 
-    :raises ValueError: a bad ``--policies`` value (:func:`parse_policies`).
+    :raises ValueError: a bad ``--policies`` value (:func:`parse_policies`), ``--load-levels``
+        not numbers, ``--target-ttft`` / ``--target-tpot`` / ``--time-scale`` not > 0.
     """
     traces = tuple(t for t in args.traces.split(",") if t)
     window_s = args.window_s
@@ -1165,6 +1169,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         loads = tuple(float(x) for x in args.load_levels.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--load-levels: not numbers: {args.load_levels!r}") from None
+    for flag, value in (("--target-ttft", args.target_ttft), ("--target-tpot", args.target_tpot),
+                        ("--time-scale", args.time_scale)):
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{flag}: must be a number > 0, got {value!r}")
     return BenchOptions(traces=traces,
                         window_s=window_s, max_requests=args.requests,
                         time_scale=args.time_scale, policies=parse_policies(args.policies),
@@ -1202,15 +1210,24 @@ def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],
     return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """``kvsvc bench-routing``.
 
     :returns: 0 when the conversation targets are met (or not measured), 1 when missed, 2 on
         bad options (a results file whose directory is missing included, found before
-        anything starts) or a start-up failure, 130 on Ctrl-C.
+        anything starts) or a start-up failure, 130 on Ctrl-C or SIGTERM.
     """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        # SIGTERM (a timeout, systemd, kill) stops like Ctrl-C: the runs' finally blocks stop
+        # the engines, the service and etcd; the default action would orphan them.
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         path = results_file(args)
         opts = options_from_args(args)
@@ -1224,6 +1241,9 @@ def run(args: argparse.Namespace) -> int:
     except KvsvcError as exc:
         print(f"kvsvc bench-routing: failed: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     command = "kvsvc " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
         if sys.argv[1:2] == ["bench-routing"] else ""
     return publish(results, opts, path, command=command)

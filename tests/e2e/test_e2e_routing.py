@@ -397,3 +397,75 @@ def test_wall_clock_targets_and_ttft_prediction_error():
     r = RunResult("conversation", "TTFT", ttft_error_ms=sorted([-30.0, -5.0, 0.0, 10.0, 40.0]))
     assert (r.ttft_bias, r.ttft_abs_error(0.5), r.ttft_abs_error(0.9)) == (0.0, 10.0, 40.0)
     assert math.isnan(RunResult("conversation", "RR").ttft_bias)   # nothing predicted
+
+
+def test_bad_bench_flags_are_refused_before_anything_starts():
+    import argparse
+
+    from kvsvc.testbed import bench_routing
+
+    parser = argparse.ArgumentParser()
+    bench_routing.add_arguments(parser)
+    for argv, flag in ((["--target-ttft", "-1"], "--target-ttft"),
+                       (["--target-tpot", "0"], "--target-tpot"),
+                       (["--time-scale", "inf"], "--time-scale")):
+        with pytest.raises(ValueError, match=f"^{flag}: must be a number > 0"):
+            bench_routing.options_from_args(parser.parse_args(["--no-write", *argv]))
+        assert bench_routing.run(parser.parse_args(["--no-write", *argv])) == \
+            bench_routing.EXIT_USAGE
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs (other than this one) whose command line or environment contains ``text``."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        for part in ("cmdline", "environ"):
+            try:
+                with open(f"/proc/{entry}/{part}", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+                        break
+            except OSError:
+                continue
+    return found
+
+
+def test_sigterm_stops_the_bench_and_everything_it_started(etcd_server, tmp_path):
+    """SIGTERM mid-run (a timeout, systemd) stops like Ctrl-C: exit 130, and no engine or
+    service the bench started is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsvc", "bench-routing", "--quick", "--no-write",
+         "--policies", "TTFT", "--load-levels", "1", "--engines", "2",
+         "--etcd", etcd_server.addr, "--log-dir", str(log_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        # The engines are up once the service's config is written, the service once its log is.
+        wait_for(lambda: (log_dir / "conversation" / "TTFT_x1" / "service.log").exists(),
+                 90.0, 0.1, "the bench's service started")
+        engines = _processes_mentioning(f"--etcd\0{etcd_server.addr}")
+        service = wait_for(lambda: [p for p in _processes_mentioning(str(log_dir))
+                                    if p not in engines and p != proc.pid], 30.0, 0.1,
+                           "the service process")
+        assert len(engines) >= 2 and service
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 130
+        assert b"interrupted; everything stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stderr.close()
+    wait_for(lambda: not _processes_mentioning(f"--etcd\0{etcd_server.addr}")
+             and not _processes_mentioning(str(log_dir)), 10.0, 0.1,
+             "the engines and the service are gone")

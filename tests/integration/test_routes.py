@@ -270,6 +270,11 @@ def test_proxied_answers_are_timed_by_endpoint_and_instance(etcd_server, etcd):
     ("/v1/completions", b'{"model": "m1", "prompt": [1, true]}', "prompt"),
     ("/v1/completions", b'{"model": "m1", "prompt": "x", "stream": "yes"}', "stream"),
     ("/v1/completions", b'{"prompt": "x"}', "model"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "max_tokens": "8"}', "max_tokens"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "max_tokens": 2.5}', "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], '
+     b'"max_completion_tokens": -1}', "max_completion_tokens"),
     ("/v1/chat/completions", b'{"model": "m1", "messages": []}', "messages"),
     ("/v1/chat/completions", b'{"model": "m1", "messages": [{"content": "x"}]}',
      "messages[0].role"),

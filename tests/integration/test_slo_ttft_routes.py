@@ -159,3 +159,17 @@ def test_out_of_range_targets_refuse_start_up_naming_the_flag(argv, flag, capsys
     err = capsys.readouterr().err
     assert f"kvsvc: invalid configuration: {flag}:" in err
     assert main(["check-config", "--load_balance_policy", "TTFT"]) == 0
+
+
+@pytest.mark.parametrize("argv, summary", [
+    (["--load_balance_policy", "TTFT", "--default_prefill_tokens_per_s", "4000"],
+     "routing: TTFT (host hit weight 0.5, default prefill 4000 tokens/s)"),
+    (["--load_balance_policy", "SLO_AWARE", "--target_ttft", "800"],
+     "routing: SLO_AWARE (target TTFT 800 ms, target TPOT 50 ms)"),
+    (["--load_balance_policy", "CAR", "--car_prefill_lambda", "0.7"],
+     "routing: CAR (lambda 0.7, host hit weight 0.5)"),
+    (["--load_balance_policy", "RR"], "routing: RR (no parameters)"),
+])
+def test_check_config_prints_the_settings_of_the_chosen_policy(argv, summary, capsys):
+    assert main(["check-config", *argv]) == 0
+    assert summary in capsys.readouterr().out

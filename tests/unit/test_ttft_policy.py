@@ -82,6 +82,10 @@ def test_own_backlog_replays_the_pending_prefills_one_at_a_time():
     assert own_backlog_ms((quiet, PendingPrefill(late - 0.01, 30.0)), (), late) == \
         pytest.approx(20.0)
     assert own_backlog_ms((quiet,), (), t + 0.01) == pytest.approx(40.0)
+    # ... and the ones behind it wait for its predicted end, not for their own dispatch.
+    three = (quiet, PendingPrefill(t, 50.0, streamed=False), PendingPrefill(t, 50.0, False))
+    assert own_backlog_ms(three, (), t + 0.06) == pytest.approx(90.0)   # 2nd to +0.10, 3rd +0.15
+    assert own_backlog_ms(three, (), t + 0.12) == pytest.approx(30.0)
 
 
 def test_report_adds_only_the_requests_that_are_not_the_routers():
