@@ -37,7 +37,7 @@ import enum
 import logging
 import platform
 import time
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import flask
 from flask import current_app
@@ -231,6 +231,15 @@ def blueprint() -> flask.Blueprint:
     return bp
 
 
+def _counts_by_label(name: str, documentation: str, labels: tuple[str, str],
+                     counts: Mapping[tuple[str, str], int]) -> CounterMetricFamily:
+    """A counter family with one sample per label pair of ``counts``, in sorted order."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for key, count in sorted(counts.items()):
+        family.add_metric(key, float(count))
+    return family
+
+
 def _counters(service: Service) -> dict:
     """stream id -> :class:`~kvsvc.streams.counters.StreamCounters` (empty without a
     directory)."""
@@ -315,25 +324,20 @@ class ServiceCollector(Collector):
             "kvsvc_cache_prediction_abs_error_tokens",
             "Sum over audited answers of |engine cached_tokens - predicted|, tokens (divided "
             "by the +Inf bucket: the mean absolute error).", snap.abs_error_sum)
-        outcomes = CounterMetricFamily(
+        outcomes = _counts_by_label(
             "kvsvc_cache_predictions",
             "Audited answers by instance and outcome (within_block; over: the engine reused "
             "more than one block less than predicted; under: more than one block more).",
-            labels=("instance", "outcome"))
-        for (name, outcome), count in sorted(snap.outcomes.items()):
-            outcomes.add_metric((name, outcome), float(count))
-        exact = CounterMetricFamily(
+            ("instance", "outcome"), snap.outcomes)
+        exact = _counts_by_label(
             "kvsvc_cache_predictions_exact",
             "The audited answers predicted from synchronized exact streams (every rank of the "
-            "P counted, none subset), by instance and outcome.", labels=("instance", "outcome"))
-        for (name, outcome), count in sorted(snap.exact_outcomes.items()):
-            exact.add_metric((name, outcome), float(count))
-        causes = CounterMetricFamily(
+            "P counted, none subset), by instance and outcome.", ("instance", "outcome"),
+            snap.exact_outcomes)
+        causes = _counts_by_label(
             "kvsvc_cache_prediction_misses",
             "Audited answers off by more than one block, by instance and likely cause.",
-            labels=("instance", "cause"))
-        for (name, cause), count in sorted(snap.causes.items()):
-            causes.add_metric((name, cause), float(count))
+            ("instance", "cause"), snap.causes)
         unaudited = CounterMetricFamily(
             "kvsvc_cache_predictions_unaudited",
             "Answers not audited, by reason (no_prediction: the policy computed no hits, "

@@ -59,7 +59,7 @@ from kvsvc.http.errors import OPENAI_ERRORS, status_of
 from kvsvc.http.extensions import router, service
 from kvsvc.http.metrics import metrics
 from kvsvc.routing.cache_audit import prediction
-from kvsvc.routing.policy import PREFILL_SIDE, Decision
+from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import UpstreamBody
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,8 @@ _COUNTED_AT_END = "kvsvc_counted_at_end"
 def predicted_ttft_ms(decision: Decision, target: str) -> Optional[float]:
     """The predicted TTFT (ms) of ``decision``'s P-side candidate ``target`` (``host:port``),
     ``None`` when the policy predicted none there (RR, CAR) or ``target`` is not a candidate."""
-    for c in decision.candidates:
-        if c.side == PREFILL_SIDE and c.name == target:
-            return c.predicted_ttft_ms
-    return None
+    cand = decision.prefill_candidate(target)
+    return cand.predicted_ttft_ms if cand is not None else None
 
 def blueprint() -> flask.Blueprint:
     """The OpenAI endpoints with their body bound, error shape and answer counter."""

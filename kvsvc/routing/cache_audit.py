@@ -54,7 +54,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from kvsvc.config import KvEventsConfig
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import (
-    PREFILL_SIDE,
     REASON_INDEX_DISABLED,
     REASON_NO_TOKENS,
     Decision,
@@ -166,17 +165,15 @@ def prediction(decision: Optional[Decision], instance: str) -> Optional[Predicti
     for it (RR, an instance that was not a P candidate, no decision)."""
     if decision is None:
         return None
-    for cand in decision.candidates:
-        if cand.side == PREFILL_SIDE and cand.name == instance:
-            ranks: Sequence[RankHit] = cand.ranks
-            if not ranks:
-                return None
-            tokens = [r.device_hit_tokens + r.host_only_hit_tokens for r in ranks]
-            return Prediction(instance, min(tokens), max(tokens), decision.input_tokens,
-                              tuple(r.reason for r in ranks),
-                              any(str(getattr(r, "completeness", None) or "") == "subset"
-                                  for r in ranks))
-    return None
+    cand = decision.prefill_candidate(instance)
+    if cand is None or not cand.ranks:
+        return None
+    ranks: Sequence[RankHit] = cand.ranks
+    tokens = [r.device_hit_tokens + r.host_only_hit_tokens for r in ranks]
+    return Prediction(instance, min(tokens), max(tokens), decision.input_tokens,
+                      tuple(r.reason for r in ranks),
+                      any(str(getattr(r, "completeness", None) or "") == "subset"
+                          for r in ranks))
 
 
 def _int(value: Any) -> Optional[int]:

@@ -203,6 +203,13 @@ class Decision:
     prefill_estimates_ms: Mapping[str, float] = field(
         default_factory=lambda: MappingProxyType({}))
 
+    def prefill_candidate(self, name: str) -> Optional[CandidateScore]:
+        """The P-side candidate ``name`` (``host:port``), ``None`` when it was not one."""
+        for cand in self.candidates:
+            if cand.side == PREFILL_SIDE and cand.name == name:
+                return cand
+        return None
+
     def to_json(self) -> dict:
         """JSON object of the decision (``POST /v1/internal/route``); ``excluded`` is an
         object ``{"host:port": "reason"}``."""

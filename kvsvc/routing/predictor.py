@@ -151,37 +151,29 @@ def fit(profiling: ProfilingData) -> TimePredictor:
     """
     problems = list(profiling.problems)
 
-    def absent(field: str) -> None:
-        # Registered but every point dropped: the parser's line already says so.
-        if not any(p.startswith(field + ":") for p in profiling.problems):
-            problems.append(f"{field}: none registered")
+    def solve(field: str, count: int, rows: list[tuple[float, float, float]],
+              values: list[float], form: str) -> Optional[tuple[float, float, float]]:
+        if not count:
+            # Registered but every point dropped: the parser's line already says so.
+            if not any(p.startswith(field + ":") for p in profiling.problems):
+                problems.append(f"{field}: none registered")
+            return None
+        if count < COEFFICIENTS:
+            problems.append(f"{field}: {count} valid points, the fit needs {COEFFICIENTS}")
+            return None
+        x = _as3(least_squares(rows, values))
+        if x is None:
+            problems.append(f"{field}: the points do not determine {form}")
+        return x
 
-    ttft = None
-    if not profiling.ttft:
-        absent(TTFT_FIELD)
-    elif len(profiling.ttft) < COEFFICIENTS:
-        problems.append(f"{TTFT_FIELD}: {len(profiling.ttft)} valid points, the fit needs "
-                        f"{COEFFICIENTS}")
-    else:
-        ttft = _as3(least_squares([(1.0, float(n), float(n) * n) for n, _ in profiling.ttft],
-                                  [ms for _, ms in profiling.ttft]))
-        if ttft is None:
-            problems.append(f"{TTFT_FIELD}: the points do not determine c0 + c1 n + c2 n^2 "
-                            f"(fewer than {COEFFICIENTS} distinct token counts, or values "
-                            "too large to solve for)")
-    tpot = None
-    if not profiling.tpot:
-        absent(TPOT_FIELD)
-    elif len(profiling.tpot) < COEFFICIENTS:
-        problems.append(f"{TPOT_FIELD}: {len(profiling.tpot)} valid points, the fit needs "
-                        f"{COEFFICIENTS}")
-    else:
-        tpot = _as3(least_squares(
-            [(1.0, float(b), float(b) * (length - 1)) for length, b, _ in profiling.tpot],
-            [ms for _, _, ms in profiling.tpot]))
-        if tpot is None:
-            problems.append(f"{TPOT_FIELD}: the points do not determine d0 + d1 batch + "
-                            "d2 batch (avg_len - 1)")
+    ttft = solve(TTFT_FIELD, len(profiling.ttft),
+                 [(1.0, float(n), float(n) * n) for n, _ in profiling.ttft],
+                 [ms for _, ms in profiling.ttft],
+                 f"c0 + c1 n + c2 n^2 (fewer than {COEFFICIENTS} distinct token counts, or "
+                 "values too large to solve for)")
+    tpot = solve(TPOT_FIELD, len(profiling.tpot),
+                 [(1.0, float(b), float(b) * (length - 1)) for length, b, _ in profiling.tpot],
+                 [ms for _, _, ms in profiling.tpot], "d0 + d1 batch + d2 batch (avg_len - 1)")
     return TimePredictor(ttft, tpot, tuple(problems))
 
 

@@ -136,7 +136,7 @@ class RequestMetricsSnapshot:
     :ivar metrics: instance ``host:port`` -> its metrics (absent: :data:`NO_REQUESTS`).
     :ivar pending: instance ``host:port`` -> its requests still in prefill, oldest first.
     :ivar recent: instance ``host:port`` -> its last :data:`RECENT_PREFILL_ENDS` streamed
-        prefill ends, oldest first.
+        prefill ends, oldest first (``ended_at`` non-decreasing: stamped under the lock).
     """
 
     metrics: Mapping[str, InstanceRequestMetrics] = field(
@@ -180,11 +180,14 @@ class _Counts:
 class _Open:
     """One request the ledger counts (under the ledger's lock)."""
 
-    __slots__ = ("info", "in_prefill", "decode_added", "generated")
+    __slots__ = ("info", "in_prefill", "decode_added", "generated", "pending")
 
     def __init__(self, info: RequestInfo) -> None:
         self.info = info
         self.in_prefill = True
+        # Built once: every routing decision's snapshot lists it while in prefill.
+        self.pending = PendingPrefill(info.dispatched_at, info.estimated_prefill_ms,
+                                      info.streamed)
         self.decode_added = 0
         # GENERATE tokens, written only by the request's relay thread and without the lock
         # (one call per relayed SSE event: under the lock, 128 relay threads queued on it);
@@ -312,9 +315,7 @@ class RequestMetricsLedger:
                 if rec.generated:
                     generated[rec.info.decode] = generated.get(rec.info.decode, 0) + rec.generated
                 if rec.in_prefill:
-                    pending.setdefault(rec.info.prefill, []).append(
-                        PendingPrefill(rec.info.dispatched_at, rec.info.estimated_prefill_ms,
-                                       rec.info.streamed))
+                    pending.setdefault(rec.info.prefill, []).append(rec.pending)
             recent = {n: tuple(v) for n, v in self._recent.items() if v}
             metrics = {n: c.freeze(generated.get(n, 0)) for n, c in self._counts.items()}
         return RequestMetricsSnapshot(

@@ -150,8 +150,11 @@ def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms
     if load is None or load.waiting_requests_num <= 0:
         return own
     t_r = load.received_at
-    at_report = (sum(1 for p in pending if p.dispatched_at <= t_r)
-                 + sum(1 for e in recent if e.dispatched_at <= t_r < e.ended_at))
+    at_report = sum(1 for p in pending if p.dispatched_at <= t_r)
+    for e in reversed(recent):  # oldest first, ended_at non-decreasing: stop at the report
+        if e.ended_at <= t_r:
+            break
+        at_report += e.dispatched_at <= t_r
     foreign = max(0, load.waiting_requests_num - max(0, at_report - 1))
     if not foreign:
         return own

@@ -89,6 +89,8 @@ import requests
 from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config, free_instance_port, free_port_run
 from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
 from kvsvc.testbed.etcd_launcher import LocalEtcd
+from kvsvc.testbed.sim.cli import add_latency_flags
+from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
 from kvsvc.settings import add_flag, add_log_level
 
@@ -112,6 +114,10 @@ POLICIES: tuple[tuple[str, Optional[float]], ...] = (("RR", None), ("CAR", 0.5),
 PLAIN_POLICIES = ("RR", "SLO_AWARE", "TTFT")
 #: Default ``--load-levels``: the trace's own rate, and twice it.
 LOAD_LEVELS = (1.0, 2.0)
+
+
+#: The simulated engine's own latency-model defaults, which the bench's engines start with.
+SIM_DEFAULTS = ServingConfig()
 
 
 @dataclass(frozen=True)
@@ -162,10 +168,10 @@ class BenchOptions:
     block_size: int = 128
     device_blocks: int = 4096
     host_blocks: int = 16384
-    prefill_us_per_token: float = 50.0
-    host_load_us_per_token: float = 2.0
-    decode_us_per_token: float = 8_000.0
-    max_num_seqs: int = 64
+    prefill_us_per_token: float = SIM_DEFAULTS.prefill_us_per_token
+    host_load_us_per_token: float = SIM_DEFAULTS.host_load_us_per_token
+    decode_us_per_token: float = SIM_DEFAULTS.decode_us_per_token
+    max_num_seqs: int = SIM_DEFAULTS.max_num_seqs
     heartbeat_interval_s: float = 1.0
     heartbeat_gap_s: float = 0.0
     service_threads: int = 128
@@ -178,10 +184,10 @@ class BenchOptions:
     load_levels: tuple[float, ...] = LOAD_LEVELS
     target_ttft_ms: float = 1000.0
     target_tpot_ms: float = 50.0
-    prefill_base_us: float = 5_000.0
-    prefill_us_per_token_sq: float = 0.0004
-    decode_us_per_seq: float = 100.0
-    decode_us_per_context_token: float = 0.02
+    prefill_base_us: float = SIM_DEFAULTS.prefill_base_us
+    prefill_us_per_token_sq: float = SIM_DEFAULTS.prefill_us_per_token_sq
+    decode_us_per_seq: float = SIM_DEFAULTS.decode_us_per_seq
+    decode_us_per_context_token: float = SIM_DEFAULTS.decode_us_per_context_token
     stream: bool = True
     stream_coalesce_ms: float = 20.0
 
@@ -1083,21 +1089,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="Device pool per rank, blocks")
     add_flag(parser, "--host-blocks", type=int, default=d.host_blocks,
              help="Host pool per rank, blocks")
-    add_flag(parser, "--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
-             help="simulated us per uncached prompt token")
-    add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
-             help="fixed part of a decode step (d0), simulated us")
-    add_flag(parser, "--prefill-base-us", type=float, default=d.prefill_base_us,
-             help="fixed part of a prefill (a), simulated us")
-    add_flag(parser, "--prefill-us-per-token-sq", type=float, default=d.prefill_us_per_token_sq,
-             help="simulated us per squared uncached token (c)")
-    add_flag(parser, "--decode-us-per-seq", type=float, default=d.decode_us_per_seq,
-             help="simulated us per decoding sequence per step (d1)")
-    add_flag(parser, "--decode-us-per-context-token", type=float,
-             default=d.decode_us_per_context_token,
-             help="simulated us per context token per sequence per step (d2)")
-    add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
-             help="running requests per rank; the rest wait")
+    add_latency_flags(parser)
     add_flag(parser, "--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
              help="engines' heartbeat period, simulated seconds")
     add_flag(parser, "--heartbeat-gap-s", type=float, default=d.heartbeat_gap_s,
@@ -1210,10 +1202,6 @@ def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],
     return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     """``kvsvc bench-routing``.
 
@@ -1227,7 +1215,7 @@ def run(args: argparse.Namespace) -> int:
     if main:
         # SIGTERM (a timeout, systemd, kill) stops like Ctrl-C: the runs' finally blocks stop
         # the engines, the service and etcd; the default action would orphan them.
-        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         path = results_file(args)
         opts = options_from_args(args)

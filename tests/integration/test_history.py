@@ -12,24 +12,19 @@ from typing import Optional
 import ormsgpack
 import pytest
 
-from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
+from kvsvc.config import ReplayMode
 from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.frame import END_MARKER
 from kvsvc.streams.state import Completeness, StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
+from tests.integration.test_subscriber import BS, SEED, blk, hits
+from tests.integration.test_subscriber import Harness as SnapshotHarness
 from tests.publisher import HistoryPublisher, cleared, removed, stored
-from tests.util import free_ports, wait_for
+from tests.util import wait_for
 
-BS = 4
-SEED = 1024
 SYNC, RECOVERING = StreamState.SYNCHRONIZED, StreamState.RECOVERING
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
 U64 = (1 << 64) - 1
-
-
-def blk(*contents: int) -> list[int]:
-    """Tokens of consecutive blocks; block content ``c`` is ``[c*100, c*100+1, ...]``."""
-    return [c * 100 + j for c in contents for j in range(BS)]
 
 
 def put(c: int, parent: Optional[int] = None, medium: Optional[str] = None) -> dict:
@@ -41,31 +36,11 @@ def drop(*contents: int, medium: Optional[str] = None) -> dict:
     return removed([1000 + c for c in contents], medium)
 
 
-class Harness:
-    """Publishers and subscribers of one test, closed in reverse order."""
+class Harness(SnapshotHarness):
+    """The subscriber tests' harness with vLLM-style publishers and history-mode streams."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.objs: list = []
-
-    def publisher(self, **kw) -> HistoryPublisher:
-        event_port, replay_port = free_ports(2)
-        pub = HistoryPublisher(self.ctx, event_port, replay_port, **kw)
-        self.objs.append(pub)
-        return pub.start()
-
-    def subscriber(self, pub: HistoryPublisher, topic: str = "", **limits) -> StreamSubscriber:
-        cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
-                           endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                           topic=topic, hash_seed=SEED, replay_mode=ReplayMode.HISTORY)
-        sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
-        self.objs.append(sub)
-        sub.start()
-        return sub
-
-    def close(self):
-        for obj in reversed(self.objs):
-            obj.close()
+    publisher_class = HistoryPublisher
+    stream_options = {"replay_mode": ReplayMode.HISTORY}
 
 
 @pytest.fixture
@@ -73,12 +48,6 @@ def h(zmq_ctx):
     harness = Harness(zmq_ctx)
     yield harness
     harness.close()
-
-
-def hits(sub: StreamSubscriber, *contents: int) -> tuple[bool, int, int]:
-    """(synchronized, device hit tokens, host-only hit tokens) of the prompt ``contents``."""
-    m = sub.match(prompt_keys(blk(*contents), BS, SEED))
-    return m.synchronized, m.device_hit_tokens, m.host_only_hit_tokens
 
 
 def synced_at(sub: StreamSubscriber, seq: Optional[int], timeout_s: float = 10.0) -> None:

@@ -31,23 +31,27 @@ def blk(*contents: int) -> list[int]:
 
 
 class Harness:
-    """Publishers and subscribers of one test, closed in reverse order."""
+    """Publishers and subscribers of one test, closed in reverse order. Subclasses change
+    the publisher class and the streams' extra config (history mode, test_history.py)."""
+
+    publisher_class: type = ProtocolPublisher
+    stream_options: dict = {}
 
     def __init__(self, ctx):
         self.ctx = ctx
         self.objs: list = []
 
-    def publisher(self, ports: Optional[tuple[int, int]] = None, **kw) -> ProtocolPublisher:
+    def publisher(self, ports: Optional[tuple[int, int]] = None, **kw):
         event_port, replay_port = ports or free_ports(2)
-        pub = ProtocolPublisher(self.ctx, event_port, replay_port, **kw)
+        pub = self.publisher_class(self.ctx, event_port, replay_port, **kw)
         self.objs.append(pub)
         return pub.start()
 
-    def subscriber(self, pub: ProtocolPublisher, *, topic: str = "", start: bool = True,
+    def subscriber(self, pub, *, topic: str = "", start: bool = True,
                    **limits) -> StreamSubscriber:
         cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
                            endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                           topic=topic, hash_seed=SEED)
+                           topic=topic, hash_seed=SEED, **self.stream_options)
         sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
         self.objs.append(sub)
         if start:

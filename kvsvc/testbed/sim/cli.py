@@ -57,6 +57,30 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
+
+def add_latency_flags(parser: argparse.ArgumentParser) -> None:
+    """The latency model's flags (:class:`~kvsvc.testbed.sim.serving.ServingConfig`, its
+    defaults): prefill ``a + b n + c n^2``, decode steps ``d0 + d1 B + d2 B (L - 1)`` and
+    ``max_num_seqs``. ``kvsvc sim`` and ``kvsvc bench-routing`` (which passes them on to its
+    engines) take the same ones."""
+    d = ServingConfig()
+    add_flag(parser, "--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
+             help="simulated us per uncached prompt token (b)")
+    add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
+             help="fixed part of one decode step (d0), simulated us")
+    add_flag(parser, "--prefill-base-us", type=float, default=d.prefill_base_us,
+             help="fixed part of one prefill (a), simulated us")
+    add_flag(parser, "--prefill-us-per-token-sq", type=float, default=d.prefill_us_per_token_sq,
+             help="simulated us per squared uncached prompt token (c, attention)")
+    add_flag(parser, "--decode-us-per-seq", type=float, default=d.decode_us_per_seq,
+             help="simulated us per decoding sequence per step (d1)")
+    add_flag(parser, "--decode-us-per-context-token", type=float,
+             default=d.decode_us_per_context_token,
+             help="simulated us per context token of each decoding sequence per step (d2)")
+    add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
+             help="running requests per rank; the rest wait")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvsvc sim`` flags to ``parser``, each in both spellings (``--block-size``,
     ``--block_size``: :func:`kvsvc.settings.add_flag`) and, where ``serve`` has the same
@@ -109,28 +133,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServingConfig()
     add_flag(parser, "--serve", action="store_true",
              help="serve OpenAI completions on --port (kvsvc.testbed.sim.serving)")
-    add_flag(parser, "--prefill-us-per-token", type=float, default=d.prefill_us_per_token,
-             help="simulated us per uncached prompt token")
+    add_latency_flags(parser)
     add_flag(parser, "--host-load-us-per-token", type=float, default=d.host_load_us_per_token,
              help="simulated us per Host-only hit token")
-    add_flag(parser, "--decode-us-per-token", type=float, default=d.decode_us_per_token,
-             help="fixed part of one decode step (d0), simulated us")
-    add_flag(parser, "--prefill-base-us", type=float, default=d.prefill_base_us,
-             help="fixed part of one prefill (a), simulated us")
-    add_flag(parser, "--prefill-us-per-token-sq", type=float, default=d.prefill_us_per_token_sq,
-             help="simulated us per squared uncached prompt token (c, attention)")
-    add_flag(parser, "--decode-us-per-seq", type=float, default=d.decode_us_per_seq,
-             help="simulated us per decoding sequence per step (d1)")
-    add_flag(parser, "--decode-us-per-context-token", type=float,
-             default=d.decode_us_per_context_token,
-             help="simulated us per context token of each decoding sequence per step (d2)")
     add_flag(parser, "--stream-coalesce-ms", type=float, default=d.stream_coalesce_ms,
              help="streams: write the SSE events of decode steps at least this many wall ms "
                   "apart together (0: one write per token)")
     add_flag(parser, "--no-profiling-data", action="store_true",
              help="with --serve --etcd: register without ttft/tpot_profiling_data")
-    add_flag(parser, "--max-num-seqs", type=int, default=d.max_num_seqs,
-             help="running requests per rank; the rest wait")
     add_flag(parser, "--time-scale", type=float, default=d.time_scale,
              help="time compression factor (1: real time)")
     add_flag(parser, "--max-connections", type=int, default=d.max_connections,
