@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from kvsvc.testbed.sim import SimEngine
-from kvsvc.testbed.sim.serving import ServingConfig, byte_tokens, chatml
+from kvsvc.testbed.sim.serving import DEFAULT_MAX_TOKENS, ServingConfig, byte_tokens, chatml
 from tests.util import free_ports, wait_for
 
 BS = 4
@@ -232,6 +232,12 @@ def test_bad_bodies_get_400_naming_the_field(engine, body, field):
     assert r.status_code == 400
     assert field in r.json()["error"]["message"]
     assert engine.serving.stats().rejected == 1
+
+
+def test_null_max_tokens_is_the_default_as_in_openai(engine):
+    r = requests.post(url(engine), json={"prompt": [1, 2, 3], "max_tokens": None}, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
 
 
 def test_unknown_path_is_404_and_health_still_answers(engine):

@@ -412,7 +412,9 @@ def parse_request(path: str, doc: Any, tokenizer: Optional[TextTokenizer],
         raise SimBadRequest("prompt: tokenizes to no tokens")
     max_tokens = doc.get("max_completion_tokens") if chat else None
     if max_tokens is None:
-        max_tokens = doc.get("max_tokens", DEFAULT_MAX_TOKENS)
+        max_tokens = doc.get("max_tokens")
+    if max_tokens is None:  # absent or null: OpenAI's "the engine's default"
+        max_tokens = DEFAULT_MAX_TOKENS
     if type(max_tokens) is not int or max_tokens < 1:
         raise SimBadRequest("max_tokens: must be an integer >= 1")
     stream = doc.get("stream", False)
