@@ -51,6 +51,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import requests
@@ -83,6 +84,8 @@ READ_CHUNK_BYTES = 64 * 1024
 #: Kinds of upstream error counted per instance (:meth:`Proxy.errors`, the
 #: ``kind`` label of ``kvsvc_proxy_upstream_errors_total``), see the module docstring.
 UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx")
+#: The request header vLLM and SGLang read to run a request on one DP rank (§15).
+DP_RANK_HEADER = "X-data-parallel-rank"
 #: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
 _SSE_DATA = b"data:"
 
@@ -403,7 +406,8 @@ class Proxy:
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
                 headers: Mapping[str, str], max_attempts: int = 2,
                 companions: Sequence[str] = (),
-                info_for: Optional[InfoFor] = None) -> UpstreamReply:
+                info_for: Optional[InfoFor] = None,
+                dp_ranks: Mapping[str, int] = MappingProxyType({})) -> UpstreamReply:
         """POST ``path`` to ``targets[0]``; on a refusal or timeout before the response head,
         once more to ``targets[1]`` (at most ``max_attempts`` upstreams in all).
 
@@ -416,6 +420,8 @@ class Proxy:
             D named in a P/D body).
         :param info_for: describes the attempt sent to a target for the proxy's observer
             (``None``: the attempt is not observed).
+        :param dp_ranks: target -> the DP rank to run on there (§15): sent as
+            :data:`DP_RANK_HEADER` (replacing the client's) and counted in flight per rank.
         :returns: the reply; its body holds the attempt's in-flight count until closed.
         :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
         :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
@@ -425,7 +431,13 @@ class Proxy:
         for target in list(targets)[:max_attempts]:
             tried.append(target)
             data = body_for(target)
-            dispatch = (self.in_flight.begin((target, *companions))
+            rank = dp_ranks.get(target)
+            sent = dict(headers)
+            if rank is not None:
+                sent = {k: v for k, v in sent.items() if k.lower() != DP_RANK_HEADER.lower()}
+                sent[DP_RANK_HEADER] = str(rank)
+            dispatch = (self.in_flight.begin((target, *companions),
+                                             None if rank is None else (target, rank))
                         if self.in_flight is not None else None)
             info = (info_for(target) if info_for is not None and self.observer is not None
                     else None)
@@ -433,7 +445,7 @@ class Proxy:
                 notify(self.observer, "on_dispatch", info)
             try:
                 response = self._session.post(
-                    f"http://{target}{path}", data=data, headers=dict(headers),
+                    f"http://{target}{path}", data=data, headers=sent,
                     stream=True, allow_redirects=False,
                     timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
             except requests.exceptions.ConnectTimeout as exc:
