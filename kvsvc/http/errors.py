@@ -36,6 +36,8 @@ from kvsvc.errors import (
     NoRegistry,
     PayloadTooLarge,
     RequestError,
+    RpcTimeout,
+    RpcUnreachable,
     StaleIncarnation,
     Unauthorized,
     UnknownInstance,
@@ -60,6 +62,9 @@ STATUS: dict[type[Exception], int] = {
     NoRegistry: 503,
     NoCandidate: 503,
     UpstreamTimeout: 504,
+    # An xLLM engine's baidu_std port (§13), as its HTTP port.
+    RpcUnreachable: 502,
+    RpcTimeout: 504,
     # nginx's "client closed request": written to nobody, counted as ``client_closed``.
     ClientGone: 499,
     # Bases, for a kind added without an entry of its own.
