@@ -58,7 +58,13 @@ import requests
 import requests.adapters
 
 from kvsvc.cluster.model import InstanceState, RegistrySnapshot
-from kvsvc.errors import BadRequest, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from kvsvc.errors import (
+    BadRequest,
+    ClientGone,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from kvsvc.routing.answers import (
     StreamAssembler,
     WholeAssembler,
@@ -78,7 +84,7 @@ from kvsvc.routing.observer import (
     notify,
 )
 from kvsvc.routing.policy import Decision
-from kvsvc.routing.proxy import RelayEnd, UpstreamBody, UpstreamReply
+from kvsvc.routing.proxy import ClientWatch, RelayEnd, UpstreamBody, UpstreamReply
 
 log = logging.getLogger(__name__)
 
@@ -304,13 +310,16 @@ class GenerationsBody(UpstreamBody):
     :param observer: hears the tokens and the end; ``None``: nobody.
     :param info: the attempt as the observer knows it.
     :param path: the request path (logs).
+    :param client: the client's connection, peeked at between entries (a client gone while
+        the engine is silent, e.g. in a long prefill, cancels at once); ``None``: not watched.
     """
 
     def __init__(self, pending: PendingRequest, assembler: StreamAssembler,
                  snapshot: Callable[[], RegistrySnapshot], bounds: tuple[Bound, Bound],
                  read_timeout_s: float, dispatch: Optional[Dispatch],
                  observer: Optional[RequestObserver], info: Optional[RequestInfo],
-                 path: str = "") -> None:
+                 path: str = "", client: Optional[ClientWatch] = None) -> None:
+        self._client = client
         self._pending = pending
         self._asm = assembler
         self._snapshot = snapshot
@@ -352,11 +361,18 @@ class GenerationsBody(UpstreamBody):
 
         :raises UpstreamTimeout: no entry for ``read_timeout_s``.
         :raises UpstreamUnreachable: the instance was removed, became SUSPECT or was replaced.
+        :raises ClientGone: the client closed its connection (the request is cancelled: the
+            engine's next entry gets ``ok: false``).
         """
         while True:
             gen = self._pending.next(CHECK_INTERVAL_S)
             if gen is not None:
                 return gen
+            if self._client is not None and self._client.client_gone():
+                self._client.gone = True
+                self._pending.cancel(CANCEL_CLIENT_GONE)
+                raise ClientGone(f"client closed its connection while {self.target} generated "
+                                 f"request {self._pending.service_req_id}")
             bound = self._bounds[1 if self._tokens else 0]
             problem = instance_problem(self._snapshot(), bound)
             if problem is not None:
@@ -388,6 +404,8 @@ class GenerationsBody(UpstreamBody):
                     return
             try:
                 gen = self.next_entry()
+            except ClientGone:
+                return  # nobody reads on: close() cancels the request
             except UpstreamError as exc:
                 if self.broken is None:  # the registry failed it (overflow)
                     self.broken = exc.message
@@ -511,7 +529,8 @@ class XllmDispatcher:
             return dict(self._failures)
 
     def forward(self, decision: Decision, path: str, doc: Mapping[str, Any],
-                token_ids: Optional[Sequence[int]], x_request_id: str = "") -> UpstreamReply:
+                token_ids: Optional[Sequence[int]], x_request_id: str = "",
+                client: Optional[ClientWatch] = None) -> UpstreamReply:
         """Dispatch one validated request as ``decision`` says and give its answer's head and
         body (module docstring).
 
@@ -521,6 +540,8 @@ class XllmDispatcher:
         :param doc: the parsed body.
         :param token_ids: the prompt's tokens; ``None`` when they are unknown (400).
         :param x_request_id: the client's ``x-request-id``, passed on.
+        :param client: the client's connection, watched between entries; ``None``: not.
+        :raises ClientGone: not streamed, the client went away before the answer (cancelled).
         :raises BadRequest: no token ids, or the engine refused the request.
         :raises UpstreamTimeout: every attempt failed, the last by a timeout; or, not
             streamed, no entry came within the read timeout.
@@ -575,7 +596,7 @@ class XllmDispatcher:
             spec = answer_spec(chat, doc, sid, int(time.time()))
             body = GenerationsBody(pending, StreamAssembler(spec, bool(decode)),
                                    self._snapshot, bounds, self.read_timeout_s, dispatch,
-                                   self.observer, info, path)
+                                   self.observer, info, path, client)
             if streamed:
                 return UpstreamReply(target, 200, [("Content-Type", "text/event-stream"),
                                                    ("Cache-Control", "no-cache")], body, tried)
