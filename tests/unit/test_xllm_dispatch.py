@@ -252,18 +252,19 @@ def test_dispatch_failure_is_retried_on_the_next_candidate() -> None:
 def test_client_gone_makes_the_next_entry_false() -> None:
     p = inst(P1)
     reg = Registry(p)
-    disp, engine, rec, in_flight = dispatcher(
-        lambda q: Engine(q, script=tokens_script(6), gap_s=0.01), reg)
-    engine.release.clear()
+    disp, engine, rec, in_flight = dispatcher(lambda q: Engine(q, script=tokens_script(6)), reg)
+    engine.release.clear()   # the engine holds its entries until the test lets them go
     reply = disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS, "stream": True},
                          TOKENS)
+    sid = engine.calls[0][2]["service_request_id"]
     it = iter(reply.body)
-    engine.release.set()
-    first = next(it)
-    assert b" t0" in first
+    assert disp.pending.deliver([Generation(sid, outputs=(GenOutput(0, " first", (9,)),))]) \
+        == [True]
+    assert b" first" in next(it)
     reply.body.close()          # the WSGI server's close: the client went away
+    engine.release.set()
     engine.join()
-    assert engine.answers[0] is True and engine.answers[-1] is False
+    assert engine.answers and not any(engine.answers)
     assert rec.calls[-1] == ("on_cancel", "client went away")
     assert in_flight.snapshot().total(P1) == 0
 
