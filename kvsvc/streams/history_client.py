@@ -13,7 +13,7 @@ yields) whose reply is history: every batch still in the engine's replay buffer 
   skipped seq ends the attempt early as ``truncated``: the engine's buffer is contiguous, but
   its ``ROUTER`` silently drops messages at its send high-water mark (libzmq's default, 1000)
   when it sends a long reply faster than its I/O thread writes it; what arrived before the hole
-  is complete, and the rules catch up from its last seq instead of starting over (the
+  is complete (D7), and the rules catch up from its last seq instead of starting over (the
   ``DEALER``'s own receive queue is unbounded for history replies, :attr:`HistoryAttempt.RCVHWM`);
 - ``replay_timeout_ms`` bounds the wait for each *next* message (a 10,000-batch history may
   take longer than one timeout in total): the deadline moves on with every message. No message
@@ -31,7 +31,8 @@ Two kinds of attempt:
   index with the §5 snapshot rule (an unknown parent makes an orphan), paced like a snapshot
   build, so a 10,000-batch reply holds one decoded batch at a time. ``exact`` is decided here:
   the reply started at seq 0 (or a batch starting with an untargeted ``AllBlocksCleared`` made
-  the index complete) and no block became an orphan after that point. The digests of the last
+  the index complete) and no block became an orphan after that point (D8 in docs/decisions.md).
+  The digests of the last
   :data:`DIGESTS_KEPT` batches are kept to check the buffered live batches the reply covers.
 
 Pacing: the build yields the GIL every 0.3 ms as a snapshot build does, but a yield that came
@@ -78,7 +79,7 @@ BatchSink = Callable[[int, Sequence[Event], int, int], None]
 
 
 def starts_cleared(events: Sequence[Event]) -> bool:
-    """The batch starts with an untargeted ``AllBlocksCleared`` (a complete state, §6, §7h)."""
+    """The batch starts with an untargeted ``AllBlocksCleared`` (a complete state, §6, §7h; D15)."""
     return bool(events) and type(events[0]) is AllBlocksCleared and events[0].tier is None
 
 
