@@ -122,7 +122,7 @@ def _instrument(split: Split) -> Callable[[], None]:
     """Time the history build's pacing yields and the reply's receive calls into ``split``
     (class attributes patched for this window; returns the undo)."""
     orig_pace = history_client.HistoryAttempt._pace
-    orig_send = snapshot_client.SnapshotAttempt._send_request
+    orig_send = snapshot_client.ReplayAttempt._send_request
 
     def pace(attempt) -> None:
         before = attempt._slice_start
@@ -155,11 +155,11 @@ def _instrument(split: Split) -> Callable[[], None]:
             attempt._dealer = TimedDealer(attempt._dealer)
 
     history_client.HistoryAttempt._pace = pace  # type: ignore[method-assign,assignment]
-    snapshot_client.SnapshotAttempt._send_request = send  # type: ignore[method-assign,assignment]
+    snapshot_client.ReplayAttempt._send_request = send  # type: ignore[method-assign,assignment]
 
     def undo() -> None:
         history_client.HistoryAttempt._pace = orig_pace  # type: ignore[method-assign]
-        snapshot_client.SnapshotAttempt._send_request = orig_send  # type: ignore[method-assign]
+        snapshot_client.ReplayAttempt._send_request = orig_send  # type: ignore[method-assign]
     return undo
 
 

@@ -197,6 +197,19 @@ class UpstreamTimeout(UpstreamError):
     """The connect, the wait for the response head, or a body read timed out."""
 
 
+class ClientGone(KvsvcError):
+    """The client closed its connection while its request waited for the upstream's response
+    head (§15 "client going away"): the upstream connection was closed to cancel the request
+    there, and nothing is answered (the HTTP layer counts it as ``client_closed``, status 499).
+
+    :param message: what was cancelled, naming the upstream.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
 class RequestError(KvsvcError):
     """A request the service refuses (§9-§11). Each subclass is one kind of refusal; the HTTP
     layer answers ``{"error": message}`` (or OpenAI's shape) with the kind's status.

@@ -34,7 +34,7 @@ from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision, Policy, candidate_pools
 from kvsvc.routing.prompt import TokenSource
-from kvsvc.routing.proxy import Proxy, UpstreamReply, upstream_headers
+from kvsvc.routing.proxy import ClientWatch, Proxy, UpstreamReply, upstream_headers
 from kvsvc.streams.state import StreamId, StreamMatch
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ class Router:
                                     self.policy.max_load_age_s).excluded)
 
     def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
-                client_headers: Sequence[tuple[str, str]]) -> Routed:
+                client_headers: Sequence[tuple[str, str]],
+                client: Optional[ClientWatch] = None) -> Routed:
         """Send one validated OpenAI request as ``decision`` says: to its best P, once more to
         the next one when the first fails before the response head. Without a D the client's
         bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried). Each
@@ -156,7 +157,10 @@ class Router:
         :param doc: ``body`` parsed (a JSON object).
         :param client_headers: the client's headers as (name, value) pairs (filtered here,
             :func:`~kvsvc.routing.proxy.upstream_headers`).
+        :param client: the client's connection, watched while the upstream prepares its head
+            (§15); ``None``: not watched.
         :raises NoCandidate: ``decision`` has no P.
+        :raises ClientGone: the client went away before the head (the upstream cancelled).
         :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
         :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
         """
@@ -178,7 +182,8 @@ class Router:
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),
-                                   companions=(decode,) if decode else (), info_for=info_for)
+                                   companions=(decode,) if decode else (), info_for=info_for,
+                                   client=client)
         return Routed(decision, reply, decode)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Upstream forwarding against small real HTTP servers on 127.0.0.1: JSON and SSE relayed,
-hop-by-hop headers dropped both ways, retry once on a refused or silent upstream, error statuses
-after the response head passed through, closing the body closes the upstream connection, a body
+hop-by-hop headers dropped both ways, retry once on a refused upstream (never on a silent
+one), the client watched while waiting for the head, error statuses after the response head
+passed through, closing the body closes the upstream connection, a body
 broken after the head raises (logged once, counted), upstream errors counted by kind, and the
 relay's end (first SSE data event, completion) reported once."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import socket
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -277,17 +279,19 @@ def test_two_refusals_give_502_and_only_one_retry(proxy):
     assert proxy.failures() == {dead1: 1, dead2: 1}
 
 
-def test_silent_upstream_times_out_before_first_byte_and_is_retried(proxy):
+def test_silent_upstream_times_out_and_is_never_re_sent(proxy):
+    """An upstream that accepted the request but sends no head is answered 504, never re-sent
+    to the next candidate (§15: it may still be working on it)."""
     with upstreams("hang", "json") as (slow, fast):
-        reply = proxy.forward([slow.name, fast.name], "/v1/chat/completions",
-                              fixed(b'{"a": 1}'), {})
-        assert (reply.target, reply.attempts) == (fast.name, [slow.name, fast.name])
-        assert reply.body.read_all() == b'{"echo": {"a": 1}}'
-        assert len(slow.requests) == 1
         with pytest.raises(UpstreamTimeout) as err:
-            proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
+            proxy.forward([slow.name, fast.name], "/v1/chat/completions", fixed(b'{"a": 1}'),
+                          {})
         assert status_of(err.value) == 504
-    assert proxy.failures() == {slow.name: 2}
+        assert f"tried {slow.name})" in err.value.message
+        assert len(slow.requests) == 1 and fast.requests == []
+    assert proxy.failures() == {slow.name: 1}
+    assert proxy.retries() == 0
+    assert proxy.errors() == {(slow.name, "timeout"): 1}
 
 
 def test_error_status_after_the_head_is_passed_through_not_retried(proxy):
@@ -382,8 +386,10 @@ def test_non_streamed_body_cut_short_raises_before_anything_is_sent(proxy, caplo
 def test_upstream_errors_counted_by_instance_and_kind(proxy):
     dead = refused_name()
     with upstreams("hang", "error") as (slow, bad):
-        with pytest.raises(UpstreamUnreachable):  # the last attempt's error
+        with pytest.raises(UpstreamTimeout):  # accepted, silent: never re-sent
             proxy.forward([slow.name, dead], "/v1/completions", fixed(b"{}"), {})
+        with pytest.raises(UpstreamUnreachable):
+            proxy.forward([dead], "/v1/completions", fixed(b"{}"), {})
         slow.release.set()  # from now on it closes the connection without answering
         with pytest.raises(UpstreamUnreachable):
             proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
@@ -419,3 +425,58 @@ def test_closing_before_reading_closes_the_upstream(proxy):
         reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
         reply.body.close()
         wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")
+
+
+def test_client_gone_before_the_head_cancels_the_attempt_and_is_not_retried():
+    """§15: the client's connection closes while the upstream holds the request: the attempt
+    is cancelled (its upstream connection closed, its in-flight count released), nothing is
+    sent to the next candidate, and ClientGone is raised."""
+    from kvsvc.errors import ClientGone
+    from kvsvc.routing.in_flight import InFlight
+    from kvsvc.routing.proxy import ClientWatch
+
+    in_flight = InFlight()
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=HANDLER_WAIT_S), in_flight)
+    ours, theirs = socket.socketpair()
+    try:
+        with upstreams("hang", "json") as (slow, fast):
+            closer = threading.Timer(0.2, theirs.close)
+            closer.start()
+            try:
+                with pytest.raises(ClientGone) as err:
+                    p.forward([slow.name, fast.name], "/v1/completions", fixed(b"{}"), {},
+                              client=ClientWatch(ours))
+            finally:
+                closer.join(HANDLER_WAIT_S)
+            assert slow.name in err.value.message
+            assert len(slow.requests) == 1 and fast.requests == []
+            assert p.client_gone() == 1 and p.retries() == 0 and p.failures() == {}
+            assert in_flight.counts() == {}
+    finally:
+        ours.close()
+        theirs.close()
+        p.close()
+
+
+def test_a_client_that_sends_more_bytes_is_still_there():
+    """Pipelined bytes on the client's connection are not a close: the answer comes."""
+    from kvsvc.routing.proxy import ClientWatch
+
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=HANDLER_WAIT_S))
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        watch = ClientWatch(ours)
+        assert watch.client_gone() is None
+        with upstreams("json") as (up,):
+            reply = p.forward([up.name], "/v1/completions", fixed(b'{"a": 1}'), {},
+                              client=watch)
+            assert reply.body.read_all() == b'{"echo": {"a": 1}}'
+        assert not watch.gone
+        assert ours.recv(64, socket.MSG_DONTWAIT).startswith(b"GET /health")  # not consumed
+        theirs.close()
+        assert watch.client_gone() is True
+    finally:
+        ours.close()
+        theirs.close()
+        p.close()
