@@ -296,8 +296,10 @@ def test_pd_pairs_prefill_side_with_decode_side():
 def test_decision_json_shape():
     d = CacheAware().choose(TOKENS, snap(inst("a:1")), [match("a:1", dev=40, host=20)], now=NOW)
     assert d.to_json() == {
-        "policy": "CAR", "prefill": "a:1", "decode": None, "input_tokens": 100, "reason": None,
-        "candidates": [{"name": "a:1", "side": "P", "hit_ratio": 0.5, "queue_cost": 0.0,
+        "policy": "CAR", "prefill": "a:1", "prefill_dp_rank": None, "decode": None,
+        "input_tokens": 100, "reason": None,
+        "candidates": [{"name": "a:1", "side": "P", "dp_rank": None, "hit_ratio": 0.5,
+                        "queue_cost": 0.0,
                         "score": 0.25, "tied": False, "waiting_requests_num": 0,
                         "gpu_cache_usage_perc": 0.0, "in_flight": 0,
                         "in_flight_after_report": 0,
