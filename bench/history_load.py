@@ -59,7 +59,7 @@ from .history_replay import (
     synced_at,
     wait_others,
 )
-from tests.util import free_ports
+from tests.support.util import free_ports
 
 LOADS = ("none", "spin", "http")
 #: variant -> (REPLY_SLICE_MAX_S, REPLY_SWITCH_INTERVAL_S); ``None`` = as shipped.
