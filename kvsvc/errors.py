@@ -28,9 +28,12 @@ translated into these once, at the module boundary where they occur (``raise ...
     ├── UpstreamError          no upstream produced a response head (§11)
     │   ├── UpstreamUnreachable    refused, reset or broken before the head (or in a read body)
     │   └── UpstreamTimeout        connect, response head or body read timed out
+    ├── ClientGone             the client left while its request waited upstream (§15)
     └── RequestError           a request the service refuses (§9-§11); ``message`` says why
         ├── BadRequest         malformed body or field; ``message`` starts with the field name
         ├── Unauthorized       missing or wrong ``X-Internal-Token`` (§10)
+        ├── InvalidApiKey      missing or wrong ``Authorization: Bearer`` key on ``/v1/*``
+        ├── TooManyRequests    the in-flight limit is reached (``--max_in_flight_requests``)
         ├── PayloadTooLarge    body over the endpoint's size limit
         ├── UnknownModel       ``model`` not among the served ``--model`` names (§11)
         ├── NoRegistry         a heartbeat while no registry is configured (``--etcd_addr`` empty)
@@ -230,6 +233,15 @@ class BadRequest(RequestError):
 
 class Unauthorized(RequestError):
     """The request lacks the configured ``X-Internal-Token`` or carries another one (§10)."""
+
+
+class InvalidApiKey(RequestError):
+    """A ``/v1/*`` request (not ``/v1/internal/*``) without ``Authorization: Bearer <key>``
+    equal to ``--api_key`` (vLLM's ``--api-key`` rule)."""
+
+
+class TooManyRequests(RequestError):
+    """The OpenAI requests in flight reached ``--max_in_flight_requests``: retry later."""
 
 
 class PayloadTooLarge(RequestError):

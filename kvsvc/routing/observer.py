@@ -67,6 +67,7 @@ class RequestInfo:
         module imports nothing of the policies), ``None`` when unknown.
     :ivar streamed: the client asked for a stream (``"stream": true``): its first token is
         heard when it is relayed; otherwise only the end is heard.
+    :ivar model: the request's ``model`` (``""`` when unknown).
     """
 
     attempt_id: int
@@ -78,6 +79,7 @@ class RequestInfo:
     dispatched_at: float = field(default_factory=time.monotonic)
     decision: Any = None
     streamed: bool = True
+    model: str = ""
 
 
 class RequestObserver(Protocol):

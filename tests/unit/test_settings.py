@@ -128,6 +128,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "tokenizer_path": str(tmp_path / "tok"), "model": "m1,m2",
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
         "max_request_bytes": 4096, "worker_threads": 16,
+        "api_key": "client-key-1", "max_in_flight_requests": 12,
     }
     names = {row.name for row in SETTINGS}
     assert set(values) | {"internal_api_token"} == names, "give every new setting a value here"
