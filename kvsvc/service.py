@@ -93,7 +93,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          max_load_age_s=settings.max_load_age_s, ledger=ledger,
                          target_ttft_ms=settings.target_ttft,
                          target_tpot_ms=settings.target_tpot,
-                         default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s)
+                         default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
+                         dp_rank_routing=settings.dp_rank_routing)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()

@@ -246,6 +246,17 @@ class ServiceSettings(BaseSettings):
         "heartbeat, or an `XLLM:LOADMETRICS` value read from etcd) is at most this old; keep "
         "it above the engines' heartbeat period and the master's 3 s `XLLM:LOADMETRICS` "
         "period (see \"Routing\")", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
+    dp_rank_routing: Annotated[bool, Setting(
+        SECTION_ROUTING, "CAR and TTFT score each (instance, DP rank) pair of a backend that "
+        "honours a rank (`vllm`, `sglang`) with that rank's own hits and load, and send the "
+        "request with `X-data-parallel-rank`; off: the §11 minimum over ranks (§15)")] = True
+    load_scrape_backends: Annotated[str, Setting(
+        SECTION_ROUTING, "comma-separated `backend_type`s whose load is read from their "
+        "Prometheus text at `http://<instance>/metrics` (vLLM and SGLang metric names, §15); "
+        "empty: heartbeats only")] = "vllm,sglang"
+    load_scrape_interval_ms: Annotated[int, Field(ge=50, le=60_000), Setting(
+        SECTION_ROUTING, "period of the `/metrics` scrapes of `--load_scrape_backends` "
+        "instances; keep it well below `--max_load_age_s`", unit="ms")] = 500
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "

@@ -64,6 +64,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import requests
@@ -100,6 +101,8 @@ READ_CHUNK_BYTES = 64 * 1024
 #: Kinds of upstream error counted per instance (:meth:`Proxy.errors`, the
 #: ``kind`` label of ``kvsvc_proxy_upstream_errors_total``), see the module docstring.
 UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx")
+#: The request header vLLM and SGLang read to run a request on one DP rank (§15).
+DP_RANK_HEADER = "X-data-parallel-rank"
 #: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
 _SSE_DATA = b"data:"
 
@@ -527,6 +530,7 @@ class Proxy:
                 headers: Mapping[str, str], max_attempts: int = 2,
                 companions: Sequence[str] = (),
                 info_for: Optional[InfoFor] = None,
+                dp_ranks: Mapping[str, int] = MappingProxyType({}),
                 client: Optional[ClientWatch] = None) -> UpstreamReply:
         """POST ``path`` to ``targets[0]``; on a connection failure before any byte of the
         response head (refused, connect timeout, reset), once more to ``targets[1]`` (at most
@@ -542,6 +546,8 @@ class Proxy:
             D named in a P/D body).
         :param info_for: describes the attempt sent to a target for the proxy's observer
             (``None``: the attempt is not observed).
+        :param dp_ranks: target -> the DP rank to run on there (§15): sent as
+            :data:`DP_RANK_HEADER` (replacing the client's) and counted in flight per rank.
         :param client: the client's connection, watched while waiting for the head
             (``None``: not watched).
         :returns: the reply; its body holds the attempt's in-flight count until closed.
@@ -556,14 +562,20 @@ class Proxy:
         for target in list(targets)[:max_attempts]:
             tried.append(target)
             data = body_for(target)
-            dispatch = (self.in_flight.begin((target, *companions))
+            rank = dp_ranks.get(target)
+            sent = dict(headers)
+            if rank is not None:
+                sent = {k: v for k, v in sent.items() if k.lower() != DP_RANK_HEADER.lower()}
+                sent[DP_RANK_HEADER] = str(rank)
+            dispatch = (self.in_flight.begin((target, *companions),
+                                             None if rank is None else (target, rank))
                         if self.in_flight is not None else None)
             info = (info_for(target) if info_for is not None and self.observer is not None
                     else None)
             if info is not None:
                 notify(self.observer, "on_dispatch", info)
             try:
-                response = self._post(f"http://{target}{path}", data, headers, client)
+                response = self._post(f"http://{target}{path}", data, sent, client)
             except ClientGone as exc:
                 if dispatch is not None:
                     dispatch.release()

@@ -145,7 +145,8 @@ class Router:
                 client_headers: Sequence[tuple[str, str]],
                 client: Optional[ClientWatch] = None) -> Routed:
         """Send one validated OpenAI request as ``decision`` says: to its best P, once more to
-        the next one when the first fails before the response head. Without a D the client's
+        the next one when the first fails before the response head; an instance the
+        decision chose a DP rank on gets it in ``X-data-parallel-rank`` (§15). Without a D the client's
         bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried). Each
         attempt is described to the proxy's request observer (§12) by a
         :class:`~kvsvc.routing.observer.RequestInfo` naming its P, its D, the prompt's tokens
@@ -182,12 +183,12 @@ class Router:
                                decision.prefill_estimates_ms.get(target, 0.0),
                                decision.policy, decision=decision,
                                streamed=doc.get("stream") is True,
-                               model=model)
+                               dp_rank=decision.prefill_ranks.get(target), model=model)
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),
                                    companions=(decode,) if decode else (), info_for=info_for,
-                                   client=client)
+                                   dp_ranks=decision.prefill_ranks, client=client)
         return Routed(decision, reply, decode)
 
     def close(self) -> None:

@@ -13,9 +13,9 @@ from typing import Optional
 
 import requests
 
-from tests.e2e.test_e2e_gunicorn import Server
-from tests.integration.test_metrics import Scrape
-from tests.util import free_port, wait_for
+from tests.support.gunicorn import Server
+from tests.support.metrics import Scrape
+from tests.support.util import free_port, wait_for
 
 #: Bound of every wait of the slow engine and of the client's socket, seconds.
 BOUND_S = 15.0

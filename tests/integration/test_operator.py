@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Optional
 
 from kvsvc.http.admission import InFlightLimit, RequestIdFilter, current_request_id
 from kvsvc.http.extensions import ADMISSION_EXTENSION
-from tests.integration.test_metrics import scrape
-from tests.integration.test_proxy import upstreams
-from tests.integration.test_routes import AUTH, completion, openai_error, register, running
-from tests.util import wait_for
+from tests.support.metrics import scrape
+from tests.support.routes import AUTH, completion, register, running
+from tests.support.upstreams import upstreams
 
 BODY = {"model": "m1", "prompt": [1, 2, 3], "max_tokens": 4}
+
+
+def openai_error(r) -> tuple[int, str, Optional[str], Optional[str]]:
+    """(status, type, param, code) of an OpenAI error answer, its keys checked."""
+    err = r.get_json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return r.status_code, err["type"], err["param"], err["code"]
 
 
 def test_api_key_guards_the_openai_api_not_the_internal_one(etcd_server, etcd):
