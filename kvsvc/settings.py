@@ -66,6 +66,9 @@ ENV_PREFIX = "KVSVC_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: Accepted ``--log_format`` values.
 LOG_FORMATS = ("json", "text")
+#: ``--xllm_dispatch`` values (§13): ``native`` sends requests for ``backend_type`` "xllm" over
+#: xLLM's API service and writes the answer from Generations; ``http`` relays them over HTTP.
+XLLM_DISPATCH_MODES = ("http", "native")
 
 #: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
 class PolicyName(enum.StrEnum):
@@ -264,6 +267,12 @@ class ServiceSettings(BaseSettings):
     model: Annotated[str, Setting(
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
         "empty accepts any")] = ""
+    xllm_dispatch: Annotated[str, Setting(
+        SECTION_ROUTING, "how requests reach instances of `backend_type` \"xllm\": `native` "
+        "calls the engine's `xllm.proto.XllmAPIService` and writes the answer from its "
+        "`Generations` (real xLLM engines, §13; needs token ids, i.e. `--tokenizer_path` for "
+        "text); `http` relays the OpenAI request over HTTP (the simulated engine's HTTP mode); "
+        "vLLM and SGLang are always relayed", choices=XLLM_DISPATCH_MODES)] = "http"
     upstream_connect_timeout_s: Annotated[float, Field(gt=0, le=600), Setting(
         SECTION_ROUTING, "TCP connect bound of one upstream attempt", unit="s")] = 2.0
     upstream_read_timeout_s: Annotated[float, Field(gt=0, le=86400), Setting(
@@ -286,6 +295,13 @@ class ServiceSettings(BaseSettings):
             raise ValueError(UNSUPPORTED_POLICIES[value])
         if value not in POLICY_NAMES:
             raise ValueError(f"must be {' or '.join(POLICY_NAMES)}, got {value!r}")
+        return value
+
+    @field_validator("xllm_dispatch")
+    @classmethod
+    def _xllm_dispatch(cls, value: str) -> str:
+        if value not in XLLM_DISPATCH_MODES:
+            raise ValueError(f"must be one of {', '.join(XLLM_DISPATCH_MODES)}, got {value!r}")
         return value
 
     @field_validator("log_format")

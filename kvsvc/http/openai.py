@@ -251,7 +251,7 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
     decision = instruments.decide(routing, token_ids)
     query = request.query_string.decode("latin-1")
     routed = routing.forward(decision, path + ("?" + query if query else ""), body, doc,
-                             _client_headers(), client_watch())
+                             _client_headers(), client_watch(), token_ids)
     reply = routed.reply
     try:
         headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
