@@ -39,6 +39,8 @@ from kvsvc.errors import (
     NoRegistry,
     PayloadTooLarge,
     RequestError,
+    RpcTimeout,
+    RpcUnreachable,
     StaleIncarnation,
     TooManyRequests,
     Unauthorized,
@@ -66,6 +68,9 @@ STATUS: dict[type[Exception], int] = {
     NoRegistry: 503,
     NoCandidate: 503,
     UpstreamTimeout: 504,
+    # A real xLLM engine's baidu_std channel (§13): the same answers as HTTP upstreams.
+    RpcUnreachable: 502,
+    RpcTimeout: 504,
     # nginx's "client closed request": written to nobody, counted as ``client_closed``.
     ClientGone: 499,
     # Bases, for a kind added without an entry of its own.

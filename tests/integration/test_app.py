@@ -260,7 +260,7 @@ def test_every_refusal_kind_has_its_http_status_in_the_one_table():
         "TooManyRequests": 429, "UnknownInstance": 409,
         "StaleIncarnation": 409, "PayloadTooLarge": 413, "UpstreamError": 502,
         "UpstreamUnreachable": 502, "NoRegistry": 503, "NoCandidate": 503,
-        "UpstreamTimeout": 504}
+        "UpstreamTimeout": 504, "RpcUnreachable": 502, "RpcTimeout": 504}
     assert status_of(RuntimeError("x")) == 500
     # No error class carries a status of its own.
     assert not [cls for cls in kinds if "status" in vars(cls)]
