@@ -18,12 +18,12 @@ batch of a catch-up after its anchor, as it arrives. Replies end with
 :class:`~kvsvc.streams.state.CatchUpReply` or a :class:`~kvsvc.streams.state.RebuildReply`. Requests are :class:`RequestHistory`
 (a catch-up from ``L`` with the anchor digest, or a rebuild from 0).
 
-The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
+The rules (§7h; docs/recovery.md, and the decisions D6-D14 of docs/decisions.md):
 
 - **Anchor.** The working index (serving, or kept while the stream recovers) has ``expected``
   (next seq it needs, ``L + 1``) and ``digest`` (``D``, of batch ``L``); the digests of the last
   :data:`~kvsvc.streams.anchor.RECENT_DIGESTS` applied batches tell a duplicate (same seq, same digest) from an
-  engine that restarted (same seq, another payload).
+  engine that restarted (same seq, another payload) (D9).
 - **Live batch, synchronized.** ``seq == expected``: applied (the hot path: one apply, one
   dict store). A duplicate: dropped. An older seq that is not a duplicate: the engine restarted
   (``sequence_backwards``): discard, rebuild. ``seq > expected``: a gap: the stream is
@@ -35,14 +35,14 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   error, on an exact index). A kept index takes no live batch before the proof (an engine that
   restarted may have reached exactly the expected seq): live batches are buffered, and at the
   end marker those after the last replayed seq follow contiguously (the others are duplicates,
-  checked by digest) and the stream serves again. A periodic catch-up's stream keeps applying
+  checked by digest) and the stream serves again (D11). A periodic catch-up's stream keeps applying
   live batches as they come (whichever copy comes first; the other is a duplicate). A reply
   with a hole (``truncated``: a ``ROUTER`` dropped messages) keeps what it applied and asks
-  again from there. Not proven
+  again from there (D7). Not proven
   (another first seq, another digest, an empty reply): discard, rebuild
   (``history_mismatch``). Every ``resync_interval_ms`` a synchronized stream catches up the
   same way while it serves; batches it applies that never arrived live are counted as a resync
-  difference (in batches).
+  difference (in batches, D14).
 - **Rebuild** from 0 into a private index (built by the history client), swapped in at the end
   marker, then the buffered live batches: those the reply covers are dropped (a different
   digest fails the attempt), the rest must follow contiguously. Reply from 0: ``exact``; from
@@ -50,7 +50,7 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   decides (seq 0 exact, else subset).
 - **Subset index.** Its live deltas (and catch-ups) apply with the orphan rule too: a block
   stored under a parent from before ``F`` is an orphan, not an error (a subset never knows all
-  parents). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
+  parents; D6). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
   on a rebuild from 0.
 - **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
   the stream serves a live-only subset and retries the rebuild with the §6 backoff, which
@@ -61,7 +61,8 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   stream is ready, §10), and its first live batch decides as after an empty reply. A gap in a
   live-only stream discards it and starts a new one at that batch; so do a disconnect
   (nothing proves continuity without a replay) and a refused batch, at the next live batch
-  (the rebuild retry goes on; batches kept for it from before a refused one are dropped).
+  (the rebuild retry goes on; batches kept for it from before a refused one are dropped)
+  (D10).
 - **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
   complete state (§6): exact from it.
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
@@ -547,8 +548,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
                           "never arrived live (lost events); applied", self._name, caught_up)
                 if silent and self._silence is None:
                     # Not one live message since the last check while the engine published:
-                    # in flight still, or a dead live channel (README "Where the spec is
-                    # silent"); a live message must arrive within the grace period.
+                    # in flight still, or a dead live channel (D13 in docs/decisions.md);
+                    # a live message must arrive within the grace period.
                     self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
             else:
                 self._log(log, DEBUG, "stream %s: periodic catch-up matched (seq %d)",
@@ -671,7 +672,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         """An error of the stream: discard the index and rebuild (a live-only stream: start
         again from the next live batch), or fail the attempt in flight. A live message that
         failed decoding comes here too (``on_live_error``): the batch is lost to the index and
-        its replayed copy would fail alike."""
+        its replayed copy would fail alike (D12 in docs/decisions.md)."""
         if self._held:
             live_only = self._live_only
             self._abandon_attempt()
@@ -791,8 +792,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._live_only_from(buffered, now)
 
     def _start_empty_live_only(self, reason: str, delay: float) -> None:
-        """No replay answer and no live batch received (§7h "No replay answer"; README "Where
-        the spec is silent"): serve an EMPTY live-only index, ``subset``, with the expected seq
+        """No replay answer and no live batch received (§7h "No replay answer"; D10 in
+        docs/decisions.md): serve an EMPTY live-only index, ``subset``, with the expected seq
         unknown. It holds no block, so it is a valid subset of any residency (0 hits, never a
         false one). The first live batch then decides as after an empty rebuild reply: seq 0
         ``exact``, any other seq ``subset`` with the orphan rule. The rebuild keeps its §6

@@ -23,7 +23,7 @@ on the :class:`~kvsvc.streams.serving.ServingState` through
 sleeps until the next deadline (attempt timeout, the machine's ``wakeup_at``, a delayed
 ``SUB`` reopen; at most :data:`POLL_INTERVAL_MS`), so an idle stream costs no CPU. A bug-class
 exception in a turn is logged and handed to the machine (``on_internal_error``), which
-discards the index and recovers: input must never kill the stream.
+discards the index and recovers: input must never kill the stream (D21 in docs/decisions.md).
 
 Request threads only call :meth:`StreamSubscriber.match`, :meth:`StreamSubscriber.status` and
 :meth:`StreamSubscriber.counters`, which read the :class:`~kvsvc.streams.serving.ServingState`
