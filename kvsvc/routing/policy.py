@@ -53,6 +53,7 @@ from kvsvc.cluster.model import (
     instance_identity,
 )
 from kvsvc.errors import ConfigError
+from kvsvc.index.overlay import PromptKeys
 from kvsvc.settings import (
     CAR_WEIGHT_RANGE,
     DEFAULT_MAX_LOAD_AGE_S,
@@ -190,6 +191,10 @@ class Decision:
         time of this request there, milliseconds (SLO_AWARE's ``estimated_ttft``, TTFT's
         ``ttft_P(uncached)``, §12), handed to the request observers at dispatch
         (:class:`~kvsvc.routing.observer.RequestInfo`); empty for RR and CAR.
+    :ivar prompt: the prompt's content keys as the directory's query computed them
+        (:meth:`kvsvc.directory.Directory.query_prompt`), set by the router: what the dispatch
+        records in the chosen stream's approximate index or pending blocks (§14, §16);
+        ``None`` without an index or tokens.
     """
 
     policy: str
@@ -202,6 +207,7 @@ class Decision:
     excluded: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     prefill_estimates_ms: Mapping[str, float] = field(
         default_factory=lambda: MappingProxyType({}))
+    prompt: Optional[PromptKeys] = None
 
     def prefill_candidate(self, name: str) -> Optional[CandidateScore]:
         """The P-side candidate ``name`` (``host:port``), ``None`` when it was not one."""

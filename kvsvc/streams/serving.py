@@ -27,6 +27,7 @@ import threading
 from typing import Container, Optional, Sequence
 
 from kvsvc.errors import StreamError
+from kvsvc.index.overlay import BlockOverlay, IndexChanges
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import (
     DECODE_ERROR_REASONS,
@@ -115,6 +116,10 @@ class ServingState:
         # stats minus what its snapshot had counted when it was swapped in (_stats_base).
         self._not_indexed_retired = [0] * len(NOT_INDEXED)
         self._stats_base: tuple[int, ...] = _ZERO_STATS
+        # §16: the stream's pending blocks (set once by the directory before the thread
+        # starts), settled by every live batch applied; the collector is reused per batch.
+        self.pending: Optional[BlockOverlay] = None
+        self._changes = IndexChanges()
 
     # ------------------------------------------------------------------ request threads
 
@@ -248,9 +253,16 @@ class ServingState:
             otherwise, after counting its decode-error label and discarding the index in the
             same lock hold (reason ``"seq <seq>: <error>"``).
         """
+        pending = self.pending
+        # Collected only while blocks are pending (§16): otherwise nothing is settled.
+        changes = self._changes if pending is not None and len(pending) else None
         with self._lock:
             try:
-                self._index.apply(events, snapshot=orphans)  # type: ignore[union-attr, arg-type]
+                if changes is None:
+                    self._index.apply(events, snapshot=orphans)  # type: ignore[union-attr, arg-type]
+                else:
+                    self._index.apply(events, snapshot=orphans,  # type: ignore[union-attr, arg-type]
+                                      changes=changes)
             except StreamError as exc:
                 self._decode_errors[error_reason(exc)] += 1
                 self._invalidate_locked(f"seq {seq}: {exc}")
@@ -258,6 +270,10 @@ class ServingState:
             self._sequence = seq
             self._count_events_locked(events)
             self._publish_locked()
+        if changes is not None:
+            # After the index holds them, so a query sees each block exact or pending.
+            pending.settle(changes)  # type: ignore[union-attr]
+            changes.reset()
         return None
 
     def invalidate(self, reason: str) -> None:
