@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install check test demo bench
+.PHONY: install check test test-fast test-rest demo bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,17 @@ check: install
 	else echo "make check: cycle check SKIPPED: $(IMPORT_CYCLES) not found (set IMPORT_CYCLES)"; fi
 	$(BIN)/mypy
 
+# Test tiers (tests/conftest.py): `test-fast` is the unit tier (tests/unit: rules and objects, no
+# sockets, no sleeps, seconds); `test-rest` every other test (integration, e2e, fuzz: real sockets,
+# etcd, gunicorn, the soaks); `test` all of them. Markers: `-m etcd`, `-m slow`, `-m "not slow"`.
 test: install
 	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit
+
+test-rest: install
+	$(BIN)/python -m pytest -q --ignore=tests/unit
 
 demo: install
 	$(BIN)/python -m kvsvc demo

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 from kvsvc.config import KvEventsConfig  # noqa: E402
 from kvsvc.directory import Directory  # noqa: E402
 from kvsvc.streams.frame import END_MARKER, NO_WATERMARK, encode_live  # noqa: E402
-from tests.util import free_ports  # noqa: E402
+from tests.support.util import free_ports  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from kvsvc.streams.frame import encode_live, parse_live
 from kvsvc.streams.history import HistoryRecovery
 from kvsvc.streams.recovery import SnapshotRecovery
 from kvsvc.streams.serving import ServingState
-from kvsvc.streams.state import HistoryResult, SnapshotResult, StreamId
+from kvsvc.streams.state import RebuildReply, SnapshotResult, StreamId
 from kvsvc.testbed.sim.flavors import Flavor, encode_batch
 
 from ._common import HASH_SEED, Result, VOCAB, best_of, stored_map
@@ -74,9 +74,9 @@ def _live_path_s(frames: list[list[bytes]], mode: ReplayMode) -> float:
     (request,) = rules.tick(0.0)
     rules.on_snapshot_opened(request.attempt, 0.0)
     index = TierIndex(BLOCK, HASH_SEED, limits.max_blocks_per_stream)
-    result: HistoryResult | SnapshotResult
+    result: RebuildReply | SnapshotResult
     if history:
-        result = HistoryResult(False, True, index, None, None, None, True, {}, 0, 10)
+        result = RebuildReply(index, None, None, None, True, {}, 0, 10)
     else:
         result = SnapshotResult(index=index, empty=True, watermark=None, messages=0,
                                 wire_bytes=10)

@@ -59,7 +59,7 @@ from .history_replay import (
     synced_at,
     wait_others,
 )
-from tests.util import free_ports
+from tests.support.util import free_ports
 
 LOADS = ("none", "spin", "http")
 #: variant -> (REPLY_SLICE_MAX_S, REPLY_SWITCH_INTERVAL_S); ``None`` = as shipped.
@@ -122,7 +122,7 @@ def _instrument(split: Split) -> Callable[[], None]:
     """Time the history build's pacing yields and the reply's receive calls into ``split``
     (class attributes patched for this window; returns the undo)."""
     orig_pace = history_client.HistoryAttempt._pace
-    orig_send = snapshot_client.SnapshotAttempt._send_request
+    orig_send = snapshot_client.ReplayAttempt._send_request
 
     def pace(attempt) -> None:
         before = attempt._slice_start
@@ -155,11 +155,11 @@ def _instrument(split: Split) -> Callable[[], None]:
             attempt._dealer = TimedDealer(attempt._dealer)
 
     history_client.HistoryAttempt._pace = pace  # type: ignore[method-assign,assignment]
-    snapshot_client.SnapshotAttempt._send_request = send  # type: ignore[method-assign,assignment]
+    snapshot_client.ReplayAttempt._send_request = send  # type: ignore[method-assign,assignment]
 
     def undo() -> None:
         history_client.HistoryAttempt._pace = orig_pace  # type: ignore[method-assign]
-        snapshot_client.SnapshotAttempt._send_request = orig_send  # type: ignore[method-assign]
+        snapshot_client.ReplayAttempt._send_request = orig_send  # type: ignore[method-assign]
     return undo
 
 

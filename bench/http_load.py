@@ -49,7 +49,7 @@ from ._common import (
 )
 from ._common import chain_events
 from .query import _filler
-from tests.util import free_port
+from tests.support.util import free_port
 
 QUERY_TOKENS = 4096
 N_STREAMS = 16

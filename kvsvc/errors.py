@@ -27,7 +27,14 @@ translated into these once, at the module boundary where they occur (``raise ...
     ├── TemplateError          a chat template raised or failed to render (§11: routed with hit 0)
     ├── UpstreamError          no upstream produced a response head (§11)
     │   ├── UpstreamUnreachable    refused, reset or broken before the head (or in a read body)
+    │   │   └── RpcUnreachable         a baidu_std connection refused, reset or closed (§13)
     │   └── UpstreamTimeout        connect, response head or body read timed out
+    │       └── RpcTimeout             a baidu_std call not answered in time (§13)
+    ├── RpcError               a baidu_std (brpc) call or frame failed (§13); also the base of
+    │   │                      RpcUnreachable and RpcTimeout above
+    │   ├── RpcProtocolError       the peer broke the framing: the connection must be closed
+    │   ├── RpcMessageError        a message that does not parse as its protobuf type
+    │   └── RpcCallFailed          the peer answered the call with an ``error_code``
     └── RequestError           a request the service refuses (§9-§11); ``message`` says why
         ├── BadRequest         malformed body or field; ``message`` starts with the field name
         ├── Unauthorized       missing or wrong ``X-Internal-Token`` (§10)
@@ -195,6 +202,65 @@ class UpstreamUnreachable(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     """The connect, the wait for the response head, or a body read timed out."""
+
+
+class ClientGone(KvsvcError):
+    """The client closed its connection while its request waited for the upstream's response
+    head (§15 "client going away"): the upstream connection was closed to cancel the request
+    there, and nothing is answered (the HTTP layer counts it as ``client_closed``, status 499).
+
+    :param message: what was cancelled, naming the upstream.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class RpcError(KvsvcError):
+    """A brpc ``baidu_std`` frame or call failed (§13). Raised by :mod:`kvsvc.rpc`, chained to
+    the ``OSError`` or protobuf error where there is one.
+
+    :param message: what happened, naming the peer where one is known.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class RpcProtocolError(RpcError):
+    """The byte stream is not ``baidu_std`` (bad magic, a body over the 64 MiB bound, a meta
+    that does not parse, sizes that contradict each other): no later frame can be trusted, so
+    the owner of the connection closes it (§13)."""
+
+
+class RpcMessageError(RpcError):
+    """A request or response message that does not parse as its protobuf type (a server
+    answers ``EREQUEST``)."""
+
+
+class RpcCallFailed(RpcError):
+    """The peer answered a call with a non-zero ``error_code`` (brpc's codes: ENOSERVICE 1001,
+    ENOMETHOD 1002, EREQUEST 1003, EINTERNAL 2001, ...).
+
+    :param code: the answer's ``error_code``.
+    :param text: the answer's ``error_text``.
+    """
+
+    def __init__(self, code: int, text: str) -> None:
+        self.code = code
+        self.text = text
+        super().__init__(f"error_code {code}: {text}")
+
+
+class RpcUnreachable(UpstreamUnreachable, RpcError):
+    """A ``baidu_std`` connection to an engine was refused, reset or closed before the call's
+    answer (§13): an :class:`UpstreamUnreachable`, so dispatch retries it as an HTTP one."""
+
+
+class RpcTimeout(UpstreamTimeout, RpcError):
+    """A ``baidu_std`` connect or call was not answered within its timeout (§13)."""
 
 
 class RequestError(KvsvcError):

@@ -47,7 +47,9 @@ from kvsvc.routing.cache_audit import CacheAudit, block_sizes
 from kvsvc.routing.dispatch_record import DispatchRecorder
 from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
-from kvsvc.routing.router import Router, served_models
+from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
+from kvsvc.routing.generations import PendingRequests
+from kvsvc.routing.xllm_dispatch import HttpJsonCaller, XllmDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          max_load_age_s=settings.max_load_age_s, ledger=ledger,
                          target_ttft_ms=settings.target_ttft,
                          target_tpot_ms=settings.target_tpot,
-                         default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s)
+                         default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
+                         dp_rank_routing=settings.dp_rank_routing)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
@@ -172,6 +175,10 @@ class Service:
     :ivar static_streams: the §8 config lists streams.
     :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
         layer, shown in ``/ready`` and ``/v1/internal/route``.
+    :ivar generations: the requests waiting for xLLM engines' ``Generations`` (§13), where the
+        baidu_std server delivers every entry (empty unless ``--xllm_dispatch native``).
+    :ivar rpc_source_address: this replica's baidu_std ``ip:port`` sent to engines as
+        ``source_xservice_addr`` (§13); ``""`` until the baidu_std server has one.
     """
 
     def __init__(self, settings: ServiceSettings,
@@ -196,6 +203,17 @@ class Service:
         self.cache_audit = CacheAudit(block_sizes(kv_config),
                                       backend_of=_backend_reader(self.registry))
         self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
+        self.generations = PendingRequests()
+        self.rpc_source_address = ""
+        if settings.xllm_dispatch == "native":
+            registry = self.registry
+            self.router.xllm = XllmDispatcher(
+                HttpJsonCaller(settings.upstream_connect_timeout_s,
+                               pool_maxsize=settings.worker_threads),
+                self.generations,
+                registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
+                self.router.in_flight, self.router.proxy.observer,
+                settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
         self.models: Optional[ModelLister] = (
             ModelLister(self.registry) if self.registry is not None and not self.router.models
             else None)

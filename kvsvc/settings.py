@@ -66,6 +66,9 @@ ENV_PREFIX = "KVSVC_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: Accepted ``--log_format`` values.
 LOG_FORMATS = ("json", "text")
+#: ``--xllm_dispatch`` values (§13): ``native`` sends requests for ``backend_type`` "xllm" over
+#: xLLM's API service and writes the answer from Generations; ``http`` relays them over HTTP.
+XLLM_DISPATCH_MODES = ("http", "native")
 
 #: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
 class PolicyName(enum.StrEnum):
@@ -237,6 +240,17 @@ class ServiceSettings(BaseSettings):
         "heartbeat, or an `XLLM:LOADMETRICS` value read from etcd) is at most this old; keep "
         "it above the engines' heartbeat period and the master's 3 s `XLLM:LOADMETRICS` "
         "period (see \"Routing\")", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
+    dp_rank_routing: Annotated[bool, Setting(
+        SECTION_ROUTING, "CAR and TTFT score each (instance, DP rank) pair of a backend that "
+        "honours a rank (`vllm`, `sglang`) with that rank's own hits and load, and send the "
+        "request with `X-data-parallel-rank`; off: the §11 minimum over ranks (§15)")] = True
+    load_scrape_backends: Annotated[str, Setting(
+        SECTION_ROUTING, "comma-separated `backend_type`s whose load is read from their "
+        "Prometheus text at `http://<instance>/metrics` (vLLM and SGLang metric names, §15); "
+        "empty: heartbeats only")] = "vllm,sglang"
+    load_scrape_interval_ms: Annotated[int, Field(ge=50, le=60_000), Setting(
+        SECTION_ROUTING, "period of the `/metrics` scrapes of `--load_scrape_backends` "
+        "instances; keep it well below `--max_load_age_s`", unit="ms")] = 500
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "
@@ -244,6 +258,12 @@ class ServiceSettings(BaseSettings):
     model: Annotated[str, Setting(
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
         "empty accepts any")] = ""
+    xllm_dispatch: Annotated[str, Setting(
+        SECTION_ROUTING, "how requests reach instances of `backend_type` \"xllm\": `native` "
+        "calls the engine's `xllm.proto.XllmAPIService` and writes the answer from its "
+        "`Generations` (real xLLM engines, §13; needs token ids, i.e. `--tokenizer_path` for "
+        "text); `http` relays the OpenAI request over HTTP (the simulated engine's HTTP mode); "
+        "vLLM and SGLang are always relayed", choices=XLLM_DISPATCH_MODES)] = "http"
     upstream_connect_timeout_s: Annotated[float, Field(gt=0, le=600), Setting(
         SECTION_ROUTING, "TCP connect bound of one upstream attempt", unit="s")] = 2.0
     upstream_read_timeout_s: Annotated[float, Field(gt=0, le=86400), Setting(
@@ -266,6 +286,13 @@ class ServiceSettings(BaseSettings):
             raise ValueError(UNSUPPORTED_POLICIES[value])
         if value not in POLICY_NAMES:
             raise ValueError(f"must be {' or '.join(POLICY_NAMES)}, got {value!r}")
+        return value
+
+    @field_validator("xllm_dispatch")
+    @classmethod
+    def _xllm_dispatch(cls, value: str) -> str:
+        if value not in XLLM_DISPATCH_MODES:
+            raise ValueError(f"must be one of {', '.join(XLLM_DISPATCH_MODES)}, got {value!r}")
         return value
 
     @field_validator("log_format")

@@ -5,12 +5,18 @@
 - ``no_thread_leak`` (autouse): fails a test that leaves a thread running (every thread a test
   starts must be stopped by its owner's ``close()``).
 - ``zmq_ctx``: a ZMQ context per test.
-- ``etcd_server``: a real etcd on free loopback ports (``tests/etcd_server.py``); ``etcd``: a
+- ``etcd_server``: a real etcd on free loopback ports (``tests/support/etcd_server.py``); ``etcd``: a
   client of it.
-- ``raw_engine``: a protocol publisher (``tests/publisher.py``) on free loopback ports.
+- ``raw_engine``: a protocol publisher (``tests/support/publisher.py``) on free loopback ports.
 
-Support modules beside this file: ``util.py`` (bounded waits, free ports), ``publisher.py``
-(engines built from PROTOCOL.md), ``etcd_server.py``.
+Shared helpers live in the package ``tests/support/`` (bounded waits and free ports, engines built
+from PROTOCOL.md, etcd, gunicorn, upstreams, ...); no test module imports another test module
+(``tests/unit/test_suite_layout.py`` checks it).
+
+Markers (registered in pyproject.toml, ``--strict-markers``): ``etcd`` (needs a real etcd: given
+automatically to every test using an etcd fixture; skipped when the binary is missing, failed
+instead under ``CI``) and ``slow`` (over ~30 s). Tiers: ``make test-fast`` is ``tests/unit`` (no
+sockets, no sleeps: ``tests/unit/conftest.py`` refuses both), ``make test`` is everything.
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ from typing import Iterator
 
 import pytest
 import zmq
+
+
+#: Fixtures that start or use a real etcd: a test requesting one is marked ``etcd``.
+ETCD_FIXTURES = frozenset({"etcd_server", "etcd"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test using an etcd fixture carries the ``etcd`` marker, so ``-m "not etcd"`` and
+    ``-m etcd`` select by what a test needs, whoever wrote it."""
+    for item in items:
+        if ETCD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.etcd)
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``etcd`` is skipped when the etcd binary is missing, and failed instead
+    under ``CI`` (CI must install ``etcd-server``; a missing dependency never goes green)."""
+    if item.get_closest_marker("etcd") is not None:
+        from tests.support.etcd_server import require_etcd_binary
+
+        require_etcd_binary()
 
 
 @pytest.fixture(autouse=True)
@@ -58,9 +85,9 @@ def no_thread_leak():
 
 @pytest.fixture
 def etcd_server():
-    """A real etcd on free loopback ports with a temporary data dir (tests/etcd_server.py);
+    """A real etcd on free loopback ports with a temporary data dir (tests/support/etcd_server.py);
     skipped when the binary is missing, failed instead under ``CI``. Stopped and removed after."""
-    from tests.etcd_server import EtcdServer, require_etcd_binary
+    from tests.support.etcd_server import EtcdServer, require_etcd_binary
 
     server = EtcdServer(require_etcd_binary())
     try:
@@ -82,10 +109,10 @@ def etcd(etcd_server) -> Iterator[object]:
 
 @pytest.fixture
 def raw_engine(zmq_ctx):
-    """A started :class:`tests.publisher.ProtocolPublisher` on free loopback ports (a protocol
+    """A started :class:`tests.support.publisher.ProtocolPublisher` on free loopback ports (a protocol
     engine whose every batch the test chooses), closed after the test."""
-    from tests.publisher import ProtocolPublisher
-    from tests.util import free_ports
+    from tests.support.publisher import ProtocolPublisher
+    from tests.support.util import free_ports
 
     event_port, replay_port = free_ports(2)
     pub = ProtocolPublisher(zmq_ctx, event_port, replay_port).start()

@@ -44,19 +44,47 @@ class InstanceState(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class LoadMetrics:
-    """The latest load report of an instance (§9).
+class RankLoad:
+    """One DP rank's part of a load report, where the engine reports per rank (§15: vLLM's
+    ``engine`` label, SGLang's ``dp_rank`` label).
 
-    :ivar waiting_requests_num: queued requests, >= 0.
+    :ivar dp_rank: the rank, >= 0.
+    :ivar waiting_requests_num: requests queued on that rank, >= 0.
+    :ivar gpu_cache_usage_perc: that rank's Device KV-cache usage, a fraction in [0, 1].
+    """
+
+    dp_rank: int
+    waiting_requests_num: int
+    gpu_cache_usage_perc: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadMetrics:
+    """The latest load report of an instance (§9, §15).
+
+    :ivar waiting_requests_num: queued requests, >= 0 (all ranks together).
     :ivar gpu_cache_usage_perc: Device KV-cache usage, a fraction in [0, 1] (a reported value
         above 1 is kept as 1.0, :func:`check_load`).
-    :ivar received_at: ``time.monotonic()`` seconds when this process received it (heartbeat or
-        a new ``XLLM:LOADMETRICS`` revision).
+    :ivar received_at: ``time.monotonic()`` seconds when this process received it (heartbeat, a
+        new ``XLLM:LOADMETRICS`` revision or a ``/metrics`` scrape).
+    :ivar ranks: per-rank values in rank order when the report had them (a scrape of an engine
+        labelling its ranks, §15); empty otherwise.
+    :ivar source: ``"heartbeat"``, ``"etcd"`` or ``"scrape"``.
     """
 
     waiting_requests_num: int
     gpu_cache_usage_perc: float
     received_at: float
+    ranks: tuple[RankLoad, ...] = ()
+    source: str = "heartbeat"
+
+    def rank(self, dp_rank: int) -> Optional[RankLoad]:
+        """The report's values for ``dp_rank``, ``None`` when it has no per-rank values for
+        it."""
+        for r in self.ranks:
+            if r.dp_rank == dp_rank:
+                return r
+        return None
 
     def age_s(self, now: float) -> float:
         """Seconds since this process received the report, at ``now`` (monotonic s)."""

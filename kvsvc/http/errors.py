@@ -29,6 +29,7 @@ from werkzeug.wrappers import Response as WerkzeugResponse
 
 from kvsvc.errors import (
     BadRequest,
+    ClientGone,
     HeartbeatRejected,
     InvalidHeartbeat,
     NoCandidate,
@@ -59,6 +60,8 @@ STATUS: dict[type[Exception], int] = {
     NoRegistry: 503,
     NoCandidate: 503,
     UpstreamTimeout: 504,
+    # nginx's "client closed request": written to nobody, counted as ``client_closed``.
+    ClientGone: 499,
     # Bases, for a kind added without an entry of its own.
     HeartbeatRejected: 400,
     RequestError: 400,
@@ -132,11 +135,12 @@ def register(app: flask.Flask) -> None:
     """Install the app-wide JSON error handlers on ``app``."""
     app.register_error_handler(RequestError, _kvsvc_error)
     app.register_error_handler(UpstreamError, _kvsvc_error)
+    app.register_error_handler(ClientGone, _kvsvc_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
 
 
-def _kvsvc_error(exc: RequestError | UpstreamError) -> flask.Response:
+def _kvsvc_error(exc: RequestError | UpstreamError | ClientGone) -> flask.Response:
     status = status_of(exc)
     if not is_openai_path(request.path):
         response = flask.jsonify(error=exc.message)

@@ -278,6 +278,10 @@ class ServiceCollector(Collector):
             "kvsvc_proxy_upstream_retries_total",
             "Upstream attempts on the next-best prefill after one failed before the "
             "first byte.", svc.router.proxy.retries())
+        yield CounterMetricFamily(
+            "kvsvc_proxy_client_cancelled_total",
+            "Upstream attempts cancelled because the client went away before the response "
+            "head (the upstream connection closed, §15).", svc.router.proxy.client_gone())
         yield self._upstream_errors(svc)
         yield from self._cache_audit(svc)
         yield from self._overlays(svc)

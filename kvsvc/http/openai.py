@@ -29,9 +29,16 @@ every error under ``/v1/`` except ``/v1/internal/*``) with the status of
 404 unknown model, 405 wrong method, 413 too large, 503 no candidate, 502/504 no upstream
 answered.
 
+Client going away (§15): while the upstream prepares its response head, the client's
+connection (gunicorn's ``gunicorn.socket``) is watched (:class:`~kvsvc.routing.proxy.ClientWatch`);
+when it closes, the upstream connection is closed, which cancels the request on the engine, and
+nothing is answered. A streamed answer's client going away closes the relay, which closes the
+upstream connection too.
+
 Metrics (:class:`kvsvc.http.metrics.Metrics`): every answer of the two proxied endpoints counts
 in ``kvsvc_proxy_requests_total`` by endpoint and status (a streamed one when its relay ends, as
-``upstream_broken`` when the upstream broke it); an answer relayed from an upstream is timed
+``upstream_broken`` when the upstream broke it; ``client_closed`` when the client went away
+before the head or before the end of its stream); an answer relayed from an upstream is timed
 from the request's start to its last byte (``kvsvc_proxy_request_duration_seconds``), a streamed
 one also to its first SSE data event (``kvsvc_proxy_time_to_first_token_seconds``).
 """
@@ -60,7 +67,7 @@ from kvsvc.http.extensions import router, service
 from kvsvc.http.metrics import metrics
 from kvsvc.routing.cache_audit import prediction
 from kvsvc.routing.policy import Decision
-from kvsvc.routing.proxy import UpstreamBody
+from kvsvc.routing.proxy import ClientWatch, UpstreamBody
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,12 @@ _PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
 #: ``code`` of the SSE error event of a broken stream, and its status label in
 #: ``kvsvc_proxy_requests_total``.
 UPSTREAM_BROKEN = "upstream_broken"
+#: Status label of ``kvsvc_proxy_requests_total`` for an answer nobody waited for: the client
+#: went away before the head (non-streamed, :class:`~kvsvc.errors.ClientGone`, status 499) or
+#: during the relay (streamed) (§15).
+CLIENT_CLOSED = "client_closed"
+#: WSGI environ key of the client's socket (gunicorn's workers set it).
+CLIENT_SOCKET = "gunicorn.socket"
 #: ``flask.g`` keys: the request's start (``time.monotonic()``), and "counted when the relay
 #: ends" (streamed answers are counted by their relay, not by ``after_request``).
 _STARTED = "kvsvc_started"
@@ -117,8 +130,17 @@ def _count_proxied(response: flask.Response) -> flask.Response:
     relay counts when it ends."""
     endpoint = _PROXIED.get(request.path)
     if endpoint is not None and not flask.g.get(_COUNTED_AT_END):
-        metrics().proxied.labels(endpoint, str(response.status_code)).inc()
+        status = response.status_code
+        metrics().proxied.labels(endpoint, CLIENT_CLOSED if status == 499 else str(status)
+                                 ).inc()
     return response
+
+
+def client_watch() -> Optional[ClientWatch]:
+    """The watch of the current request's client connection (§15), ``None`` when the WSGI
+    server does not expose its socket (Flask's test client, werkzeug's dev server)."""
+    sock = request.environ.get(CLIENT_SOCKET)
+    return ClientWatch(sock) if sock is not None else None
 
 
 def sse_error_event(exc: UpstreamError) -> bytes:
@@ -192,7 +214,7 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
     decision = instruments.decide(routing, token_ids)
     query = request.query_string.decode("latin-1")
     routed = routing.forward(decision, path + ("?" + query if query else ""), body, doc,
-                             list(request.headers.items()))
+                             list(request.headers.items()), client_watch(), token_ids)
     reply = routed.reply
     try:
         headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
@@ -210,7 +232,8 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
             # that releases the request's in-flight count, then counts and times the answer.
             status = str(reply.status)
             reply.body.when_closed(lambda end: instruments.relayed(
-                endpoint, UPSTREAM_BROKEN if end.broken else status, started, end))
+                endpoint, UPSTREAM_BROKEN if end.broken
+                else status if end.complete else CLIENT_CLOSED, started, end))
             response = flask.Response(StreamRelay(reply.body, reply.is_event_stream),
                                       status=reply.status, headers=headers,
                                       direct_passthrough=True)

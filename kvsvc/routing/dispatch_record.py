@@ -52,7 +52,7 @@ def dispatch_ranks(decision: Any, info: RequestInfo) -> list[tuple[int, int]]:
     """
     cand = decision.prefill_candidate(info.prefill)
     ranks = cand.ranks if cand is not None else ()
-    chosen: Optional[int] = getattr(info, "dp_rank", None)
+    chosen = info.dp_rank
     if chosen is not None:
         for r in ranks:
             if r.dp_rank == chosen:

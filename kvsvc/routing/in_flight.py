@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from kvsvc.cluster.model import Instance
 
@@ -40,6 +40,20 @@ class InFlightSnapshot:
 
     dispatched_at: Mapping[str, tuple[float, ...]] = field(
         default_factory=lambda: MappingProxyType({}))
+    #: ``(host:port, dp_rank)`` -> the same, for the requests sent to one DP rank with
+    #: ``X-data-parallel-rank`` (§15); requests sent without a rank are absent.
+    by_rank: Mapping[tuple[str, int], tuple[float, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def rank_total(self, name: str, dp_rank: int) -> int:
+        """Requests in flight to rank ``dp_rank`` of ``name`` (sent with that rank)."""
+        return len(self.by_rank.get((name, dp_rank), ()))
+
+    def rank_after(self, name: str, dp_rank: int, since: float) -> int:
+        """Requests in flight to rank ``dp_rank`` of ``name`` dispatched strictly after
+        ``since`` (monotonic s)."""
+        times = self.by_rank.get((name, dp_rank), ())
+        return len(times) - bisect.bisect_right(times, since)
 
     def total(self, name: str) -> int:
         """Requests in flight to ``name``."""
@@ -61,19 +75,21 @@ class Dispatch:
     Built by :meth:`InFlight.begin` only.
     """
 
-    __slots__ = ("_ledger", "_key", "names")
+    __slots__ = ("_ledger", "_key", "names", "rank")
 
-    def __init__(self, ledger: "InFlight", key: int, names: tuple[str, ...]) -> None:
+    def __init__(self, ledger: "InFlight", key: int, names: tuple[str, ...],
+                 rank: Optional[tuple[str, int]] = None) -> None:
         self._ledger = ledger
         self._key = key
         self.names = names
+        self.rank = rank
 
     def release(self) -> bool:
         """Stop counting this request. Idempotent and thread-safe: only the first call counts.
 
         :returns: True on the call that released it, False on later calls.
         """
-        return self._ledger._end(self._key, self.names)
+        return self._ledger._end(self._key, self.names, self.rank)
 
 
 class InFlight:
@@ -94,12 +110,15 @@ class InFlight:
         # name -> dispatch key -> dispatch time. Times are taken under the lock, so each dict
         # is in ascending time order (insertion order survives deletions).
         self._open: dict[str, dict[int, float]] = {}
+        self._open_rank: dict[tuple[str, int], dict[int, float]] = {}
 
-    def begin(self, names: Sequence[str]) -> Dispatch:
+    def begin(self, names: Sequence[str], rank: Optional[tuple[str, int]] = None) -> Dispatch:
         """Count one request as in flight on each of ``names`` (e.g. its P and its D), from
         now.
 
         :param names: instance ``host:port`` names; duplicates count once.
+        :param rank: ``(host:port, dp_rank)`` when the request is sent to one DP rank
+            (``X-data-parallel-rank``, §15): counted for that rank too.
         :returns: the handle whose :meth:`Dispatch.release` ends the count.
         """
         unique = tuple(dict.fromkeys(names))
@@ -108,9 +127,12 @@ class InFlight:
             now = self._clock()
             for name in unique:
                 self._open.setdefault(name, {})[key] = now
-        return Dispatch(self, key, unique)
+            if rank is not None:
+                self._open_rank.setdefault(rank, {})[key] = now
+        return Dispatch(self, key, unique, rank)
 
-    def _end(self, key: int, names: tuple[str, ...]) -> bool:
+    def _end(self, key: int, names: tuple[str, ...],
+             rank: Optional[tuple[str, int]] = None) -> bool:
         ended = False
         with self._lock:
             for name in names:
@@ -119,6 +141,11 @@ class InFlight:
                     ended = True
                     if not open_:
                         del self._open[name]
+            if rank is not None:
+                by_rank = self._open_rank.get(rank)
+                if by_rank is not None and by_rank.pop(key, None) is not None \
+                        and not by_rank:
+                    del self._open_rank[rank]
         return ended
 
     def counts(self) -> dict[str, int]:
@@ -130,7 +157,8 @@ class InFlight:
         """The dispatch times of every request in flight (copied under the lock)."""
         with self._lock:
             copy = {name: tuple(open_.values()) for name, open_ in self._open.items()}
-        return InFlightSnapshot(MappingProxyType(copy))
+            ranks = {key: tuple(open_.values()) for key, open_ in self._open_rank.items()}
+        return InFlightSnapshot(MappingProxyType(copy), MappingProxyType(ranks))
 
 
 def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
@@ -151,4 +179,26 @@ def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
     unreported = in_flight.after(inst.name, inst.load.received_at)
     if reported == 0:
         return max(0, unreported - 1)
+    return reported + unreported
+
+
+def rank_waiting_estimate(inst: Instance, dp_rank: int, in_flight: InFlightSnapshot) -> float:
+    """CAR's ``waiting`` of one (instance, DP rank) pair (§15), the rule of
+    :func:`waiting_estimate` applied to that rank: the rank's reported queue (its own value
+    when the load report has per-rank values, else the instance's queue shared evenly over
+    its ranks) plus the requests this worker sent to that rank after the report and still in
+    flight, less one after a report of an empty queue.
+
+    :returns: requests, >= 0 (a float: the even share need not be whole); 0 without a load
+        report.
+    """
+    load = inst.load
+    if load is None:
+        return 0.0
+    own = load.rank(dp_rank)
+    reported = (float(own.waiting_requests_num) if own is not None
+                else load.waiting_requests_num / max(1, inst.dp_size))
+    unreported = in_flight.rank_after(inst.name, dp_rank, load.received_at)
+    if reported == 0:
+        return float(max(0, unreported - 1))
     return reported + unreported

@@ -67,6 +67,8 @@ class RequestInfo:
         module imports nothing of the policies), ``None`` when unknown.
     :ivar streamed: the client asked for a stream (``"stream": true``): its first token is
         heard when it is relayed; otherwise only the end is heard.
+    :ivar dp_rank: the DP rank the attempt was sent to (``X-data-parallel-rank``, §15),
+        ``None`` when it carried none.
     """
 
     attempt_id: int
@@ -78,6 +80,7 @@ class RequestInfo:
     dispatched_at: float = field(default_factory=time.monotonic)
     decision: Any = None
     streamed: bool = True
+    dp_rank: Optional[int] = None
 
 
 class RequestObserver(Protocol):

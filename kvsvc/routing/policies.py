@@ -36,7 +36,8 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
                 ledger: Optional[RequestMetricsLedger] = None,
                 target_ttft_ms: int = DEFAULT_TARGET_TTFT_MS,
                 target_tpot_ms: int = DEFAULT_TARGET_TPOT_MS,
-                default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> Policy:
+                default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                dp_rank_routing: bool = True) -> Policy:
     """The policy selected by ``--load_balance_policy`` (xllm-service's names, plus TTFT).
 
     :param name: ``RR``, ``CAR``, ``SLO_AWARE`` or ``TTFT``.
@@ -48,6 +49,7 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     :param target_ttft_ms: ``--target_ttft``, SLO_AWARE.
     :param target_tpot_ms: ``--target_tpot``, SLO_AWARE.
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, TTFT.
+    :param dp_rank_routing: ``--dp_rank_routing`` (§15), CAR and TTFT.
     :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
     """
     if name in UNSUPPORTED_POLICIES:
@@ -57,9 +59,10 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
         log.info("routing policy RR (max load age %g s)", rr.max_load_age_s)
         return rr
     if name == PolicyName.CAR:
-        policy = CacheAware(prefill_lambda, host_hit_weight, max_load_age_s)
-        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f, max load age %g s)",
-                 policy.prefill_lambda, policy.host_hit_weight, policy.max_load_age_s)
+        policy = CacheAware(prefill_lambda, host_hit_weight, max_load_age_s, dp_rank_routing)
+        log.info("routing policy CAR (lambda %.3f, host hit weight %.3f, max load age %g s, "
+                 "DP-rank routing %s)", policy.prefill_lambda, policy.host_hit_weight,
+                 policy.max_load_age_s, "on" if policy.dp_rank_routing else "off")
         # CAR without a KV index is warned about by the service once, at start (it is built
         # twice under `serve`: to validate, then in the worker).
         return policy
@@ -70,10 +73,11 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
         return slo
     if name == PolicyName.TTFT:
         ttft = TtftPolicy(ledger, host_hit_weight, default_prefill_tokens_per_s,
-                          max_load_age_s)
+                          max_load_age_s, dp_rank_routing)
         log.info("routing policy TTFT (host hit weight %.3f, default prefill %g tokens/s, "
-                 "max load age %g s)", ttft.host_hit_weight,
-                 ttft.default_prefill_tokens_per_s, ttft.max_load_age_s)
+                 "max load age %g s, DP-rank routing %s)", ttft.host_hit_weight,
+                 ttft.default_prefill_tokens_per_s, ttft.max_load_age_s,
+                 "on" if ttft.dp_rank_routing else "off")
         return ttft
     raise ConfigError("--load_balance_policy",
                       f"must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

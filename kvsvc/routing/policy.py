@@ -60,7 +60,12 @@ from kvsvc.settings import (
     MAX_LOAD_AGE_RANGE_S,
     PolicyName,
 )
-from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot, waiting_estimate
+from kvsvc.routing.in_flight import (
+    NO_IN_FLIGHT,
+    InFlightSnapshot,
+    rank_waiting_estimate,
+    waiting_estimate,
+)
 from kvsvc.streams.state import StreamId, StreamMatch
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,10 @@ TIE_EPSILON = 1e-9
 #: Side labels of :class:`CandidateScore`.
 PREFILL_SIDE = "P"
 DECODE_SIDE = "D"
+
+#: ``backend_type`` values (§9) whose engines honour the request header
+#: ``X-data-parallel-rank`` (§15): vLLM and SGLang read it and run the request on that rank.
+RANK_HEADER_BACKENDS = frozenset({"vllm", "sglang"})
 
 #: Why a rank counts 0 hits (``RankHit.reason``).
 REASON_MISSING = "missing"
@@ -140,6 +149,12 @@ class CandidateScore:
         predicted_prefill_ms`` (TTFT's score), milliseconds; ``None`` otherwise.
     :ivar predicted_tpot_ms: SLO_AWARE, D side: the predicted time per output token with
         this request added (truncated to whole ms, as the source), ``None`` otherwise.
+    :ivar dp_rank: P side under DP-rank routing (§15): the DP rank this candidate is, one
+        candidate per (instance, rank) pair, scored with that rank's hits (``ranks`` holds
+        that one rank) and load (``waiting_requests_num``, ``gpu_cache_usage_perc`` and the
+        in-flight counts are the rank's: its own values when the engine reports per rank,
+        else the instance's queue shared evenly); ``None`` for a candidate that is a whole
+        instance (§11's minimum over its ranks).
     """
 
     name: str
@@ -157,10 +172,11 @@ class CandidateScore:
     predicted_prefill_ms: Optional[float] = None
     predicted_ttft_ms: Optional[float] = None
     predicted_tpot_ms: Optional[float] = None
+    dp_rank: Optional[int] = None
 
     def to_json(self) -> dict:
         """JSON object of this candidate (``POST /v1/internal/route``)."""
-        return {"name": self.name, "side": self.side,
+        return {"name": self.name, "side": self.side, "dp_rank": self.dp_rank,
                 "ranks": [r.to_json() for r in self.ranks], "hit_ratio": self.hit_ratio,
                 "queue_cost": self.queue_cost, "score": self.score, "tied": self.tied,
                 "waiting_requests_num": self.waiting_requests_num,
@@ -191,6 +207,10 @@ class Decision:
         time of this request there, milliseconds (SLO_AWARE's ``estimated_ttft``, TTFT's
         ``ttft_P(uncached)``, §12), handed to the request observers at dispatch
         (:class:`~kvsvc.routing.observer.RequestInfo`); empty for RR and CAR.
+    :ivar prefill_ranks: P instance ``host:port`` -> the DP rank the request goes to there
+        (its best-scored pair, §15), for the instances scored per (instance, rank) pair; the
+        request is sent with ``X-data-parallel-rank`` set to it. Instances absent here get
+        no rank header (the engine picks the rank).
     :ivar prompt: the prompt's content keys as the directory's query computed them
         (:meth:`kvsvc.directory.Directory.query_prompt`), set by the router: what the dispatch
         records in the chosen stream's approximate index or pending blocks (§14, §16);
@@ -207,12 +227,24 @@ class Decision:
     excluded: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     prefill_estimates_ms: Mapping[str, float] = field(
         default_factory=lambda: MappingProxyType({}))
+    prefill_ranks: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     prompt: Optional[PromptKeys] = None
 
+    @property
+    def prefill_rank(self) -> Optional[int]:
+        """The DP rank chosen on ``prefill`` (§15), ``None`` when the request carries none."""
+        if self.prefill is None:
+            return None
+        return self.prefill_ranks.get(self.prefill.name)
+
     def prefill_candidate(self, name: str) -> Optional[CandidateScore]:
-        """The P-side candidate ``name`` (``host:port``), ``None`` when it was not one."""
+        """The P-side candidate ``name`` (``host:port``) as the request is sent there: the
+        pair of its chosen DP rank under DP-rank routing (§15), else the instance; ``None``
+        when it was not one."""
+        rank = self.prefill_ranks.get(name)
         for cand in self.candidates:
-            if cand.side == PREFILL_SIDE and cand.name == name:
+            if cand.side == PREFILL_SIDE and cand.name == name and (
+                    rank is None or cand.dp_rank == rank):
                 return cand
         return None
 
@@ -221,6 +253,7 @@ class Decision:
         object ``{"host:port": "reason"}``."""
         return {"policy": self.policy,
                 "prefill": self.prefill.name if self.prefill is not None else None,
+                "prefill_dp_rank": self.prefill_rank,
                 "decode": self.decode.name if self.decode is not None else None,
                 "input_tokens": self.input_tokens,
                 "candidates": [c.to_json() for c in self.candidates],
@@ -489,25 +522,124 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
     return tuple(out)
 
 
+def rank_routed(instance: Instance, enabled: bool) -> bool:
+    """True when ``instance`` is scored per (instance, DP rank) pair and sent to one rank
+    (§15): DP-rank routing ``enabled`` (``--dp_rank_routing``), more than one rank, and its
+    ``backend_type`` in :data:`RANK_HEADER_BACKENDS`. Every other instance keeps §11's
+    minimum over its ranks (with one rank that is the rank; no header is sent)."""
+    return enabled and instance.dp_size > 1 and instance.backend_type in RANK_HEADER_BACKENDS
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEntry:
+    """One P-side unit a policy scores: a whole instance (``dp_rank`` ``None``, ``ranks``
+    all of its DP ranks, hit = their minimum, §11) or one (instance, rank) pair (§15:
+    ``ranks`` holds that rank only).
+
+    :ivar instance: the P candidate.
+    :ivar dp_rank: the pair's rank, ``None`` for a whole instance.
+    :ivar ranks: the ranks whose hits count (the minimum over them is the hit).
+    """
+
+    instance: Instance
+    dp_rank: Optional[int]
+    ranks: tuple[RankHit, ...]
+
+    @property
+    def hit_ratio(self) -> float:
+        """The §11 hit ratio of the entry: the minimum over :attr:`ranks`."""
+        return min(r.hit_ratio for r in self.ranks)
+
+    def waiting(self, in_flight: InFlightSnapshot) -> float:
+        """CAR's ``waiting`` of the entry (:func:`waiting_estimate`, per rank
+        :func:`rank_waiting_estimate`)."""
+        if self.dp_rank is None:
+            return float(waiting_estimate(self.instance, in_flight))
+        return rank_waiting_estimate(self.instance, self.dp_rank, in_flight)
+
+    def candidate(self, in_flight: InFlightSnapshot, hit: Optional[float],
+                  queue_cost: Optional[float], score: Optional[float], tied: bool,
+                  **extra: Optional[float]) -> CandidateScore:
+        """The entry as a :class:`CandidateScore` (a pair shows its rank's load)."""
+        inst, load = self.instance, self.instance.load
+        assert load is not None  # candidate_pools keeps only instances with a load
+        waiting, usage = load.waiting_requests_num, load.gpu_cache_usage_perc
+        total = in_flight.total(inst.name)
+        after = in_flight.after(inst.name, load.received_at)
+        if self.dp_rank is not None:
+            own = load.rank(self.dp_rank)
+            if own is not None:
+                waiting, usage = own.waiting_requests_num, own.gpu_cache_usage_perc
+            total = in_flight.rank_total(inst.name, self.dp_rank)
+            after = in_flight.rank_after(inst.name, self.dp_rank, load.received_at)
+        return CandidateScore(inst.name, PREFILL_SIDE, self.ranks, hit, queue_cost, score,
+                              tied, waiting, usage, total, after, dp_rank=self.dp_rank,
+                              **extra)
+
+
+def prefill_entries(pool: Sequence[Instance], token_ids: Optional[Sequence[int]],
+                    matches: Optional[list[StreamMatch]], identities: Optional[Identities],
+                    host_weight: float, dp_rank_routing: bool) -> list[PrefillEntry]:
+    """The P side's scored units, in pool order: one :class:`PrefillEntry` per rank of a
+    :func:`rank_routed` instance (rank order), one per other instance."""
+    by_stream = (None if matches is None else
+                 {(m.instance_name, m.dp_rank): m for m in matches})
+    out: list[PrefillEntry] = []
+    for inst in pool:
+        ranks = rank_hits(inst, token_ids, by_stream, identities, host_weight)
+        if rank_routed(inst, dp_rank_routing):
+            out.extend(PrefillEntry(inst, r.dp_rank, (r,)) for r in ranks)
+        else:
+            out.append(PrefillEntry(inst, None, ranks))
+    return out
+
+
+def entry_ranking(entries: Sequence[PrefillEntry], order: Sequence[int]
+                  ) -> tuple[tuple[Instance, ...], Mapping[str, int]]:
+    """The instances in the order of their best entry (a retry goes to another instance, not
+    to another rank of the one that failed) and each pair-scored instance's best rank."""
+    ranking: list[Instance] = []
+    ranks: dict[str, int] = {}
+    seen: set[str] = set()
+    for i in order:
+        e = entries[i]
+        if e.instance.name in seen:
+            continue
+        seen.add(e.instance.name)
+        ranking.append(e.instance)
+        if e.dp_rank is not None:
+            ranks[e.instance.name] = e.dp_rank
+    return tuple(ranking), MappingProxyType(ranks)
+
+
 class CacheAware:
     """``CAR`` (§11): the P candidate with the lowest ``lambda * (1 - kv_hit_ratio) +
     (1 - lambda) * queue_cost`` and the D candidate with the lowest ``gpu_cache_usage_perc +
     waiting / max waiting``; ties (within :data:`TIE_EPSILON` of the minimum) rotate among the
     tied, in name order, one counter per side, advanced only by a tie.
 
+    With DP-rank routing (§15) an instance of a backend in :data:`RANK_HEADER_BACKENDS` is
+    scored per (instance, rank) pair: that rank's hit ratio and that rank's queue
+    (:func:`~kvsvc.routing.in_flight.rank_waiting_estimate`), normalised by the largest
+    ``waiting`` over every P entry; the instance is ranked by its best pair, whose rank the
+    decision carries (:attr:`Decision.prefill_ranks`).
+
     :param prefill_lambda: ``--car_prefill_lambda``, in [0, 1] (1: cache only, 0: queue only).
     :param host_hit_weight: ``--car_host_hit_weight``, weight of Host-only hit tokens, [0, 1].
     :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
+    :param dp_rank_routing: ``--dp_rank_routing`` (§15).
     :raises ConfigError: a CAR weight outside [0, 1], ``max_load_age_s`` out of range.
     """
 
     name = PolicyName.CAR.value
 
     def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
-                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
+                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
+                 dp_rank_routing: bool = True) -> None:
         self.prefill_lambda = _check_unit("car_prefill_lambda", prefill_lambda)
         self.host_hit_weight = _check_unit("car_host_hit_weight", host_hit_weight)
         self.max_load_age_s = check_max_load_age(max_load_age_s)
+        self.dp_rank_routing = bool(dp_rank_routing)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
 
@@ -516,35 +648,29 @@ class CacheAware:
                identities: Optional[Identities] = None,
                in_flight: InFlightSnapshot = NO_IN_FLIGHT, *, now: float) -> Decision:
         """See :meth:`Policy.choose`. ``waiting`` in both queue terms is
-        :func:`waiting_estimate` (the reported value when nothing is in flight)."""
+        :func:`waiting_estimate` (the reported value when nothing is in flight; per pair
+        :func:`~kvsvc.routing.in_flight.rank_waiting_estimate`)."""
         pools = candidate_pools(snapshot, now, self.max_load_age_s)
         n_tokens = len(token_ids) if token_ids is not None else 0
         if not pools.prefill:
             return Decision(self.name, None, None, (), (), n_tokens, pools.reason,
                             pools.excluded)
-        by_stream = (None if matches is None else
-                     {(m.instance_name, m.dp_rank): m for m in matches})
         lam = self.prefill_lambda
-        queue = _queue_costs(pools.prefill, in_flight)
-        p_scored: list[tuple[float, Instance, tuple[RankHit, ...], float, float]] = []
-        for inst, q in zip(pools.prefill, queue):
-            ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
-            hit = min(r.hit_ratio for r in ranks)
-            p_scored.append((lam * (1.0 - hit) + (1.0 - lam) * q, inst, ranks, hit, q))
-        p_order, p_tied = self._pick([s[0] for s in p_scored], PREFILL_SIDE)
-        cands: list[CandidateScore] = []
-        for i in p_order:
-            score, inst, ranks, hit, q = p_scored[i]
-            assert inst.load is not None  # candidate_pools keeps only instances with a load
-            cands.append(CandidateScore(inst.name, PREFILL_SIDE, ranks, hit, q, score,
-                                        i in p_tied, inst.load.waiting_requests_num,
-                                        inst.load.gpu_cache_usage_perc,
-                                        in_flight.total(inst.name),
-                                        in_flight.after(inst.name, inst.load.received_at)))
-        ranking = tuple(p_scored[i][1] for i in p_order)
+        entries = prefill_entries(pools.prefill, token_ids, matches, identities,
+                                  self.host_hit_weight, self.dp_rank_routing)
+        waits = [e.waiting(in_flight) for e in entries]
+        top = max(waits, default=0.0)
+        queue = [w / top if top > 0 else 0.0 for w in waits]
+        hits = [e.hit_ratio for e in entries]
+        scores = [lam * (1.0 - h) + (1.0 - lam) * q for h, q in zip(hits, queue)]
+        p_order, p_tied = self._pick(scores, PREFILL_SIDE)
+        cands: list[CandidateScore] = [
+            entries[i].candidate(in_flight, hits[i], queue[i], scores[i], i in p_tied)
+            for i in p_order]
+        ranking, ranks = entry_ranking(entries, p_order)
         decode = self._choose_decode(pools, in_flight, cands)
         return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens,
-                        excluded=pools.excluded)
+                        excluded=pools.excluded, prefill_ranks=ranks)
 
     def _choose_decode(self, pools: CandidatePools, in_flight: InFlightSnapshot,
                        cands: list[CandidateScore]) -> Optional[Instance]:

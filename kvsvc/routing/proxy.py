@@ -4,10 +4,20 @@ One :class:`Proxy` per app holds a pooled ``requests.Session`` (no environment p
 cookies, no automatic retries) used by request threads concurrently. :meth:`Proxy.forward`
 sends one request with ``stream=True`` and connect/read timeouts:
 
-- an upstream that refuses the connection, fails to connect in time, or sends no response
-  head within the read timeout ("before the first byte") is counted as failed, logged, and the
-  request is sent once more to the next candidate of the policy's ranking; after the response
-  head arrived nothing is retried: the upstream's status, headers and body are passed through;
+- an upstream that refuses the connection, fails to connect in time, or resets / closes the
+  connection before any byte of a response head ("a connection failure before the first
+  byte", e.g. a kept-alive connection the engine had closed) is counted as failed, logged, and
+  the request is sent once more to the next candidate of the policy's ranking. An upstream
+  that accepted the request and sends no head within the read timeout is counted and answered
+  504, never re-sent: it may still be working on it (§15 "client going away"). After the
+  response head arrived nothing is retried: the upstream's status, headers and body are passed
+  through;
+- while waiting for the response head, the client's own connection is watched when the
+  caller hands a :class:`ClientWatch` (:meth:`Proxy.forward`): when the client closes it, the
+  upstream connection is closed at once (vLLM and SGLang abort a request whose connection
+  closes) and :class:`~kvsvc.errors.ClientGone` is raised (§15). The watch is a ``poll`` of
+  both sockets from the request thread, in the pool's connection class
+  (:class:`_WatchedConnection`), so nothing else polls and kept-alive connections stay pooled;
 - a body that breaks after the head (reset, cut short, or no bytes within the read timeout) is
   logged once as a WARNING naming the upstream, the path, the bytes relayed and the error, and
   the relay raises (:meth:`UpstreamBody.__iter__`, :meth:`UpstreamBody.read_all`): the HTTP
@@ -46,20 +56,27 @@ iterator raises the same two after the head (with :attr:`UpstreamBody.broken` se
 
 from __future__ import annotations
 
+import contextvars
 import http.cookiejar
 import logging
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import requests
 import requests.adapters
+import urllib3.connection
+import urllib3.connectionpool
 import urllib3.exceptions
 
-from kvsvc.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from kvsvc.errors import ClientGone, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from kvsvc.routing.in_flight import Dispatch, InFlight
 from kvsvc.routing.observer import (
+    CANCEL_CLIENT_GONE,
     CANCEL_UPSTREAM_FAILED,
     InfoFor,
     RelayTracker,
@@ -83,8 +100,102 @@ READ_CHUNK_BYTES = 64 * 1024
 #: Kinds of upstream error counted per instance (:meth:`Proxy.errors`, the
 #: ``kind`` label of ``kvsvc_proxy_upstream_errors_total``), see the module docstring.
 UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx")
+#: The request header vLLM and SGLang read to run a request on one DP rank (§15).
+DP_RANK_HEADER = "X-data-parallel-rank"
 #: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
 _SSE_DATA = b"data:"
+
+
+#: Poll events that say something happened on the client's connection (data, EOF, reset).
+_CLIENT_EVENTS = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | getattr(
+    select, "POLLRDHUP", 0)
+
+
+class ClientWatch:
+    """The client's connection, watched while its request waits for an upstream (§15).
+
+    :param sock: the client's socket (gunicorn puts it in the WSGI environ as
+        ``gunicorn.socket``); its blocking mode and timeout are left alone (peeks use
+        ``MSG_DONTWAIT``).
+
+    :ivar gone: set once the client was seen gone.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.gone = False
+
+    def client_gone(self) -> Optional[bool]:
+        """Peek at the client's connection without consuming anything: ``True`` when it is
+        closed (EOF) or broken, ``False`` when nothing is there, ``None`` when the client sent
+        more bytes (a pipelined request: it is still there, and its connection cannot be
+        watched further without reading them)."""
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return True if not data else None
+
+    def wait_readable(self, upstream: socket.socket, timeout_s: Optional[float]) -> None:
+        """Return once ``upstream`` has bytes to read (its response head is arriving).
+
+        :param upstream: the upstream connection's socket.
+        :param timeout_s: bound of the wait, seconds; ``None`` waits without one.
+        :raises ClientGone: the client closed its connection first (:attr:`gone` set).
+        :raises TimeoutError: nothing arrived within ``timeout_s`` (urllib3 turns it into its
+            read timeout).
+        """
+        poller = select.poll()
+        up_fd, client_fd = upstream.fileno(), self._sock.fileno()
+        poller.register(up_fd, select.POLLIN | select.POLLPRI | select.POLLERR
+                        | select.POLLHUP)
+        watching = client_fd >= 0
+        if watching:
+            poller.register(client_fd, _CLIENT_EVENTS)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left_ms = (None if deadline is None
+                       else max(0, int((deadline - time.monotonic()) * 1000) + 1))
+            events = poller.poll(left_ms)
+            if not events:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError("timed out waiting for the response head")
+                continue
+            fds = {fd for fd, _ in events}
+            if up_fd in fds:
+                return
+            if watching and client_fd in fds:
+                state = self.client_gone()
+                if state:
+                    self.gone = True
+                    raise ClientGone("client closed its connection")
+                if state is None:
+                    poller.unregister(client_fd)
+                    watching = False
+
+
+#: The watch of the request whose upstream attempt runs on this thread (set around the
+#: ``requests`` call by :meth:`Proxy.forward`, read by :class:`_WatchedConnection`).
+_CLIENT_WATCH: contextvars.ContextVar[Optional[ClientWatch]] = contextvars.ContextVar(
+    "kvsvc_client_watch", default=None)
+
+
+class _WatchedConnection(urllib3.connection.HTTPConnection):
+    """urllib3's connection, whose wait for the response head also watches the client
+    (:class:`ClientWatch`) when one is set for this thread."""
+
+    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+        watch = _CLIENT_WATCH.get()
+        sock = self.sock
+        if watch is not None and sock is not None:
+            watch.wait_readable(sock, sock.gettimeout())
+        return super().getresponse()
+
+
+class _WatchedPool(urllib3.connectionpool.HTTPConnectionPool):
+    ConnectionCls = _WatchedConnection
 
 
 @dataclass(frozen=True)
@@ -365,12 +476,20 @@ class Proxy:
         adapter = requests.adapters.HTTPAdapter(pool_connections=16,
                                                 pool_maxsize=settings.pool_maxsize,
                                                 max_retries=0)
+        adapter.poolmanager.pool_classes_by_scheme = {
+            **adapter.poolmanager.pool_classes_by_scheme, "http": _WatchedPool}
         self._session.mount("http://", adapter)
         self._adapter = adapter
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._errors: dict[tuple[str, str], int] = {}
         self._retries = 0
+        self._client_gone = 0
+
+    def client_gone(self) -> int:
+        """Attempts cancelled because their client went away before the response head."""
+        with self._lock:
+            return self._client_gone
 
     def failures(self) -> dict[str, int]:
         """Upstream ``host:port`` -> attempts that failed before the first byte."""
@@ -403,9 +522,13 @@ class Proxy:
     def forward(self, targets: Sequence[str], path: str, body_for: Callable[[str], bytes],
                 headers: Mapping[str, str], max_attempts: int = 2,
                 companions: Sequence[str] = (),
-                info_for: Optional[InfoFor] = None) -> UpstreamReply:
-        """POST ``path`` to ``targets[0]``; on a refusal or timeout before the response head,
-        once more to ``targets[1]`` (at most ``max_attempts`` upstreams in all).
+                info_for: Optional[InfoFor] = None,
+                dp_ranks: Mapping[str, int] = MappingProxyType({}),
+                client: Optional[ClientWatch] = None) -> UpstreamReply:
+        """POST ``path`` to ``targets[0]``; on a connection failure before any byte of the
+        response head (refused, connect timeout, reset), once more to ``targets[1]`` (at most
+        ``max_attempts`` upstreams in all). A read timeout is not retried: the upstream
+        accepted the request.
 
         :param targets: upstream ``host:port`` names, best first (at least one).
         :param path: request path with query string, e.g. ``/v1/completions``.
@@ -416,8 +539,15 @@ class Proxy:
             D named in a P/D body).
         :param info_for: describes the attempt sent to a target for the proxy's observer
             (``None``: the attempt is not observed).
+        :param dp_ranks: target -> the DP rank to run on there (§15): sent as
+            :data:`DP_RANK_HEADER` (replacing the client's) and counted in flight per rank.
+        :param client: the client's connection, watched while waiting for the head
+            (``None``: not watched).
         :returns: the reply; its body holds the attempt's in-flight count until closed.
-        :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
+        :raises ClientGone: the client went away before the head; the upstream connection
+            was closed (counted in :meth:`client_gone`, the attempt cancelled, not retried).
+        :raises UpstreamTimeout: no head within the read timeout (not retried), or every
+            attempt failed, the last one by a connect timeout.
         :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
         """
         tried: list[str] = []
@@ -425,26 +555,48 @@ class Proxy:
         for target in list(targets)[:max_attempts]:
             tried.append(target)
             data = body_for(target)
-            dispatch = (self.in_flight.begin((target, *companions))
+            rank = dp_ranks.get(target)
+            sent = dict(headers)
+            if rank is not None:
+                sent = {k: v for k, v in sent.items() if k.lower() != DP_RANK_HEADER.lower()}
+                sent[DP_RANK_HEADER] = str(rank)
+            dispatch = (self.in_flight.begin((target, *companions),
+                                             None if rank is None else (target, rank))
                         if self.in_flight is not None else None)
             info = (info_for(target) if info_for is not None and self.observer is not None
                     else None)
             if info is not None:
                 notify(self.observer, "on_dispatch", info)
             try:
-                response = self._session.post(
-                    f"http://{target}{path}", data=data, headers=dict(headers),
-                    stream=True, allow_redirects=False,
-                    timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
+                response = self._post(f"http://{target}{path}", data, sent, client)
+            except ClientGone as exc:
+                if dispatch is not None:
+                    dispatch.release()
+                if info is not None:
+                    notify(self.observer, "on_cancel", info, CANCEL_CLIENT_GONE)
+                with self._lock:
+                    self._client_gone += 1
+                log.info("upstream %s: %s cancelled, the client went away before the response "
+                         "head", target, path)
+                raise ClientGone(f"upstream {target}: cancelled, the client went away") from exc
             except requests.exceptions.ConnectTimeout as exc:
                 last = UpstreamTimeout(f"upstream {target}: connect timed out")
                 why, kind = "connect timeout", "timeout"
                 cause: Exception = exc
             except requests.exceptions.ReadTimeout as exc:
-                last = UpstreamTimeout(f"upstream {target}: no response within "
-                                       f"{self.settings.read_timeout_s} s")
-                why, kind = "read timeout before the first byte", "timeout"
-                cause = exc
+                # The upstream accepted the request: never re-sent to a second one (§15).
+                if dispatch is not None:
+                    dispatch.release()
+                if info is not None:
+                    notify(self.observer, "on_cancel", info,
+                           f"{CANCEL_UPSTREAM_FAILED}: read timeout")
+                self._mark(target, False, "timeout")
+                log.warning("upstream %s: no response head within %s s; not re-sent (it "
+                            "accepted the request)", target, self.settings.read_timeout_s)
+                tried_text = ", ".join(tried)
+                raise UpstreamTimeout(f"upstream {target}: no response within "
+                                      f"{self.settings.read_timeout_s} s (tried {tried_text})"
+                                      ) from exc
             except requests.exceptions.ConnectionError as exc:
                 last = UpstreamUnreachable(f"upstream {target}: connection failed")
                 kind = "refused" if _refused(exc) else "reset"
@@ -492,6 +644,17 @@ class Proxy:
             last.__cause__ = cause
         assert last is not None, "forward() needs at least one target"
         raise type(last)(f"{last.message} (tried {', '.join(tried)})") from last.__cause__
+
+    def _post(self, url: str, data: bytes, headers: Mapping[str, str],
+              client: Optional[ClientWatch]) -> requests.Response:
+        """One upstream POST up to its response head, the client watched meanwhile."""
+        watched = _CLIENT_WATCH.set(client)
+        try:
+            return self._session.post(
+                url, data=data, headers=dict(headers), stream=True, allow_redirects=False,
+                timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
+        finally:
+            _CLIENT_WATCH.reset(watched)
 
     def close(self) -> None:
         """Close the pooled connections. Idempotent."""

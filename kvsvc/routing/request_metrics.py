@@ -99,11 +99,13 @@ class PendingPrefill:
     :ivar estimated_prefill_ms: its predicted prefill time, milliseconds.
     :ivar streamed: its first token will be heard (a non-streamed request stays pending until
         its end, through its decode).
+    :ivar dp_rank: the DP rank it was sent to (§15), ``None`` when sent without one.
     """
 
     dispatched_at: float
     estimated_prefill_ms: float
     streamed: bool = True
+    dp_rank: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +118,14 @@ class PrefillEnd:
     :ivar estimated_prefill_ms: its predicted prefill time, milliseconds.
     :ivar first_token: it ended by its first token (the P's prefill lane was then free), not
         by a cancel.
+    :ivar dp_rank: the DP rank it was sent to (§15), ``None`` when sent without one.
     """
 
     dispatched_at: float
     ended_at: float
     estimated_prefill_ms: float
     first_token: bool
+    dp_rank: Optional[int] = None
 
 
 #: Streamed prefill ends kept per instance (:attr:`RequestMetricsSnapshot.recent`): enough to
@@ -187,7 +191,7 @@ class _Open:
         self.in_prefill = True
         # Built once: every routing decision's snapshot lists it while in prefill.
         self.pending = PendingPrefill(info.dispatched_at, info.estimated_prefill_ms,
-                                      info.streamed)
+                                      info.streamed, info.dp_rank)
         self.decode_added = 0
         # GENERATE tokens, written only by the request's relay thread and without the lock
         # (one call per relayed SSE event: under the lock, 128 relay threads queued on it);
@@ -248,7 +252,7 @@ class RequestMetricsLedger:
             if ends is None:
                 ends = self._recent[info.prefill] = collections.deque(maxlen=RECENT_PREFILL_ENDS)
             ends.append(PrefillEnd(info.dispatched_at, self._clock(),
-                                   info.estimated_prefill_ms, first_token))
+                                   info.estimated_prefill_ms, first_token, info.dp_rank))
         p = self._c(info.prefill)
         p.p_req -= 1
         p.p_tok -= info.prompt_tokens

@@ -27,7 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate
@@ -36,8 +36,11 @@ from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision, Policy, candidate_pools
 from kvsvc.routing.prompt import TokenSource
-from kvsvc.routing.proxy import Proxy, UpstreamReply, upstream_headers
+from kvsvc.routing.proxy import ClientWatch, Proxy, UpstreamReply, upstream_headers
 from kvsvc.streams.state import StreamId, StreamMatch
+
+if TYPE_CHECKING:
+    from kvsvc.routing.xllm_dispatch import XllmDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,9 @@ class Router:
         self._registry = registry
         self._directory = directory
         self._attempt_ids = itertools.count(1)
+        #: Native dispatch to xLLM engines (§13, ``--xllm_dispatch native``), set by the
+        #: service; ``None``: every instance is relayed over HTTP.
+        self.xllm: Optional["XllmDispatcher"] = None
 
     def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
         """Route one prompt with in-process state only (§11); sends nothing.
@@ -153,9 +159,12 @@ class Router:
                                     self.policy.max_load_age_s).excluded)
 
     def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
-                client_headers: Sequence[tuple[str, str]]) -> Routed:
+                client_headers: Sequence[tuple[str, str]],
+                client: Optional[ClientWatch] = None,
+                token_ids: Optional[Sequence[int]] = None) -> Routed:
         """Send one validated OpenAI request as ``decision`` says: to its best P, once more to
-        the next one when the first fails before the response head. Without a D the client's
+        the next one when the first fails before the response head; an instance the
+        decision chose a DP rank on gets it in ``X-data-parallel-rank`` (§15). Without a D the client's
         bytes go up unchanged; with one, ``doc`` plus ``routing`` (naming the P tried). Each
         attempt is described to the proxy's request observer (§12) by a
         :class:`~kvsvc.routing.observer.RequestInfo` naming its P, its D, the prompt's tokens
@@ -167,13 +176,25 @@ class Router:
         :param doc: ``body`` parsed (a JSON object).
         :param client_headers: the client's headers as (name, value) pairs (filtered here,
             :func:`~kvsvc.routing.proxy.upstream_headers`).
+        :param client: the client's connection, watched while the upstream prepares its head
+            (§15); ``None``: not watched.
+        :param token_ids: the prompt's tokens (``None``: unknown); needed when the P is an
+            xLLM engine dispatched natively (:attr:`xllm`, §13), which takes the request over
+            ``XllmAPIService`` instead of HTTP.
         :raises NoCandidate: ``decision`` has no P.
+        :raises ClientGone: the client went away before the head (the upstream cancelled).
+        :raises BadRequest: native xLLM dispatch without token ids, or the engine refused.
         :raises UpstreamTimeout: every attempt failed, the last one by a timeout.
         :raises UpstreamUnreachable: every attempt failed, the last one refused or reset.
         """
         if decision.prefill is None:
             raise NoCandidate(decision.reason)
         decode = decision.decode.name if decision.decode is not None else ""
+        if self.xllm is not None and decision.prefill.backend_type == "xllm":
+            x_request_id = next((v for k, v in client_headers if k.lower() == "x-request-id"),
+                                "")
+            return Routed(decision, self.xllm.forward(decision, path, doc, token_ids,
+                                                      x_request_id, client), decode)
 
         def body_for(target: str) -> bytes:
             if not decode:
@@ -185,16 +206,21 @@ class Router:
             return RequestInfo(next(self._attempt_ids), target, decode, decision.input_tokens,
                                decision.prefill_estimates_ms.get(target, 0.0),
                                decision.policy, decision=decision,
-                               streamed=doc.get("stream") is True)
+                               streamed=doc.get("stream") is True,
+                               dp_rank=decision.prefill_ranks.get(target))
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),
-                                   companions=(decode,) if decode else (), info_for=info_for)
+                                   companions=(decode,) if decode else (), info_for=info_for,
+                                   dp_ranks=decision.prefill_ranks, client=client)
         return Routed(decision, reply, decode)
 
     def close(self) -> None:
-        """Close the proxy's pooled upstream connections. Idempotent."""
+        """Close the proxy's pooled upstream connections (and the native dispatcher's).
+        Idempotent."""
         self.proxy.close()
+        if self.xllm is not None:
+            self.xllm.close()
 
 
 def served_models(value: str) -> tuple[str, ...]:

@@ -62,7 +62,7 @@ import math
 import struct
 import threading
 from types import MappingProxyType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from kvsvc.cluster.model import (
     Instance,
@@ -297,7 +297,7 @@ class SloAware:
                         excluded=pools.excluded)
 
     def _cand(self, inst: Instance, side: str, metrics: RequestMetricsSnapshot,
-              in_flight: InFlightSnapshot, **extra: Optional[float]) -> CandidateScore:
+              in_flight: InFlightSnapshot, **extra: Any) -> CandidateScore:
         assert inst.load is not None  # candidate_pools keeps only instances with a load
         est = float(to_ms(metrics.of(inst.name).estimated_prefill_ms))
         return CandidateScore(inst.name, side, (), None, None, None, False,

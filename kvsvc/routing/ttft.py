@@ -61,7 +61,8 @@ from kvsvc.routing.policy import (
     Identities,
     RankHit,
     candidate_pools,
-    rank_hits,
+    entry_ranking,
+    prefill_entries,
 )
 from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor, growing_ttft
 from kvsvc.routing.request_metrics import (
@@ -134,7 +135,8 @@ def own_backlog_ms(pending: Sequence[PendingPrefill], recent: Sequence[PrefillEn
 
 
 def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms: float,
-              recent: Sequence[PrefillEnd] = (), now: Optional[float] = None) -> float:
+              recent: Sequence[PrefillEnd] = (), now: Optional[float] = None,
+              dp_rank: Optional[int] = None) -> float:
     """``own_backlog_ms + foreign * unit_ms`` (module docstring), milliseconds >= 0.
 
     :param inst: the candidate (with its load report; without one ``W`` is 0).
@@ -143,11 +145,21 @@ def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms
         unit when nothing of the router's was seen there).
     :param recent: the instance's recent streamed prefill ends, oldest first.
     :param now: ``time.monotonic()`` seconds (default: the clock now).
+    :param dp_rank: one DP rank of ``inst`` (§15: ``pending`` and ``recent`` are that rank's):
+        ``W`` is the rank's own reported queue when the report has per-rank values, else the
+        instance's shared evenly over its ranks.
     """
     now = time.monotonic() if now is None else now
     load = inst.load
     own = own_backlog_ms(pending, recent, now)
-    if load is None or load.waiting_requests_num <= 0:
+    if load is None:
+        return own
+    waiting: float = load.waiting_requests_num
+    if dp_rank is not None:
+        rank_load = load.rank(dp_rank)
+        waiting = (rank_load.waiting_requests_num if rank_load is not None
+                   else waiting / max(1, inst.dp_size))
+    if waiting <= 0:
         return own
     t_r = load.received_at
     at_report = sum(1 for p in pending if p.dispatched_at <= t_r)
@@ -155,7 +167,7 @@ def queued_ms(inst: Instance, pending: Sequence[PendingPrefill], full_prefill_ms
         if e.ended_at <= t_r:
             break
         at_report += e.dispatched_at <= t_r
-    foreign = max(0, load.waiting_requests_num - max(0, at_report - 1))
+    foreign = max(0.0, waiting - max(0, at_report - 1))
     if not foreign:
         return own
     seen = [p.estimated_prefill_ms for p in pending] + [e.estimated_prefill_ms for e in recent]
@@ -170,6 +182,9 @@ class TtftPolicy(CacheAware):
     :param host_hit_weight: ``--car_host_hit_weight``, [0, 1].
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, ``(0, 1e9]``.
     :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
+    :param dp_rank_routing: ``--dp_rank_routing``: score (instance, DP rank) pairs of the
+        backends that honour a rank (§15), each with its rank's hits, own pending prefills
+        and reported queue.
     :raises ConfigError: a value out of range, naming its flag or field.
     """
 
@@ -178,8 +193,9 @@ class TtftPolicy(CacheAware):
     def __init__(self, ledger: Optional[RequestMetricsLedger] = None,
                  host_hit_weight: float = 0.5,
                  default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
-                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
-        super().__init__(0.5, host_hit_weight, max_load_age_s)
+                 max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
+                 dp_rank_routing: bool = True) -> None:
+        super().__init__(0.5, host_hit_weight, max_load_age_s, dp_rank_routing)
         self.default_prefill_tokens_per_s = check_tokens_per_s(default_prefill_tokens_per_s)
         self.ledger = ledger
         self.predictors = PredictorCache(
@@ -199,34 +215,36 @@ class TtftPolicy(CacheAware):
                             pools.excluded)
         self.predictors.forget_except(set(snapshot.instances))
         metrics = self.ledger.snapshot() if self.ledger is not None else EMPTY_REQUEST_METRICS
-        by_stream = (None if matches is None else
-                     {(m.instance_name, m.dp_rank): m for m in matches})
-        rows: list[tuple[float, Instance, tuple[RankHit, ...], float, float, float]] = []
-        for inst in pools.prefill:
-            ranks = rank_hits(inst, token_ids, by_stream, identities, self.host_hit_weight)
-            hit = min(r.hit_ratio for r in ranks)
+        entries = prefill_entries(pools.prefill, token_ids, matches, identities,
+                                  self.host_hit_weight, self.dp_rank_routing)
+        rows: list[tuple[float, float, float]] = []   # (score, queue, own) per entry
+        for e in entries:
+            inst = e.instance
             predictor = self.predictors.get(inst)
-            own = prefill_ms(predictor, uncached_tokens(n_tokens, ranks, self.host_hit_weight),
+            own = prefill_ms(predictor, uncached_tokens(n_tokens, e.ranks, self.host_hit_weight),
                              self.default_prefill_tokens_per_s)
-            queue = queued_ms(inst, metrics.pending_of(inst.name),
+            pending, recent = metrics.pending_of(inst.name), metrics.recent_of(inst.name)
+            if e.dp_rank is not None:
+                # §15: one rank is one prefill lane; a request sent without a rank may be on
+                # any of them, so it counts on each.
+                pending = tuple(p for p in pending if p.dp_rank in (None, e.dp_rank))
+                recent = tuple(r for r in recent if r.dp_rank in (None, e.dp_rank))
+            queue = queued_ms(inst, pending,
                               prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s),
-                              metrics.recent_of(inst.name), now)
-            rows.append((queue + own, inst, ranks, hit, queue, own))
+                              recent, now, e.dp_rank)
+            rows.append((queue + own, queue, own))
         order, tied = self._pick([r[0] for r in rows], PREFILL_SIDE)
-        cands: list[CandidateScore] = []
-        for i in order:
-            score, inst, ranks, hit, queue, own = rows[i]
-            assert inst.load is not None  # candidate_pools keeps only instances with a load
-            cands.append(CandidateScore(inst.name, PREFILL_SIDE, ranks, hit, None, score,
-                                        i in tied, inst.load.waiting_requests_num,
-                                        inst.load.gpu_cache_usage_perc,
-                                        in_flight.total(inst.name),
-                                        in_flight.after(inst.name, inst.load.received_at),
-                                        estimated_prefill_ms=queue, predicted_prefill_ms=own,
-                                        predicted_ttft_ms=score))
-        ranking = tuple(rows[i][1] for i in order)
-        estimates = MappingProxyType({rows[i][1].name: rows[i][5] for i in order})
+        cands: list[CandidateScore] = [
+            entries[i].candidate(in_flight, entries[i].hit_ratio, None, rows[i][0], i in tied,
+                                 estimated_prefill_ms=rows[i][1],
+                                 predicted_prefill_ms=rows[i][2], predicted_ttft_ms=rows[i][0])
+            for i in order]
+        ranking, ranks = entry_ranking(entries, order)
+        estimates: dict[str, float] = {}
+        for i in order:  # the best entry of each instance: the rank the request goes to
+            estimates.setdefault(entries[i].instance.name, rows[i][2])
         decode = self._choose_decode(pools, in_flight, cands)
         return Decision(self.name, ranking[0], decode, tuple(cands), ranking, n_tokens,
-                        excluded=pools.excluded, prefill_estimates_ms=estimates)
+                        excluded=pools.excluded, prefill_estimates_ms=MappingProxyType(estimates),
+                        prefill_ranks=ranks)
 

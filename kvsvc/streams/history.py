@@ -13,14 +13,15 @@ and never reads the clock.
 Inputs beyond the snapshot rules' ones: ``on_live_batch`` takes the payload's XXH3-64 digest
 (``digest=``), and ``on_history_batch(attempt, seq, events, digest, wire_bytes, now)`` is each
 batch of a catch-up after its anchor, as it arrives. Replies end with
-``on_snapshot_complete(attempt, HistoryResult, ...)``. Requests are :class:`RequestHistory`
+``on_snapshot_complete(attempt, reply, ...)`` with a
+:class:`~kvsvc.streams.state.CatchUpReply` or a :class:`~kvsvc.streams.state.RebuildReply`. Requests are :class:`RequestHistory`
 (a catch-up from ``L`` with the anchor digest, or a rebuild from 0).
 
 The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
 
 - **Anchor.** The working index (serving, or kept while the stream recovers) has ``expected``
   (next seq it needs, ``L + 1``) and ``digest`` (``D``, of batch ``L``); the digests of the last
-  :data:`RECENT_DIGESTS` applied batches tell a duplicate (same seq, same digest) from an
+  :data:`~kvsvc.streams.anchor.RECENT_DIGESTS` applied batches tell a duplicate (same seq, same digest) from an
   engine that restarted (same seq, another payload).
 - **Live batch, synchronized.** ``seq == expected``: applied (the hot path: one apply, one
   dict store). A duplicate: dropped. An older seq that is not a duplicate: the engine restarted
@@ -72,6 +73,7 @@ Not thread-safe: owned by the stream thread; :meth:`HistoryRecovery.view` is a r
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
@@ -98,17 +100,21 @@ from kvsvc.streams.recovery import (
     RecoveryView,
     record_bytes,
 )
-from kvsvc.streams.history_client import starts_cleared
+from kvsvc.streams.anchor import Anchor, Judgement, starts_cleared
 from kvsvc.streams.serving import ServingState
-from kvsvc.streams.state import Completeness, HistoryResult, SnapshotResult
+from kvsvc.streams.state import (
+    CatchUpReply,
+    Completeness,
+    HistoryReply,
+    RebuildReply,
+    SnapshotResult,
+)
 
 log = logging.getLogger(__name__)
 
-#: Digests of the last applied batches kept (seq -> digest) to tell a duplicate from a
-#: restarted engine's batch with the same seq.
-RECENT_DIGESTS = 1024
-
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+CONTIGUOUS, DUPLICATE, RESTARTED, GAP = (Judgement.CONTIGUOUS, Judgement.DUPLICATE,
+                                         Judgement.RESTARTED, Judgement.GAP)
 
 
 HistoryAction = Action
@@ -124,12 +130,10 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
                  serving: ServingState) -> None:
+        self._anchor = Anchor()       # L + 1, D and recent digests of the working index
         super().__init__(stream, limits, serving)
         self._held = False            # the serving state holds the working index
-        self._digest: Optional[int] = None     # D: digest of batch expected - 1
-        self._recent: dict[int, int] = {}      # seq -> digest of the last applied batches
         self._completeness = EXACT
-        self._first_decides = False   # empty rebuild reply: the first live batch decides
         self._live_only = False       # no replay answered: the index is built from live only
         self._live_only_wait = False  # ... and the next live batch starts it
         self._request: Optional[RequestHistory] = None   # of the attempt in flight
@@ -141,6 +145,15 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
     # ------------------------------------------------------------------ read-only state
 
     @property
+    def _expected(self) -> Optional[int]:
+        """The next seq the working index needs (its anchor's ``L + 1``)."""
+        return self._anchor.expected
+
+    @_expected.setter
+    def _expected(self, value: Optional[int]) -> None:
+        self._anchor.expected = value
+
+    @property
     def completeness(self) -> Completeness:
         """What the working index holds (meaningful while one is held)."""
         return self._completeness
@@ -148,9 +161,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
     @property
     def anchor(self) -> Optional[tuple[int, int]]:
         """``(L, D)`` of the working index, ``None`` without one."""
-        if not self._held or self._expected is None or self._digest is None:
-            return None
-        return self._expected - 1, self._digest
+        return self._anchor.last if self._held else None
 
     @property
     def held(self) -> bool:
@@ -217,18 +228,17 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         match). A stale attempt id is ignored."""
         if attempt != self._attempt or not self._held:
             return self._take()
-        expected = self._expected
-        assert expected is not None
-        if seq < expected:
-            known = self._recent.get(seq)
-            if known is not None and known != digest:
-                self._discard_and_rebuild(
-                    f"catch-up seq {seq} differs from the live batch applied: the engine "
-                    "restarted", RecoveryTrigger.HISTORY_MISMATCH, now)
+        judged = self._anchor.judge(seq, digest, unknown=DUPLICATE)
+        if judged is DUPLICATE:
             return self._take()
-        if seq > expected:
-            self._attempt_failed(SnapshotError(f"history reply seq {seq} skips seq {expected}"),
-                                 now)
+        if judged is RESTARTED:
+            self._discard_and_rebuild(
+                f"catch-up seq {seq} differs from the live batch applied: the engine "
+                "restarted", RecoveryTrigger.HISTORY_MISMATCH, now)
+            return self._take()
+        if judged is GAP:
+            self._attempt_failed(SnapshotError(f"history reply seq {seq} skips seq "
+                                               f"{self._expected}"), now)
             return self._take()
         if self._apply_held(seq, Batch(0.0, events, None), digest, now):
             if self._synced:
@@ -262,18 +272,18 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._timers.next_attempt_at = now
         return self._take()
 
-    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryReply],
                              requested_at: Optional[float], now: float) -> tuple[HistoryAction, ...]:
         """The end of attempt ``attempt``'s reply (or a catch-up's first message that proved
         no continuity): finish the catch-up or swap in the rebuilt index (§7h). A stale id is
         ignored."""
         if attempt != self._attempt:
             return self._take()
-        assert isinstance(reply, HistoryResult)
         duration = now - requested_at if requested_at is not None else 0.0
-        if reply.catch_up:
+        if isinstance(reply, CatchUpReply):
             self._catch_up_done(reply, duration, now)
         else:
+            assert isinstance(reply, RebuildReply)
             self._rebuild_done(reply, duration, now)
         return self._take()
 
@@ -293,7 +303,6 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         if self._expected is None:
             # After an empty rebuild reply the first live batch decides (§7h).
             self._expected = seq
-            self._first_decides = False
             self._set_completeness(EXACT if seq == 0 else SUBSET,
                                    f"first live batch after an empty reply has seq {seq}")
         if not self._apply_held(seq, batch, digest, now):
@@ -323,18 +332,14 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             else:
                 self._restart_recovery(now)
             return False
-        self._expected = seq + 1
-        self._digest = digest
-        recent = self._recent
-        recent[seq] = digest
-        recent.pop(seq - RECENT_DIGESTS, None)
+        self._anchor.advance(seq, digest)
         if subset and starts_cleared(events):
             self._set_completeness(EXACT, f"seq {seq} starts with AllBlocksCleared")
         return True
 
     def _older(self, seq: int, batch: Batch, digest: int, wire_bytes: int, now: float) -> None:
         """A live seq below the expected one on a serving index."""
-        if self._recent.get(seq) == digest:
+        if self._anchor.judge(seq, digest) is DUPLICATE:
             # Applied already (a catch-up brought it first, or a repeat of the same batch).
             self._serving.duplicates_dropped += 1
             return
@@ -379,7 +384,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             # catch-up, or dropped without one: the reply covers it).
             expected = self._expected
             if expected is not None and seq < expected:
-                if self._recent.get(seq) == digest:
+                if self._anchor.judge(seq, digest) is DUPLICATE:
                     self._serving.duplicates_dropped += 1
                     return
                 self._discard_and_rebuild(
@@ -474,7 +479,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
 
     # ------------------------------------------------------------------ replies
 
-    def _catch_up_done(self, reply: HistoryResult, duration: float, now: float) -> None:
+    def _catch_up_done(self, reply: CatchUpReply, duration: float, now: float) -> None:
         request = self._request
         assert request is not None
         self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
@@ -496,20 +501,18 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             return
         # The buffered live batches (after a gap) follow the replayed ones.
         for seq, batch, digest in buffered:
-            expected = self._expected
-            assert expected is not None
-            if seq < expected:
-                known = self._recent.get(seq)
-                if known is not None and known != digest:
-                    self._discard_and_rebuild(
-                        f"live seq {seq} differs from the batch replayed: the engine restarted",
-                        RecoveryTrigger.HISTORY_MISMATCH, now)
-                    return
+            judged = self._anchor.judge(seq, digest, unknown=DUPLICATE)
+            if judged is DUPLICATE:
                 continue
-            if seq > expected:
+            if judged is RESTARTED:
+                self._discard_and_rebuild(
+                    f"live seq {seq} differs from the batch replayed: the engine restarted",
+                    RecoveryTrigger.HISTORY_MISMATCH, now)
+                return
+            if judged is GAP:
                 # Published after the reply and lost on the way: ask again from here.
                 log.info("stream %s: catch-up ended at seq %d, buffered live seq %d: catching "
-                         "up again", self._name, expected - 1, seq)
+                         "up again", self._name, self._expected - 1, seq)  # type: ignore[operator]
                 self._begin_attempt()
                 return
             if not self._apply_held(seq, batch, digest, now):
@@ -534,65 +537,27 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             return
         self._resume(f"catch-up from seq {request.start_seq}, {reply.messages} messages")
 
-    def _rebuild_done(self, reply: HistoryResult, duration: float, now: float) -> None:
+    def _rebuild_done(self, reply: RebuildReply, duration: float, now: float) -> None:
         index = reply.index
-        assert index is not None
         stats_base = stats_tuple(index.stats)
-        digests = dict(reply.digests)
-        tail: list[Event] = []
-        if reply.first_seq is None:
-            expected: Optional[int] = None
-            digest: Optional[int] = None
-            completeness = EXACT
-            how = "empty history reply"
-        else:
-            assert reply.last_seq is not None
-            expected = reply.last_seq + 1
-            digest = reply.last_digest
-            completeness = EXACT if reply.exact else SUBSET
-            how = (f"history reply seq {reply.first_seq}..{reply.last_seq}, "
-                   f"{reply.messages} messages")
         if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
             # Complete up to the hole: keep it (not served) and catch up from its last seq;
             # the catch-up's reply covers the buffered live batches.
             self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
             self._live_only = self._live_only_wait = False
-            self._hold(index, reply.last_seq, reply.last_digest, digests, completeness,
-                       stats_base, f"{reply.reason}; catching up from seq {reply.last_seq}")
+            self._hold(index, reply.last_seq, reply.last_digest, dict(reply.digests),
+                       EXACT if reply.exact else SUBSET, stats_base,
+                       f"{reply.reason}; catching up from seq {reply.last_seq}")
             return
-        for seq, batch, live_digest in self._buffer:
-            if expected is None:
-                # Empty reply: the first live batch decides (§7h).
-                completeness = EXACT if seq == 0 else SUBSET
-                expected = seq
-            if seq < expected:
-                known = digests.get(seq)
-                if known is not None and known != live_digest:
-                    self._attempt_failed(SnapshotError(
-                        f"live seq {seq} differs from the batch replayed (the engine "
-                        "restarted)"), now)
-                    return
-                continue
-            if seq != expected:
-                self._attempt_failed(SnapshotError(
-                    f"gap after the history reply: expected seq {expected}, got {seq}"), now)
-                return
-            try:
-                index.apply(batch.events, snapshot=completeness is SUBSET)
-            except StreamError as exc:
-                self._attempt_failed(SnapshotError(f"seq {seq} after the history reply: {exc}"),
-                                     now)
-                return
-            if completeness is SUBSET and starts_cleared(batch.events):
-                completeness = EXACT
-            tail.extend(batch.events)
-            expected = seq + 1
-            digest = live_digest
-            digests[seq] = live_digest
+        merged = merge_rebuild(reply, self._buffer)
+        if isinstance(merged, SnapshotError):
+            self._attempt_failed(merged, now)
+            return
         self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
         self._live_only = self._live_only_wait = False
-        self._install(index, None if expected is None else expected - 1, digest, digests,
-                      completeness, live_events=tail, stats_base=stats_base, how=how, now=now)
+        self._install(index, merged.sequence, merged.digest, merged.digests,
+                      merged.completeness, live_events=merged.tail, stats_base=stats_base,
+                      how=merged.how, now=now)
 
     # ------------------------------------------------------------------ state changes
 
@@ -611,14 +576,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
                            completeness=completeness)
         self._synced = self._held = True
         self._completeness = completeness
-        self._first_decides = sequence is None
-        self._expected = None if sequence is None else sequence + 1
-        self._digest = digest
-        recent = {s: d for s, d in digests.items()
-                  if sequence is None or s > sequence - RECENT_DIGESTS}
-        if sequence is not None and digest is not None:
-            recent[sequence] = digest
-        self._recent = recent
+        self._anchor = Anchor.at(sequence, digest, digests)
         if now is not None:
             self._timers.synchronized(now, probe=False)
         self._live_at_check = self._serving.live_messages
@@ -639,11 +597,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         self._synced = False
         self._held = True
         self._completeness = completeness
-        self._first_decides = False
-        self._expected = sequence + 1
-        self._digest = digest
-        self._recent = {s: d for s, d in digests.items() if s > sequence - RECENT_DIGESTS}
-        self._recent[sequence] = digest
+        self._anchor = Anchor.at(sequence, digest, digests)
         log.info("stream %s: rebuilt to seq %d: %s", self._name, sequence, reason)
         self._begin_attempt()
 
@@ -729,10 +683,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         an index goes (a kept one too: its catch-up becomes a rebuild)."""
         was_synced, was_held = self._synced, self._held
         self._synced = self._held = False
-        self._expected = self._digest = None
-        self._recent = {}
+        self._anchor = Anchor()
         self._completeness = EXACT
-        self._first_decides = False
         if was_synced:
             self._log_unsynchronized(reason, trigger)
         elif was_held:
@@ -830,3 +782,75 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
 
 
 _ZERO_STATS = (0,) * len(NOT_INDEXED)
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildMerge:
+    """A rebuild reply merged with the live batches buffered meanwhile (:func:`merge_rebuild`).
+
+    :param sequence: the last seq the index holds (``None``: unknown, after an empty reply with
+        nothing buffered: the first live batch decides).
+    :param digest: its payload digest (``D``).
+    :param digests: ``seq -> digest`` of the reply's and the tail's last batches.
+    :param completeness: what the index holds (§7h).
+    :param tail: the events of the buffered batches applied (live events never counted yet).
+    :param how: what was merged (for the log line).
+    """
+
+    sequence: Optional[int]
+    digest: Optional[int]
+    digests: dict[int, int]
+    completeness: Completeness
+    tail: list[Event]
+    how: str
+
+
+def merge_rebuild(reply: RebuildReply,
+                  buffered: Sequence[tuple[int, Batch, int]]) -> Union[RebuildMerge, SnapshotError]:
+    """Merge a rebuild reply (§7h) with the live batches ``(seq, batch, digest)`` buffered
+    during it, applying the tail to the reply's private index (never a serving one).
+
+    - Buffered batches the reply covers are dropped when their digest is the replayed one's
+      (or unknown); another digest means the engine restarted: the attempt fails.
+    - The rest must follow the reply's last seq contiguously (else the attempt fails: ``gap
+      after the history reply``) and are applied with the orphan rule on a subset.
+    - An empty reply: the first buffered batch decides (seq 0 exact, any other seq subset).
+    - A subset becomes exact on a batch starting with an untargeted ``AllBlocksCleared``.
+
+    :returns: the :class:`RebuildMerge`, or the :class:`~kvsvc.errors.SnapshotError` the attempt
+        fails with (the index is then unusable).
+    """
+    index = reply.index
+    anchor = Anchor.at(reply.last_seq, reply.last_digest, reply.digests)
+    if reply.first_seq is None:
+        completeness = EXACT
+        how = "empty history reply"
+    else:
+        completeness = EXACT if reply.exact else SUBSET
+        how = f"history reply seq {reply.first_seq}..{reply.last_seq}, {reply.messages} messages"
+    digests = dict(reply.digests)
+    tail: list[Event] = []
+    for seq, batch, digest in buffered:
+        if anchor.expected is None:
+            # Empty reply: the first live batch decides (§7h).
+            completeness = EXACT if seq == 0 else SUBSET
+        judged = anchor.judge(seq, digest, unknown=DUPLICATE)
+        if judged is DUPLICATE:
+            continue
+        if judged is RESTARTED:
+            return SnapshotError(f"live seq {seq} differs from the batch replayed (the engine "
+                                 "restarted)")
+        if judged is GAP:
+            return SnapshotError(f"gap after the history reply: expected seq {anchor.expected}, "
+                                 f"got {seq}")
+        try:
+            index.apply(batch.events, snapshot=completeness is SUBSET)
+        except StreamError as exc:
+            return SnapshotError(f"seq {seq} after the history reply: {exc}")
+        if completeness is SUBSET and starts_cleared(batch.events):
+            completeness = EXACT
+        tail.extend(batch.events)
+        anchor.advance(seq, digest)
+        digests[seq] = digest
+    sequence = None if anchor.expected is None else anchor.expected - 1
+    return RebuildMerge(sequence, anchor.digest, digests, completeness, tail, how)

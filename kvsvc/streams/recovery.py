@@ -104,8 +104,9 @@ from typing import Generic, Optional, Protocol, Sequence, TypeVar, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import BufferOverflow, SnapshotError, SnapshotTimeout, StreamError
-from kvsvc.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from kvsvc.events import Batch, BlockRemoved, BlockStored
 from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.anchor import starts_cleared
 from kvsvc.streams.counters import (
     NOT_INDEXED,
     DecodeErrorReason,
@@ -116,7 +117,7 @@ from kvsvc.streams.counters import (
     trigger_of,
 )
 from kvsvc.streams.serving import NOT_YET, ServingState
-from kvsvc.streams.state import HistoryResult, SnapshotResult
+from kvsvc.streams.state import HistoryReply, SnapshotResult
 
 log = logging.getLogger(__name__)
 
@@ -330,10 +331,10 @@ class RecoveryRules(Protocol):
         reply; a stale id is ignored; may return an abandon of it (a no-op for the owner when it
         never opened), never a request (the retry comes after the backoff, through :meth:`tick`)."""
 
-    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryReply],
                              requested_at: Optional[float], now: float) -> tuple[Action, ...]:
         """Called when attempt ``attempt``'s end marker arrived (a history catch-up: also when
-        its first message proved no continuity; the result is a ``HistoryResult`` in history
+        its first message proved no continuity; the result is a ``HistoryReply`` in history
         mode), after the owner drained the
         live messages already queued; ``requested_at`` is when its request was sent (monotonic
         s, ``None``: unknown); a stale id is ignored; may return abandons and a request."""
@@ -801,7 +802,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         self._stream_error(reason, RecoveryTrigger.DISCONNECT, now)
         return self._take()
 
-    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryResult],
+    def on_snapshot_complete(self, attempt: int, reply: Union[SnapshotResult, HistoryReply],
                              requested_at: Optional[float], now: float) -> tuple[Action, ...]:
         """The end marker of attempt ``attempt`` arrived: merge the buffered tail and swap (§6,
         §7). The owner takes in the live messages already queued first (fewer batches published
@@ -932,8 +933,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
 
     def _on_live_unsynchronized(self, seq: int, batch: Batch, wire_bytes: int,
                                 prev_max: Optional[int], now: float) -> None:
-        events = batch.events
-        if events and type(events[0]) is AllBlocksCleared and events[0].tier is None:
+        if starts_cleared(batch.events):
             self._baseline_from_cleared(seq, batch, now)
             return
         if prev_max is not None and seq <= prev_max:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence, Union, cast
+from typing import Generic, Optional, Self, Sequence, TypeVar, Union, cast
 
 import ormsgpack
 import zmq
@@ -73,9 +73,15 @@ APPLY_SLICE_EVENTS = 4
 
 _UNSET = object()
 
+#: What an attempt's reply ends with (SnapshotResult; a history attempt's HistoryReply).
+R = TypeVar("R")
 
-class SnapshotAttempt:
-    """One request/reply exchange on a fresh ``DEALER``; use :meth:`open`.
+
+class ReplayAttempt(Generic[R]):
+    """One request/reply exchange on a fresh ``DEALER`` (§7, §7h); use :meth:`open`. The
+    socket, gate, pacing and decoding of both replay modes; :meth:`feed` (what a reply message
+    means) is the subclass's: :class:`SnapshotAttempt` (§7) and
+    :class:`~kvsvc.streams.history_client.HistoryAttempt` (§7h).
 
     Not thread-safe: created, used and closed on the stream's thread only.
 
@@ -136,7 +142,7 @@ class SnapshotAttempt:
     @classmethod
     def open(cls, context: zmq.Context, stream: StreamConfig, limits: KvEventsConfig,
              start_seq: int, *, poller: Optional[zmq.Poller] = None,
-             gate: Optional[SnapshotGate] = None, urgent: bool = True) -> "SnapshotAttempt":
+             gate: Optional[SnapshotGate] = None, urgent: bool = True) -> Self:
         """Create the ``DEALER``, connect it to ``stream.replay_endpoint``, and send the
         request: at once without ``gate``, else once connected and holding a permit.
 
@@ -169,12 +175,12 @@ class SnapshotAttempt:
         """True until the request is sent (connecting, or queued for a gate permit)."""
         return self.requested_at is None and not self._closed
 
-    def receive(self) -> Optional[SnapshotResult]:
+    def receive(self) -> Optional[R]:
         """Advance the attempt: consume the reply messages available now (at most
         ``MESSAGES_PER_RECEIVE`` and about ``RECEIVE_BUDGET_S``); before that, once connected
         take a gate permit or queue for one, and once holding one send the request.
 
-        :returns: the :class:`SnapshotResult` once the end marker arrived, else ``None``.
+        :returns: the reply's result (:meth:`feed`) once it ended, else ``None``.
         :raises SnapshotError: malformed message, watermark changing mid-reply, a payload that
             does not decode (§2) or cannot be applied (§5: hash conflict, block size, capacity),
             a socket error, or no pipe for queueing (out of file descriptors).
@@ -298,38 +304,14 @@ class SnapshotAttempt:
         self.deadline = self.requested_at + self._timeout_ms / 1000.0
         self._watch(self._dealer, zmq.POLLIN)
 
-    def feed(self, frames: list[bytes]) -> Optional[SnapshotResult]:
-        """Handle one reply message (§7): a data message is decoded and applied to the
-        attempt's private index; the end marker completes the attempt.
+    def feed(self, frames: list[bytes]) -> Optional[R]:
+        """Handle one reply message (the subclass's rules).
 
-        :param frames: the message's frames after the ``DEALER`` (``[b"", watermark, payload]``
-            or the 4-frame form).
-        :returns: the :class:`SnapshotResult` on the end marker, else ``None``.
-        :raises SnapshotError: as :meth:`receive`.
+        :param frames: the message's frames after the ``DEALER``.
+        :returns: the reply's result once it ended, else ``None``.
+        :raises SnapshotError: a malformed message or reply.
         """
-        try:
-            reply = parse_reply(frames, self._max_message_bytes)
-        except StreamError as exc:
-            raise SnapshotError(str(exc)) from exc  # its text already says "snapshot reply"
-        self._wire_bytes += reply.wire_bytes
-        if reply.is_end:
-            self._done = True
-            empty = self._messages == 0
-            watermark = None if empty else self._watermark
-            return SnapshotResult(index=self._index, empty=empty, watermark=watermark,  # type: ignore[arg-type]
-                                  messages=self._messages, wire_bytes=self._wire_bytes)
-        if self._watermark is _UNSET:
-            self._watermark = reply.watermark
-        elif reply.watermark != self._watermark:
-            raise SnapshotError(f"snapshot reply watermark changed from {_wm(self._watermark)} "
-                                f"to {_wm(reply.watermark)}")
-        self._messages += 1
-        with build_timer_slack():
-            try:
-                self._apply_sliced(self.decode(reply.payload))
-            except StreamError as exc:
-                raise SnapshotError(f"snapshot reply: {exc}") from exc
-        return None
+        raise NotImplementedError
 
     def _apply_sliced(self, events: Sequence[Event]) -> None:
         """Apply a reply's ``events`` to the private index as a snapshot (§7: no unknown
@@ -384,3 +366,40 @@ class SnapshotAttempt:
 
 def _wm(value: object) -> str:
     return "none" if value is None else str(value)
+
+
+class SnapshotAttempt(ReplayAttempt[SnapshotResult]):
+    """One snapshot request/reply exchange (§7); use :meth:`open` (see :class:`ReplayAttempt`)."""
+
+    def feed(self, frames: list[bytes]) -> Optional[SnapshotResult]:
+        """Handle one reply message (§7): a data message is decoded and applied to the
+        attempt's private index; the end marker completes the attempt.
+
+        :param frames: the message's frames after the ``DEALER`` (``[b"", watermark, payload]``
+            or the 4-frame form).
+        :returns: the :class:`SnapshotResult` on the end marker, else ``None``.
+        :raises SnapshotError: as :meth:`receive`.
+        """
+        try:
+            reply = parse_reply(frames, self._max_message_bytes)
+        except StreamError as exc:
+            raise SnapshotError(str(exc)) from exc  # its text already says "snapshot reply"
+        self._wire_bytes += reply.wire_bytes
+        if reply.is_end:
+            self._done = True
+            empty = self._messages == 0
+            watermark = None if empty else self._watermark
+            return SnapshotResult(index=self._index, empty=empty, watermark=watermark,  # type: ignore[arg-type]
+                                  messages=self._messages, wire_bytes=self._wire_bytes)
+        if self._watermark is _UNSET:
+            self._watermark = reply.watermark
+        elif reply.watermark != self._watermark:
+            raise SnapshotError(f"snapshot reply watermark changed from {_wm(self._watermark)} "
+                                f"to {_wm(reply.watermark)}")
+        self._messages += 1
+        with build_timer_slack():
+            try:
+                self._apply_sliced(self.decode(reply.payload))
+            except StreamError as exc:
+                raise SnapshotError(f"snapshot reply: {exc}") from exc
+        return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from kvsvc.index.tier_index import TierIndex
 
@@ -141,35 +141,49 @@ class SnapshotResult:
 
 
 @dataclass(frozen=True, slots=True)
-class HistoryResult:
-    """A complete (or, for a catch-up, decided) history reply (§7h), from the history client
-    to the history rules.
+class CatchUpReply:
+    """How a catch-up's history reply (§7h, from ``start_seq = L``) ended, from the history
+    client to the history rules. Its batches after the anchor were handed over one by one as
+    they arrived (:meth:`~kvsvc.streams.history.HistoryRecovery.on_history_batch`).
 
-    :param catch_up: the request asked from the anchor ``L`` (else a rebuild from 0).
-    :param continuous: catch-up: the first message had seq ``L`` and the anchor digest ``D``
-        (its batches after ``L`` were handed over one by one as they arrived); ``False`` ends
-        the reply at its first message (or at an empty reply), with ``reason``. A rebuild: True.
-    :param index: rebuild: the private index built from the reply (not yet serving); ``None``
-        for a catch-up.
+    :param continuous: the first message had seq ``L`` and the anchor digest ``D``; ``False``
+        ends the reply at its first message (or an empty reply), with ``reason``.
+    :param messages: data messages received.
+    :param wire_bytes: total bytes of all reply messages, end marker included.
+    :param reason: why it was not continuous, or where it was truncated (``None`` otherwise).
+    :param truncated: the reply skipped a seq (an engine's ``ROUTER`` drops messages silently
+        at its send high-water mark): what was handed over is complete, the rest was not read.
+    """
+
+    continuous: bool
+    messages: int
+    wire_bytes: int
+    reason: Optional[str] = None
+    truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildReply:
+    """A rebuild's history reply (§7h, from ``start_seq = 0``), from the history client to the
+    history rules.
+
+    :param index: the private index built from the reply (not yet serving).
     :param first_seq: seq of the first data message; ``None`` for an empty reply.
     :param last_seq: seq of the last data message; ``None`` for an empty reply.
     :param last_digest: XXH3-64 of the last data message's payload; ``None`` for an empty reply.
-    :param exact: rebuild: the index is the engine's whole residency (the reply started at seq
-        0, or at a batch starting with an untargeted ``AllBlocksCleared``, and no block became
-        an orphan after that); False: a subset.
-    :param digests: rebuild: ``seq -> payload digest`` of the last replayed batches (at most
-        ``history_client.DIGESTS_KEPT``), to check buffered live batches the reply covers.
+    :param exact: the index is the engine's whole residency (the reply started at seq 0, or at
+        a batch starting with an untargeted ``AllBlocksCleared``, and no block became an orphan
+        after that); False: a subset.
+    :param digests: ``seq -> payload digest`` of the last replayed batches (at most
+        ``history_reply.DIGESTS_KEPT``), to check buffered live batches the reply covers.
     :param messages: data messages received.
     :param wire_bytes: total bytes of all reply messages, end marker included.
-    :param reason: why a catch-up was not continuous (``None`` otherwise).
-    :param truncated: the reply skipped a seq after ``last_seq`` (an engine's ``ROUTER`` drops
-        messages silently at its send high-water mark): what was received is complete up to
-        ``last_seq`` and the reply was not read further; the rules catch up from there.
+    :param reason: where the reply was truncated (``None`` otherwise).
+    :param truncated: the reply skipped a seq after ``last_seq``: the index is complete up to
+        ``last_seq`` and the rules catch up from there.
     """
 
-    catch_up: bool
-    continuous: bool
-    index: Optional[TierIndex]
+    index: TierIndex
     first_seq: Optional[int]
     last_seq: Optional[int]
     last_digest: Optional[int]
@@ -179,3 +193,7 @@ class HistoryResult:
     wire_bytes: int
     reason: Optional[str] = None
     truncated: bool = False
+
+
+#: What a history attempt ends with (§7h).
+HistoryReply = Union[CatchUpReply, RebuildReply]

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 from xxhash import xxh3_64_intdigest
@@ -65,8 +65,8 @@ from kvsvc.streams.recovery import (
     SnapshotRecovery,
 )
 from kvsvc.streams.serving import ServingState, shown_topic
-from kvsvc.streams.snapshot_client import SnapshotAttempt
-from kvsvc.streams.state import HistoryResult, SnapshotResult, StreamId, StreamMatch, StreamStatus
+from kvsvc.streams.snapshot_client import ReplayAttempt, SnapshotAttempt
+from kvsvc.streams.state import HistoryReply, SnapshotResult, StreamId, StreamMatch, StreamStatus
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class StreamSubscriber(BackgroundThread):
         # Unique per subscriber, never id(self): a closed subscriber's inproc name is released
         # by ZMQ's reaper asynchronously, and a new object may reuse the old one's id at once.
         self._wake_endpoint = f"inproc://kvsvc-stream-wake-{uuid.uuid4().hex}"
-        self._attempt: Optional[SnapshotAttempt] = None
+        self._attempt: Optional[ReplayAttempt[Any]] = None
         self._attempt_id = 0
         self._waiting_for_turn = False
 
@@ -382,8 +382,8 @@ class StreamSubscriber(BackgroundThread):
 
         return sink
 
-    def _finish_attempt(self, attempt: SnapshotAttempt,
-                        result: "SnapshotResult | HistoryResult") -> None:
+    def _finish_attempt(self, attempt: ReplayAttempt[Any],
+                        result: "SnapshotResult | HistoryReply") -> None:
         """The end marker arrived: take in what already sits in the SUB queue first, so that
         fewer batches published before the snapshot arrive after the swap; then report it."""
         attempt_id = self._attempt_id

@@ -18,6 +18,8 @@ from kvsvc.testbed import demo
 from kvsvc.testbed.demo import DemoOptions, run_demo
 from kvsvc.testbed.traces import TRACE_BLOCK_TOKENS
 
+pytestmark = pytest.mark.etcd  # the demo starts its own etcd
+
 
 def conversation_trace(path, n: int = 60, conversations: int = 8, seed: int = 1) -> str:
     """Write a Mooncake-format trace whose requests are turns of growing conversations."""

@@ -33,7 +33,9 @@ from kvsvc.cluster.model import InstanceState
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.streams.state import StreamId
-from tests.util import free_port, wait_for
+from tests.support.util import free_port, wait_for
+
+pytestmark = pytest.mark.etcd  # every test here runs against a real etcd
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "e2e-discovery-token"

@@ -12,10 +12,10 @@ import socket
 import pytest
 import requests
 
-from tests.e2e.test_e2e_gunicorn import Server
-from tests.integration.test_metrics import Scrape
-from tests.integration.test_proxy import upstreams
-from tests.util import free_port, wait_for
+from tests.support.gunicorn import Server
+from tests.support.metrics import Scrape
+from tests.support.upstreams import upstreams
+from tests.support.util import free_port, wait_for
 
 #: Bound of every socket read of the raw client, seconds.
 READ_BOUND_S = 10.0

@@ -22,8 +22,8 @@ from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
 from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import ideal_hit_ratio, load_trace
-from tests.etcd_server import EtcdServer, require_etcd_binary
-from tests.util import free_port, wait_for
+from tests.support.etcd_server import EtcdServer, require_etcd_binary
+from tests.support.util import free_port, wait_for
 
 BS = 4
 OFFSETS = (10000, 30000)
@@ -133,6 +133,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 
+@pytest.mark.etcd
 class TestCacheAware:
     """One CAR (lambda 0.5) service for the class."""
 
@@ -218,6 +219,7 @@ class TestCacheAware:
             reg.close()
 
 
+@pytest.mark.etcd
 class TestRoundRobin:
     """One RR service for the class."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvsvc.testbed.etcd_launcher import LocalEtcd, etcd_binary
+from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,6 +266,7 @@ def test_every_shell_block_is_run_or_marked_with_a_reason():
         parse_readme("<!-- readme-test: run -->\ntext\n```sh\nfalse\n```\n")
 
 
+@pytest.mark.etcd  # kvsvc up starts its own etcd
 def test_quick_start_and_the_other_sections_run_against_kvsvc_up(tmp_path):
     blocks = [b for b in _blocks() if b.section != MANUAL_SECTION and b.mode != "skip"]
     assert any(b.mode == "background" and b.text.strip() == "kvsvc up" for b in blocks)
@@ -284,7 +285,7 @@ def test_quick_start_and_the_other_sections_run_against_kvsvc_up(tmp_path):
     assert not [d for d in up_dirs if os.path.exists(d)]
 
 
-@pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed")
+@pytest.mark.etcd
 def test_running_the_service_by_hand(tmp_path):
     all_blocks = _blocks()
     manual = [b for b in all_blocks if b.section == MANUAL_SECTION and b.mode != "skip"]

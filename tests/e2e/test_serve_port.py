@@ -15,7 +15,7 @@ import pytest
 
 from kvsvc.cli import EXIT_CONFIG, check_bind
 from kvsvc.errors import ConfigError
-from tests.util import free_port
+from tests.support.util import free_port
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:

@@ -22,8 +22,8 @@ from kvsvc.testbed.sim.block_manager import chain_hash
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.soak import (FAULT_KINDS, HISTORY_FAULT_KINDS, HISTORY_INJECTED, Soak,
                                 SoakOptions, percentile)
-from tests.e2e.test_e2e_gunicorn import serve_env
-from tests.util import free_ports
+from tests.support.gunicorn import serve_env
+from tests.support.util import free_ports
 
 BS = 4
 SOAK_MINUTES = float(os.environ.get("KVSVC_SOAK_MINUTES", "3"))
@@ -135,6 +135,7 @@ def test_percentile_nearest_rank():
 
 
 # pyproject's per-test timeout (120 s) is for ordinary tests; this one runs for SOAK_MINUTES.
+@pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_MINUTES * 60) + 180)
 def test_soak_minutes_under_every_fault():
     """The CI soak: every fault kind injected at least twice; 0 false, 0 missed, 0 unrecovered."""
@@ -155,6 +156,7 @@ def test_soak_minutes_under_every_fault():
     assert report.dropped >= report.faults["drop"] + report.faults["delay"] + report.faults["truncate"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(int(VLLM_SOAK_MINUTES * 60) + 150)
 def test_soak_vllm_under_every_history_fault():
     """The vLLM-flavor soak (§7h): history engines, one without a replay endpoint, every
@@ -208,7 +210,7 @@ def test_publisher_restart_after_reconnect_is_noticed(zmq_ctx):
     from kvsvc.config import KvEventsConfig, StreamConfig
     from kvsvc.index.keys import prompt_keys
     from kvsvc.streams.subscriber import StreamSubscriber
-    from tests.util import wait_for
+    from tests.support.util import wait_for
 
     ev, rp = free_ports(2)
     # Device pool of 4 blocks, no Host: request B evicts every block of request A.

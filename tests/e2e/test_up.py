@@ -15,11 +15,10 @@ import time
 import pytest
 import requests
 
-from kvsvc.testbed.etcd_launcher import etcd_binary
 from kvsvc.testbed.ports import ephemeral_ports, free_port_run, instance_ports
-from tests.util import wait_for
+from tests.support.util import wait_for
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed")
+pytestmark = pytest.mark.etcd  # kvsvc up starts its own etcd
 
 
 def _children(pid: int) -> set[int]:

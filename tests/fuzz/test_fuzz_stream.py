@@ -1,5 +1,5 @@
 """Fuzzing the live channel (§1, §2, §5, §6): a real :class:`StreamSubscriber` fed by a raw
-protocol publisher (tests/publisher.py) that interleaves valid batches with arbitrary frames,
+protocol publisher (tests/support/publisher.py) that interleaves valid batches with arbitrary frames,
 arbitrary payloads, poison batches (a valid event followed by one the index refuses), oversize
 messages, repeated and skipped seqs.
 
@@ -39,9 +39,9 @@ from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.publisher import ProtocolPublisher, removed, stored
-from tests.fuzz.test_fuzz_decoder import msgpack_values
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, removed, stored
+from tests.support.strategies import msgpack_values
+from tests.support.util import free_ports, wait_for
 
 BS = 4
 SEED = 1024

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import inspect
 import io
-import json
 import subprocess
 import sys
-from contextlib import contextmanager
-from typing import Iterator, Optional
 
-import flask
 import pytest
 
 from kvsvc import errors
@@ -26,39 +22,9 @@ from kvsvc.http.body import (
 from kvsvc.http.errors import STATUS, status_of
 from kvsvc.http.extensions import EXTENSION, ROUTING_EXTENSION
 from kvsvc.http.internal import QUERY_PATH
-from kvsvc.config import KvEventsConfig, parse_kv_events_config
 from kvsvc.settings import load_service_settings
-from tests.util import free_ports
-
-TOKEN = "s3cret-token"
-HEADERS = {"X-Internal-Token": TOKEN}
-INSTANCE = "127.0.0.1:9000"
-
-
-
-
-def one_stream_config(event_port: int, replay_port: int, block_size: int = 4) -> KvEventsConfig:
-    return parse_kv_events_config({
-        "streams": [{"instance_name": INSTANCE, "block_size": block_size,
-                     "endpoint": f"tcp://127.0.0.1:{event_port}",
-                     "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}],
-        "replay_timeout_ms": 300,
-    })
-
-
-@contextmanager
-def running_app(kv_config: Optional[KvEventsConfig], token: Optional[str] = TOKEN,
-                max_query_tokens: int = 64, start: bool = True) -> Iterator[flask.Flask]:
-    """A fresh app per test; its service is started (unless ``start`` is False) and closed."""
-    settings = load_service_settings(internal_api_token=token, max_query_tokens=max_query_tokens)
-    app = create_app(settings, kv_config)
-    service = app.extensions[EXTENSION]
-    if start:
-        service.start(timeout_s=5.0)
-    try:
-        yield app
-    finally:
-        service.close(timeout_s=5.0)
+from tests.support.util import free_ports
+from tests.support.app import HEADERS, INSTANCE, TOKEN, one_stream_config, post, running_app
 
 
 @pytest.fixture
@@ -67,12 +33,6 @@ def app():
     event_port, replay_port = free_ports(2)
     with running_app(one_stream_config(event_port, replay_port)) as app:
         yield app
-
-
-def post(client, body, headers=HEADERS, **kwargs):
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return client.post(QUERY_PATH, data=data, headers=headers, content_type="application/json",
-                       **kwargs)
 
 
 def unsynchronized_match(response_match: dict) -> dict:

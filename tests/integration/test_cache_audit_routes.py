@@ -19,8 +19,8 @@ from kvsvc.routing.cache_audit import CAUSE_NOT_TOKENIZED
 from kvsvc.settings import load_service_settings
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
-from tests.integration.test_metrics import scrape
-from tests.util import free_ports, wait_for
+from tests.support.metrics import scrape
+from tests.support.util import free_ports, wait_for
 
 TOKEN = "audit-token"
 AUTH = {"X-Internal-Token": TOKEN}

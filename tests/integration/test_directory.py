@@ -1,4 +1,4 @@
-"""The directory (§10) with real StreamSubscribers against tests/publisher.py engines."""
+"""The directory (§10) with real StreamSubscribers against tests/support/publisher.py engines."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from kvsvc.config import KvEventsConfig, StreamConfig, parse_kv_events_config
 from kvsvc.directory import NOT_STARTED, Directory
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.streams.state import StreamId, StreamState
-from tests.publisher import ProtocolPublisher, removed, stored
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, removed, stored
+from tests.support.util import free_ports, wait_for
 
 B4 = 4          # block size of most streams here
 SEED = 1024     # default hash_seed

@@ -10,53 +10,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from types import MappingProxyType
-from typing import Optional
 
 import pytest
 
 from kvsvc.config import DiscoveryConfig, KvEventsConfig, parse_kv_events_config
 from kvsvc.directory import Directory
 from kvsvc.errors import LifecycleError
-from kvsvc.cluster.discovery import Discovery, Plan, plan_streams
-from kvsvc.cluster.model import (
-    Instance,
-    InstanceState,
-    InstanceType,
-    RegistrySnapshot,
-    instance_identity,
-)
+from kvsvc.cluster.discovery import Discovery
+from kvsvc.cluster.model import RegistrySnapshot, instance_identity
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.streams.state import StreamId
-from tests.util import wait_for
-
-T = InstanceType
-S = InstanceState
-DISC = DiscoveryConfig(block_size=4, topic="kv", event_port_offset=10000,
-                       replay_port_offset=30000, refresh_interval_ms=50)
-LIMITS = KvEventsConfig(discovery=DISC)
-
-
-def inst(name: str, type_: T = T.DEFAULT, *, role: Optional[T] = None, dp: int = 1,
-         inc: Optional[str] = "inc-1", ts: Optional[int] = 1000, backend: str = "xllm",
-         state: S = S.ACTIVE) -> Instance:
-    return Instance(name=name, type=type_, role=type_ if role is None else role,
-                    incarnation_id=inc, register_ts_ms=ts, dp_size=dp, backend_type=backend,
-                    rpc_address=name, state=state, load=None)
-
-
-def snap(*instances: Instance, generation: int = 1) -> RegistrySnapshot:
-    return RegistrySnapshot(MappingProxyType({i.name: i for i in instances}), True, True,
-                            generation)
-
-
-def plan(*instances: Instance, limits: KvEventsConfig = LIMITS,
-         disc: DiscoveryConfig = DISC) -> Plan:
-    return plan_streams(snap(*instances), disc, limits)
-
-
-def ids(p: Plan) -> list[tuple[str, int]]:
-    return [(sid.instance_name, sid.dp_rank) for sid in sorted(p.streams)]
+from tests.support.util import wait_for
+from tests.support.discovery import DISC, LIMITS, S, SnapshotSource, T, ids, inst, plan, snap
 
 
 # -- the pure plan --------------------------------------------------------------------------------
@@ -192,21 +157,6 @@ def test_suspect_has_no_streams_lease_lost_keeps_them():
 
 
 # -- the discovery thread on a real directory and real engines ----------------------------------
-
-class SnapshotSource:
-    """Holds the registry snapshot discovery reads (discovery only calls ``snapshot()``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._snap = snap()
-
-    def set(self, *instances: Instance) -> None:
-        with self._lock:
-            self._snap = snap(*instances, generation=self._snap.generation + 1)
-
-    def snapshot(self) -> RegistrySnapshot:
-        with self._lock:
-            return self._snap
 
 
 def engine_for(port: int, dp: int = 1) -> SimEngine:

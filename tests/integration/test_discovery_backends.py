@@ -19,8 +19,8 @@ from kvsvc.cluster.registry import Registry
 from kvsvc.config import Backend, DiscoveryConfig, KvEventsConfig, ReplayMode
 from kvsvc.directory import Directory
 from kvsvc.streams.state import StreamId
-from tests.integration.test_discovery import DISC, SnapshotSource, ids, inst, plan
-from tests.integration.test_registry import settings as registry_settings
+from tests.support.discovery import DISC, SnapshotSource, ids, inst, plan
+from tests.support.registry import settings as registry_settings
 
 T = InstanceType
 ALL = DiscoveryConfig(block_size=4, topic="kv", refresh_interval_ms=50,
@@ -210,7 +210,7 @@ def test_ready_lists_instances_of_other_backends(etcd_server):
     from kvsvc.http.app import create_app
     from kvsvc.http.extensions import EXTENSION
     from kvsvc.settings import load_service_settings
-    from tests.util import wait_for
+    from tests.support.util import wait_for
 
     etcd = EtcdClient(etcd_server.addr)
     kv_config = parse_kv_events_config({"discovery": {"block_size": 16,

@@ -20,7 +20,7 @@ from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.cluster.model import RegistrySettings, RegistrySnapshot
 from kvsvc.cluster.registry import Registry
 from kvsvc.errors import LifecycleError
-from tests.util import free_port, wait_for
+from tests.support.util import free_port, wait_for
 
 TTL_S = 1
 REFRESH_S = TTL_S / 3

@@ -10,7 +10,7 @@ import re
 
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.registry import Registry
-from tests.util import wait_for
+from tests.support.util import wait_for
 
 #: Longest accepted log line (the 330-character urllib3 text must not come back).
 MAX_LINE = 200

@@ -31,10 +31,10 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from tests.publisher import ProtocolPublisher, stored
-from tests.e2e.test_e2e_gunicorn import Server, group_alive, serve_env
-from tests.fuzz.test_fuzz_http import group_pids
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, stored
+from tests.support.gunicorn import Server, group_alive, serve_env
+from tests.support.http_service import group_pids
+from tests.support.util import free_ports, wait_for
 
 BS = 4
 TOKEN = "flood-token"

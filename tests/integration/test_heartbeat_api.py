@@ -21,7 +21,7 @@ from kvsvc.settings import load_service_settings
 from kvsvc.errors import BadRequest, InvalidHeartbeat
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.cluster.rejections import HeartbeatRejections
-from tests.integration.test_metrics import scrape
+from tests.support.metrics import scrape
 
 TOKEN = "hb-token"
 HEADERS = {"X-Internal-Token": TOKEN}

@@ -1,5 +1,5 @@
 """History-mode streams (PROTOCOL.md §7h, §2) against a vLLM-style publisher on 127.0.0.1
-(tests/publisher.py ``HistoryPublisher``): late joins, catch-ups, rebuilds, subsets, the
+(tests/support/publisher.py ``HistoryPublisher``): late joins, catch-ups, rebuilds, subsets, the
 live-only subset, hash forms, SGLang batches, a 10,000-batch reply and bad replies. Block size
 4, seed 1024; block content ``c`` is the tokens ``[c*100, ...]`` and engine hash ``1000 + c``."""
 
@@ -17,10 +17,10 @@ from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.frame import END_MARKER
 from kvsvc.streams.state import Completeness, StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.integration.test_subscriber import BS, SEED, blk, hits
-from tests.integration.test_subscriber import Harness as SnapshotHarness
-from tests.publisher import HistoryPublisher, cleared, removed, stored
-from tests.util import wait_for
+from tests.support.subscriber import BS, SEED, blk, hits
+from tests.support.subscriber import Harness as SnapshotHarness
+from tests.support.publisher import HistoryPublisher, cleared, removed, stored
+from tests.support.util import wait_for
 
 SYNC, RECOVERING = StreamState.SYNCHRONIZED, StreamState.RECOVERING
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET

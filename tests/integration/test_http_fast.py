@@ -17,10 +17,10 @@ from kvsvc.http.body import parse_query_tokens, parse_token_ids
 from kvsvc.http.errors import status_of
 from kvsvc.http.internal import QUERY_PATH
 from kvsvc.index.keys import pack_tokens
-from tests.publisher import ProtocolPublisher, stored
-from tests.integration.test_app import HEADERS, INSTANCE, one_stream_config, post, running_app
-from tests.fuzz.test_fuzz_http import TOKEN, raw_request, real_service
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, stored
+from tests.support.app import HEADERS, INSTANCE, one_stream_config, post, running_app
+from tests.support.http_service import TOKEN, raw_request, real_service
+from tests.support.util import free_ports, wait_for
 
 BS = 4
 

@@ -12,9 +12,9 @@ import time
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
-from tests.integration.test_metrics import scrape
-from tests.integration.test_routes import AUTH, NS, running
-from tests.util import wait_for
+from tests.support.metrics import scrape
+from tests.support.routes import AUTH, NS, running
+from tests.support.util import wait_for
 
 NAME = "127.0.0.1:7101"
 LOAD_KEY = f"/{NS}/XLLM:LOADMETRICS:{NAME}"

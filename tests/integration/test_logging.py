@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from kvsvc.server import log_config
-from tests.publisher import ProtocolPublisher, stored
-from tests.e2e.test_systemd import (
+from tests.support.publisher import ProtocolPublisher, stored
+from tests.support.systemd import (
     BS,
     INSTANCE,
     TOKEN,
@@ -25,7 +25,7 @@ from tests.e2e.test_systemd import (
     one,
     wait_healthy,
 )
-from tests.util import free_ports, wait_for
+from tests.support.util import free_ports, wait_for
 
 
 @pytest.fixture

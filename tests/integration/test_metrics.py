@@ -1,5 +1,5 @@
 """``GET /metrics`` (kvsvc.http.metrics), ``/health`` and ``/ready`` through the Flask test client,
-with real subscribers fed by a tests/publisher.py engine and, for the instance metrics, a real
+with real subscribers fed by a tests/support/publisher.py engine and, for the instance metrics, a real
 etcd. Every value asserted is the exact count of what the test sent."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import flask
 import prometheus_client
 
 import kvsvc
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.http.app import create_app
 from kvsvc.config import KvEventsConfig, parse_kv_events_config
@@ -21,16 +20,13 @@ from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.http.extensions import EXTENSION, METRICS_EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH, QUERY_PATH
 from kvsvc.streams.frame import encode_live
-from tests.publisher import removed, stored
-from tests.util import free_port, free_ports, wait_for
+from tests.support.publisher import removed, stored
+from tests.support.util import free_port, free_ports, wait_for
+from tests.support.metrics import INSTANCE, Scrape, scrape
 
 TOKEN = "metrics-test-token"
 AUTH = {"X-Internal-Token": TOKEN}
-INSTANCE = "127.0.0.1:9300"
 BS = 4
-S = (INSTANCE, "0")  # the stream's (instance, dp_rank) label values
-
-
 
 
 def stream_config(event_port: int, replay_port: int) -> KvEventsConfig:
@@ -39,36 +35,6 @@ def stream_config(event_port: int, replay_port: int) -> KvEventsConfig:
                      "endpoint": f"tcp://127.0.0.1:{event_port}",
                      "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}],
         "replay_timeout_ms": 500})
-
-
-class Scrape:
-    """One parsed exposition: ``value(name, **labels)`` and the label names of a family."""
-
-    def __init__(self, text: str) -> None:
-        self.samples: dict[tuple[str, frozenset], float] = {}
-        self.label_names: dict[str, set[frozenset]] = {}
-        self.types: dict[str, str] = {}
-        for family in text_string_to_metric_families(text):
-            self.types[family.name] = family.type
-            for s in family.samples:
-                self.samples[(s.name, frozenset(s.labels.items()))] = s.value
-                self.label_names.setdefault(s.name, set()).add(frozenset(s.labels))
-
-    def value(self, name: str, **labels: str) -> Optional[float]:
-        return self.samples.get((name, frozenset(labels.items())))
-
-    def stream(self, name: str, **labels: str) -> Optional[float]:
-        return self.value(name, instance=S[0], dp_rank=S[1], **labels)
-
-    def labels(self, name: str) -> set[frozenset]:
-        return self.label_names.get(name, set())
-
-
-def scrape(client, headers: Optional[dict] = None) -> Scrape:
-    response = client.get("/metrics", headers=headers or {})
-    assert response.status_code == 200, response.get_data(as_text=True)
-    assert response.headers["Content-Type"].startswith("text/plain; version=")
-    return Scrape(response.get_data(as_text=True))
 
 
 def running(settings_kwargs: dict, kv_config: Optional[KvEventsConfig]):

@@ -11,9 +11,9 @@ import pytest
 
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.routing.models import ModelLister, ModelListerSettings, parse_model_list, union
-from tests.integration.test_proxy import refused_name, upstreams
-from tests.integration.test_routes import NS, completion, register, running
-from tests.util import wait_for
+from tests.support.upstreams import refused_name, upstreams
+from tests.support.routes import NS, completion, register, running
+from tests.support.util import wait_for
 
 
 def listed(client) -> list[str]:

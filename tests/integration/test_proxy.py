@@ -1,16 +1,16 @@
 """Upstream forwarding against small real HTTP servers on 127.0.0.1: JSON and SSE relayed,
-hop-by-hop headers dropped both ways, retry once on a refused or silent upstream, error statuses
-after the response head passed through, closing the body closes the upstream connection, a body
+hop-by-hop headers dropped both ways, retry once on a refused upstream (never on a silent
+one), the client watched while waiting for the head, error statuses after the response head
+passed through, closing the body closes the upstream connection, a body
 broken after the head raises (logged once, counted), upstream errors counted by kind, and the
 relay's end (first SSE data event, completion) reported once."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
+import socket
 import threading
-from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
@@ -24,184 +24,8 @@ from kvsvc.routing.proxy import (
     downstream_headers,
     upstream_headers,
 )
-from tests.util import free_port, wait_for
-
-#: Bound of every wait inside a test server's handler.
-HANDLER_WAIT_S = 10.0
-
-
-class Upstream:
-    """A threaded HTTP server whose ``POST`` behaviour is ``mode``; it records the requests.
-
-    Modes: ``json`` (200 echo), ``error`` (500 JSON), ``sse`` (one event, then two more once
-    ``release`` is set), ``flood`` (1 KiB SSE events until the connection breaks, bounded),
-    ``cut`` (a JSON head announcing 100 bytes, 11 of them, then the connection is dropped),
-    ``hang`` (no answer until ``release``, then the connection is dropped), ``die`` (an SSE
-    head and one event, then the connection is dropped without the last chunk, as when the
-    engine is killed; ``release`` first when ``hold`` is set), ``stall`` (an SSE head and one
-    event, then nothing until ``release``), ``comment`` (an SSE comment, then, once
-    ``release`` is set, a data event split across two chunks and the end).
-
-    ``GET /v1/models`` answers ``models`` (ids) as OpenAI's list; ``models_status`` other than
-    200 answers that status instead; ``models_hang`` holds the answer until ``release``.
-    """
-
-    def __init__(self, mode: str, models: tuple[str, ...] = ()) -> None:
-        self.mode = mode
-        self.models = models
-        self.models_status = 200
-        self.models_hang = False
-        self.models_served = 0
-        self.hold = False
-        self.requests: list[dict] = []
-        self.release = threading.Event()
-        self.broken = threading.Event()
-        self.events_written = 0
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                owner.requests.append({"path": self.path, "headers": dict(self.headers),
-                                       "body": body})
-                getattr(owner, "_" + owner.mode)(self, body)
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                owner._models_list(self)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.name = f"127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, name="test-upstream")
-
-    def start(self) -> "Upstream":
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()  # joins the handler threads
-        self._thread.join(5)
-
-    # -- behaviours ---------------------------------------------------------------------------
-
-    def _json(self, h, body: bytes) -> None:
-        data = json.dumps({"echo": json.loads(body or b"null")}).encode()
-        h.send_response(200)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.send_header("Connection", "X-Hop")
-        h.send_header("X-Hop", "dropped")
-        h.send_header("Keep-Alive", "timeout=5")
-        h.send_header("X-Upstream", "kept")
-        h.end_headers()
-        h.wfile.write(data)
-
-    def _error(self, h, body: bytes) -> None:
-        data = b'{"error": {"message": "engine overloaded"}}'
-        h.send_response(500)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-    def _sse_head(self, h) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Transfer-Encoding", "chunked")
-        h.end_headers()
-
-    @staticmethod
-    def _chunk(h, data: bytes) -> None:
-        h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        h.wfile.flush()
-
-    def _sse(self, h, body: bytes) -> None:
-        self._sse_head(h)
-        self._chunk(h, b"data: 0\n\n")
-        self.release.wait(HANDLER_WAIT_S)
-        self._chunk(h, b"data: 1\n\n")
-        self._chunk(h, b"data: [DONE]\n\n")
-        h.wfile.write(b"0\r\n\r\n")
-
-    def _flood(self, h, body: bytes) -> None:
-        self._sse_head(h)
-        event = b"data: " + b"x" * 1016 + b"\n\n"
-        try:
-            for _ in range(100_000):  # 100 MiB at most: far beyond any socket buffers
-                self._chunk(h, event)
-                self.events_written += 1
-        except OSError:
-            self.broken.set()
-        h.close_connection = True
-
-    def _cut(self, h, body: bytes) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", "100")
-        h.end_headers()
-        h.wfile.write(b'{"partial": ')
-        h.wfile.flush()
-        h.close_connection = True
-
-    def _hang(self, h, body: bytes) -> None:
-        self.release.wait(HANDLER_WAIT_S)
-        h.close_connection = True
-
-    def _die(self, h, body: bytes) -> None:
-        self._sse_head(h)
-        self._chunk(h, b"data: 0\n\n")
-        if self.hold:
-            self.release.wait(HANDLER_WAIT_S)
-        h.close_connection = True  # no "0\r\n\r\n": the body is cut short of its framing
-
-    def _stall(self, h, body: bytes) -> None:
-        self._sse_head(h)
-        self._chunk(h, b"data: 0\n\n")
-        self.release.wait(HANDLER_WAIT_S)
-        h.close_connection = True
-
-    def _comment(self, h, body: bytes) -> None:
-        self._sse_head(h)
-        self._chunk(h, b": ping\n\n")
-        self.release.wait(HANDLER_WAIT_S)
-        self._chunk(h, b"da")
-        self._chunk(h, b"ta: 1\n\n")
-        h.wfile.write(b"0\r\n\r\n")
-
-    def _models_list(self, h) -> None:
-        if h.path != "/v1/models":
-            h.send_error(404)
-            return
-        if self.models_hang:
-            self.release.wait(HANDLER_WAIT_S)
-        self.models_served += 1
-        status = self.models_status
-        data = (json.dumps({"object": "list", "data": [
-            {"id": m, "object": "model", "created": 1700000000 + i, "owned_by": self.name}
-            for i, m in enumerate(self.models)]}) if status == 200
-            else json.dumps({"detail": "Not Found"})).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-
-@contextmanager
-def upstreams(*modes: str) -> Iterator[list[Upstream]]:
-    servers = [Upstream(m).start() for m in modes]
-    try:
-        yield servers
-    finally:
-        for s in servers:
-            s.close()
+from tests.support.util import wait_for
+from tests.support.upstreams import HANDLER_WAIT_S, refused_name, upstreams
 
 
 @pytest.fixture
@@ -209,11 +33,6 @@ def proxy() -> Iterator[Proxy]:
     p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=0.5))
     yield p
     p.close()
-
-
-def refused_name() -> str:
-    """A loopback ``host:port`` nobody listens on (connections are refused)."""
-    return f"127.0.0.1:{free_port()}"
 
 
 def fixed(body: bytes):
@@ -277,17 +96,19 @@ def test_two_refusals_give_502_and_only_one_retry(proxy):
     assert proxy.failures() == {dead1: 1, dead2: 1}
 
 
-def test_silent_upstream_times_out_before_first_byte_and_is_retried(proxy):
+def test_silent_upstream_times_out_and_is_never_re_sent(proxy):
+    """An upstream that accepted the request but sends no head is answered 504, never re-sent
+    to the next candidate (§15: it may still be working on it)."""
     with upstreams("hang", "json") as (slow, fast):
-        reply = proxy.forward([slow.name, fast.name], "/v1/chat/completions",
-                              fixed(b'{"a": 1}'), {})
-        assert (reply.target, reply.attempts) == (fast.name, [slow.name, fast.name])
-        assert reply.body.read_all() == b'{"echo": {"a": 1}}'
-        assert len(slow.requests) == 1
         with pytest.raises(UpstreamTimeout) as err:
-            proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
+            proxy.forward([slow.name, fast.name], "/v1/chat/completions", fixed(b'{"a": 1}'),
+                          {})
         assert status_of(err.value) == 504
-    assert proxy.failures() == {slow.name: 2}
+        assert f"tried {slow.name})" in err.value.message
+        assert len(slow.requests) == 1 and fast.requests == []
+    assert proxy.failures() == {slow.name: 1}
+    assert proxy.retries() == 0
+    assert proxy.errors() == {(slow.name, "timeout"): 1}
 
 
 def test_error_status_after_the_head_is_passed_through_not_retried(proxy):
@@ -382,8 +203,10 @@ def test_non_streamed_body_cut_short_raises_before_anything_is_sent(proxy, caplo
 def test_upstream_errors_counted_by_instance_and_kind(proxy):
     dead = refused_name()
     with upstreams("hang", "error") as (slow, bad):
-        with pytest.raises(UpstreamUnreachable):  # the last attempt's error
+        with pytest.raises(UpstreamTimeout):  # accepted, silent: never re-sent
             proxy.forward([slow.name, dead], "/v1/completions", fixed(b"{}"), {})
+        with pytest.raises(UpstreamUnreachable):
+            proxy.forward([dead], "/v1/completions", fixed(b"{}"), {})
         slow.release.set()  # from now on it closes the connection without answering
         with pytest.raises(UpstreamUnreachable):
             proxy.forward([slow.name], "/v1/completions", fixed(b"{}"), {})
@@ -419,3 +242,58 @@ def test_closing_before_reading_closes_the_upstream(proxy):
         reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
         reply.body.close()
         wait_for(up.broken.is_set, timeout_s=10.0, what="upstream write to fail")
+
+
+def test_client_gone_before_the_head_cancels_the_attempt_and_is_not_retried():
+    """§15: the client's connection closes while the upstream holds the request: the attempt
+    is cancelled (its upstream connection closed, its in-flight count released), nothing is
+    sent to the next candidate, and ClientGone is raised."""
+    from kvsvc.errors import ClientGone
+    from kvsvc.routing.in_flight import InFlight
+    from kvsvc.routing.proxy import ClientWatch
+
+    in_flight = InFlight()
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=HANDLER_WAIT_S), in_flight)
+    ours, theirs = socket.socketpair()
+    try:
+        with upstreams("hang", "json") as (slow, fast):
+            closer = threading.Timer(0.2, theirs.close)
+            closer.start()
+            try:
+                with pytest.raises(ClientGone) as err:
+                    p.forward([slow.name, fast.name], "/v1/completions", fixed(b"{}"), {},
+                              client=ClientWatch(ours))
+            finally:
+                closer.join(HANDLER_WAIT_S)
+            assert slow.name in err.value.message
+            assert len(slow.requests) == 1 and fast.requests == []
+            assert p.client_gone() == 1 and p.retries() == 0 and p.failures() == {}
+            assert in_flight.counts() == {}
+    finally:
+        ours.close()
+        theirs.close()
+        p.close()
+
+
+def test_a_client_that_sends_more_bytes_is_still_there():
+    """Pipelined bytes on the client's connection are not a close: the answer comes."""
+    from kvsvc.routing.proxy import ClientWatch
+
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=HANDLER_WAIT_S))
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        watch = ClientWatch(ours)
+        assert watch.client_gone() is None
+        with upstreams("json") as (up,):
+            reply = p.forward([up.name], "/v1/completions", fixed(b'{"a": 1}'), {},
+                              client=watch)
+            assert reply.body.read_all() == b'{"echo": {"a": 1}}'
+        assert not watch.gone
+        assert ours.recv(64, socket.MSG_DONTWAIT).startswith(b"GET /health")  # not consumed
+        theirs.close()
+        assert watch.client_gone() is True
+    finally:
+        ours.close()
+        theirs.close()
+        p.close()

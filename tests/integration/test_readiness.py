@@ -1,5 +1,5 @@
 """``GET /ready`` as "this replica should receive traffic" (§10, issue 13), with a real etcd and
-a real stream (tests/publisher.py engine): 503 before the registry's first list (etcd down at
+a real stream (tests/support/publisher.py engine): 503 before the registry's first list (etcd down at
 boot: nothing to route on) and before warm-up (every configured stream synchronized once), each
 missing piece named in ``waiting_for``; after warm-up 200 through an etcd outage (paused etcd:
 every request hangs), routing on the last snapshot and saying so, and while a stream is out of
@@ -15,9 +15,9 @@ from kvsvc.http.extensions import EXTENSION
 from kvsvc.settings import load_service_settings
 from kvsvc.http.internal import QUERY_PATH
 from kvsvc.streams.state import Completeness, StreamId
-from tests.integration.test_metrics import scrape
-from tests.publisher import stored
-from tests.util import free_ports, wait_for
+from tests.support.metrics import scrape
+from tests.support.publisher import stored
+from tests.support.util import free_ports, wait_for
 
 INSTANCE = "127.0.0.1:9400"
 STREAM = f"stream {INSTANCE}/dp0 first synchronization"

@@ -23,7 +23,7 @@ from kvsvc.routing.proxy import Proxy, ProxySettings
 from kvsvc.routing.request_metrics import NO_REQUESTS, RequestMetricsLedger
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
-from tests.util import free_port, free_ports
+from tests.support.util import free_port, free_ports
 
 BS = 4
 

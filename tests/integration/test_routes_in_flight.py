@@ -11,10 +11,10 @@ import pytest
 
 from kvsvc.http.extensions import ROUTING_EXTENSION
 from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
-from tests.integration.test_proxy import refused_name, upstreams
+from tests.support.upstreams import refused_name, upstreams
 # clean_env (autouse) and etcd are tests/conftest.py fixtures.
-from tests.integration.test_routes import AUTH, completion, register, running
-from tests.util import wait_for
+from tests.support.routes import AUTH, completion, register, running
+from tests.support.util import wait_for
 
 
 def counts(app) -> dict[str, int]:

@@ -16,27 +16,12 @@ from kvsvc.events import DEVICE, HOST
 from kvsvc.testbed.sim import NO_SEQ, SimEngine, chain_hash
 from kvsvc.testbed.sim.block_manager import BlockManager
 from kvsvc.testbed.sim.engine import encode_snapshot, pack_batch
-from kvsvc.testbed.soak import listen_port_run
-from tests.util import wait_for
+from tests.support.util import wait_for
+from tests.support.sim import BS, blocks, consecutive_ports, dealer, hashes, nothing_within, recv, subscriber
 
-BS = 4
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
 REMOVED_KEYS = ["type", "block_hashes", "medium", "group_idx"]
-
-
-def blocks(*starts: int) -> list[int]:
-    """Token ids made of full BS-blocks starting at the given values: blocks(0, 10) ->
-    [0,1,2,3,10,11,12,13]."""
-    return [s + i for s in starts for i in range(BS)]
-
-
-def hashes(token_ids: list[int]) -> list[int]:
-    out, parent = [], None
-    for i in range(len(token_ids) // BS):
-        parent = chain_hash(parent, token_ids[i * BS:(i + 1) * BS])
-        out.append(parent)
-    return out
 
 
 class Mirror:
@@ -58,20 +43,6 @@ class Mirror:
                         self.flags[h] &= ~tier
                         if not self.flags[h]:
                             del self.flags[h]
-
-
-def consecutive_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports (the soak's own search)."""
-    return listen_port_run(n, random.Random())
-
-
-def recv(sock: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:
-    assert sock.poll(timeout_ms), "nothing received in time"
-    return sock.recv_multipart()
-
-
-def nothing_within(sock: zmq.Socket, timeout_ms: int = 300) -> bool:
-    return sock.poll(timeout_ms) == 0
 
 
 # ---- block manager ---------------------------------------------------------------------------
@@ -244,22 +215,6 @@ def engine(zmq_ctx):
     eng.start()
     yield eng
     eng.close()
-
-
-def subscriber(ctx: zmq.Context, eng: SimEngine, rank: int, topic: bytes = b"kv") -> zmq.Socket:
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(eng.endpoints(rank)[0])
-    sub.subscribe(topic)
-    wait_for(lambda: eng.subscriptions(rank) == 1, 5.0, what="subscription")
-    return sub
-
-
-def dealer(ctx: zmq.Context, eng: SimEngine, rank: int) -> zmq.Socket:
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    d.connect(eng.endpoints(rank)[1])
-    return d
 
 
 def snapshot(d: zmq.Socket, start: int = 0, timeout_ms: int = 5000) -> tuple[int, list[list]]:
@@ -574,7 +529,7 @@ def _threads(prefix: str) -> list[str]:
 
 
 def test_engine_start_and_close_are_idempotent(zmq_ctx):
-    from tests.util import free_port
+    from tests.support.util import free_port
 
     base = consecutive_ports(4)
     eng = SimEngine("life", base, base + 2, dp_size=2, block_size=BS, context=zmq_ctx,
@@ -597,7 +552,7 @@ def test_health_server_contract_and_close_bounded_by_a_stuck_connection():
     import requests
 
     from kvsvc.testbed.sim.health import HealthServer
-    from tests.util import free_port
+    from tests.support.util import free_port
 
     port = free_port()
     hs = HealthServer("127.0.0.1", port, "hs")

@@ -15,8 +15,8 @@ from kvsvc.streams.decoder import decode_batch
 from kvsvc.testbed.sim import Flavor, SimEngine
 from kvsvc.testbed.sim.flavors import int_form, vllm_raw_hash
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
-from tests.util import wait_for
-from tests.integration.test_sim import (BS, blocks, consecutive_ports, dealer, hashes,
+from tests.support.util import wait_for
+from tests.support.sim import (BS, blocks, consecutive_ports, dealer, hashes,
                                         nothing_within, recv, subscriber)
 
 END = [b"", b"\xff" * 8, b""]

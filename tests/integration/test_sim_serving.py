@@ -16,7 +16,7 @@ import requests
 
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import DEFAULT_MAX_TOKENS, ServingConfig, byte_tokens, chatml
-from tests.util import free_ports, wait_for
+from tests.support.util import free_ports, wait_for
 
 BS = 4
 

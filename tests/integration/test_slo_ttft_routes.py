@@ -20,9 +20,9 @@ from kvsvc.routing.request_metrics import NO_REQUESTS, RequestMetricsLedger
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
 # clean_env (autouse), etcd_server and etcd are tests/conftest.py fixtures.
-from tests.integration.test_proxy import upstreams
-from tests.integration.test_routes import AUTH, NS, TYPES, completion, running
-from tests.util import free_ports
+from tests.support.upstreams import upstreams
+from tests.support.routes import AUTH, NS, TYPES, completion, running
+from tests.support.util import free_ports
 
 #: ttft(n) = 2500.5 + 50 n ms (exact points; 200 tokens: 12500.5 ms, SLO_AWARE's whole-ms
 #: truncation 12500), tpot = 1 + 0.5 batch ms.

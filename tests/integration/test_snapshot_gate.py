@@ -2,7 +2,7 @@
 inside a running directory (split_batch on its own: tests/integration/test_snapshot_split.py).
 
 The gate bounds the snapshot attempts running at once across a directory's streams; these
-tests hold engine replies (tests/publisher.py) so every ordering is forced, never timed.
+tests hold engine replies (tests/support/publisher.py) so every ordering is forced, never timed.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.gate import GateStats, SnapshotGate
 from kvsvc.streams.split import split_batch
 from kvsvc.streams.state import StreamId, StreamState
-from tests.publisher import ProtocolPublisher, encode_batch, stored
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, encode_batch, stored
+from tests.support.util import free_ports, wait_for
 
 B4 = 4
 
@@ -113,7 +113,7 @@ def test_gate_pipes_are_closed():
 # -- streams of a directory behind one gate --------------------------------------------------
 
 class Engines:
-    """Engines (tests/publisher.py) whose replies are held, and their §8 stream entries."""
+    """Engines (tests/support/publisher.py) whose replies are held, and their §8 stream entries."""
 
     def __init__(self, ctx, stack: ExitStack, names: list[str]) -> None:
         self.ctx = ctx

@@ -33,8 +33,8 @@ from kvsvc.streams.frame import encode_reply
 from kvsvc.streams.pacing import BUILD_TIMER_SLACK_NS, set_timer_slack
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.split import check_single_object, split_batch, wrap_events
-from tests.publisher import encode_batch, stored, to_array_event
-from tests.fuzz.test_fuzz_decoder import msgpack_values, valid_events
+from tests.support.publisher import encode_batch, stored, to_array_event
+from tests.support.strategies import msgpack_values, valid_events
 
 B4 = 4
 RANK = 0

@@ -1,5 +1,5 @@
 """The stream subscriber and its §6 recovery state machine, against a real publisher on
-127.0.0.1 (tests/publisher.py). Block size 4, seed 1024; block contents are named by small
+127.0.0.1 (tests/support/publisher.py). Block size 4, seed 1024; block contents are named by small
 integers (:func:`blk`), engine hashes are arbitrary integers chosen per test."""
 
 from __future__ import annotations
@@ -17,50 +17,11 @@ from kvsvc.streams.frame import END_MARKER, encode_live, encode_reply, parse_sna
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.publisher import ProtocolPublisher, cleared, encode_batch, removed, stored
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, cleared, encode_batch, removed, stored
+from tests.support.util import free_ports, wait_for
+from tests.support.subscriber import BS, Harness, SEED, blk, hits
 
-BS = 4
-SEED = 1024
 SYNC = StreamState.SYNCHRONIZED
-
-
-def blk(*contents: int) -> list[int]:
-    """Tokens of consecutive blocks; block content ``c`` is ``[c*100, c*100+1, ...]``."""
-    return [c * 100 + j for c in contents for j in range(BS)]
-
-
-class Harness:
-    """Publishers and subscribers of one test, closed in reverse order. Subclasses change
-    the publisher class and the streams' extra config (history mode, test_history.py)."""
-
-    publisher_class: type = ProtocolPublisher
-    stream_options: dict = {}
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.objs: list = []
-
-    def publisher(self, ports: Optional[tuple[int, int]] = None, **kw):
-        event_port, replay_port = ports or free_ports(2)
-        pub = self.publisher_class(self.ctx, event_port, replay_port, **kw)
-        self.objs.append(pub)
-        return pub.start()
-
-    def subscriber(self, pub, *, topic: str = "", start: bool = True,
-                   **limits) -> StreamSubscriber:
-        cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
-                           endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                           topic=topic, hash_seed=SEED, **self.stream_options)
-        sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
-        self.objs.append(sub)
-        if start:
-            sub.start()
-        return sub
-
-    def close(self):
-        for obj in reversed(self.objs):
-            obj.close()
 
 
 @pytest.fixture
@@ -68,12 +29,6 @@ def h(zmq_ctx):
     harness = Harness(zmq_ctx)
     yield harness
     harness.close()
-
-
-def hits(sub: StreamSubscriber, *contents: int) -> tuple[bool, int, int]:
-    """(synchronized, device hit tokens, host-only hit tokens) of the prompt ``blk(*contents)``."""
-    m = sub.match(prompt_keys(blk(*contents), BS, SEED))
-    return m.synchronized, m.device_hit_tokens, m.host_only_hit_tokens
 
 
 def synced_at(sub: StreamSubscriber, seq: Optional[int], timeout_s: float = 5.0):

@@ -1,6 +1,6 @@
 """A snapshot attempt the stream thread cannot open (``SnapshotAttempt.open`` raises
 ``SnapshotError``: no file descriptor left, a terminated context), against a real publisher on
-127.0.0.1 (tests/publisher.py). The failure is forced by wrapping ``SnapshotAttempt.open``: a
+127.0.0.1 (tests/support/publisher.py). The failure is forced by wrapping ``SnapshotAttempt.open``: a
 rare error path, the one place a mock is used (PROTOCOL.md §6, §7)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from kvsvc.streams import subscriber as subscriber_module
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
-from tests.publisher import ProtocolPublisher, stored
-from tests.util import free_ports, wait_for
+from tests.support.publisher import ProtocolPublisher, stored
+from tests.support.util import free_ports, wait_for
 
 BS = 4
 SEED = 1024

@@ -126,9 +126,7 @@ def routed(directory: Directory, policy, snapshot: RegistrySnapshot, prompt: lis
 def dispatch(recorder: DispatchRecorder, decision, attempt: int = 1,
              dp_rank: Optional[int] = None) -> RequestInfo:
     info = RequestInfo(attempt, decision.prefill.name, "", decision.input_tokens,
-                       policy=decision.policy, decision=decision)
-    if dp_rank is not None:
-        object.__setattr__(info, "dp_rank", dp_rank)
+                       policy=decision.policy, decision=decision, dp_rank=dp_rank)
     recorder.on_dispatch(info)
     return info
 

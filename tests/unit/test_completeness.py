@@ -18,7 +18,7 @@ from kvsvc.routing.policy import (
     rank_hits,
 )
 from kvsvc.streams.state import Completeness, StreamId, StreamMatch, StreamState, StreamStatus
-from tests.unit.test_policy import NOW, TOKENS, inst, snap
+from tests.support.policy import NOW, TOKENS, inst, snap
 
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
 

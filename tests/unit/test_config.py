@@ -418,6 +418,9 @@ def test_vllm_example_configs_are_valid():
         16, [Backend.VLLM, Backend.SGLANG], ReplayMode.HISTORY, ReplayMode.HISTORY)
     d = load_kv_events_config(root / "kv_events_discovery_config.json").discovery
     assert (d.backends, d.replay_mode(Backend.XLLM)) == ([Backend.XLLM], ReplayMode.SNAPSHOT)
+    d = load_kv_events_config(root / "kv_events_xllm_approximate.json").discovery
+    assert (d.backends, d.approximate_backends, d.approximate_ttl_s, d.approximate_blocks,
+            d.block_size) == ([], [Backend.XLLM], 120, 65536, 128)
 
 
 def test_check_config_prints_each_static_streams_replay_mode(clean_env, capsys):

@@ -10,7 +10,7 @@ import pytest
 from kvsvc.errors import DecodeError
 from kvsvc.events import DEVICE, HOST, OTHER_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
 from kvsvc.streams.decoder import decode_batch
-from tests.publisher import cleared, encode_batch, removed, stored, to_array_event
+from tests.support.publisher import cleared, encode_batch, removed, stored, to_array_event
 
 TOKENS = list(range(100, 108))
 

@@ -18,7 +18,8 @@ from kvsvc.index.keys import prompt_keys
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import DecodeErrorReason
 from kvsvc.streams.frame import END_MARKER
-from kvsvc.streams.history import RECENT_DIGESTS, HistoryRecovery
+from kvsvc.streams.anchor import RECENT_DIGESTS
+from kvsvc.streams.history import HistoryRecovery
 from kvsvc.streams.history_client import HistoryAttempt
 from kvsvc.streams.recovery import (
     BACKOFF_INITIAL_S,
@@ -28,7 +29,13 @@ from kvsvc.streams.recovery import (
     RequestHistory,
 )
 from kvsvc.streams.serving import ServingState
-from kvsvc.streams.state import Completeness, HistoryResult, StreamId, StreamState
+from kvsvc.streams.state import (
+    CatchUpReply,
+    Completeness,
+    RebuildReply,
+    StreamId,
+    StreamState,
+)
 
 BS = 4
 SEED = 1024
@@ -95,8 +102,8 @@ class Stream:
             index.apply(list(events), snapshot=True)
         n = len(batches)
         last = None if first is None else first + n - 1
-        result = HistoryResult(
-            catch_up=False, continuous=True, index=index, first_seq=first, last_seq=last,
+        result = RebuildReply(
+            index=index, first_seq=first, last_seq=last,
             last_digest=None if last is None else 7_000 + last,
             exact=first == 0 if exact is None else exact,
             digests=digests if digests is not None else
@@ -112,9 +119,8 @@ class Stream:
         for seq, events in batches:
             actions += self._fed(self.m.on_history_batch(attempt, seq, list(events), 7_000 + seq,
                                                          100, self.now))
-        result = HistoryResult(catch_up=True, continuous=continuous, index=None, first_seq=None,
-                               last_seq=None, last_digest=None, exact=False, digests={},
-                               messages=len(batches) + 1, wire_bytes=100, reason=reason)
+        result = CatchUpReply(continuous=continuous, messages=len(batches) + 1, wire_bytes=100,
+                              reason=reason)
         return actions + self._fed(self.m.on_snapshot_complete(attempt, result, self.now,
                                                                self.now))
 
@@ -289,7 +295,7 @@ def test_recent_digests_are_bounded():
     s = Stream().synced([[put(1)]])
     for seq in range(1, RECENT_DIGESTS + 10):
         s.live(seq)
-    assert len(s.m._recent) == RECENT_DIGESTS
+    assert len(s.m._anchor.recent) == RECENT_DIGESTS
 
 
 # ---------------------------------------------------------------------------- no replay answer
@@ -512,8 +518,8 @@ def test_client_ends_a_reply_with_a_hole_as_truncated():
     a.feed(_msg(0, _ev(1))[0])
     a.feed(_msg(1, _ev(2, 1))[0])
     r = a.feed(_msg(5, _ev(3))[0])                    # seq 2..4 dropped by the engine's ROUTER
-    assert (r.truncated, r.continuous, r.last_seq, r.exact, r.reason) == (
-        True, True, 1, True, "history reply skipped from seq 1 to 5")
+    assert (r.truncated, r.last_seq, r.exact, r.reason) == (
+        True, 1, True, "history reply skipped from seq 1 to 5")
     assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
 
 
@@ -523,7 +529,7 @@ def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     s.live(4, put(4))                                 # buffered: after the hole
     index = TierIndex(BS, SEED, 1000)
     index.apply([put(1)], snapshot=True)
-    result = HistoryResult(catch_up=False, continuous=True, index=index, first_seq=0,
+    result = RebuildReply(index=index, first_seq=0,
                            last_seq=0, last_digest=7_000, exact=True, digests={0: 7_000},
                            messages=1, wire_bytes=10, reason="history reply skipped from seq 0 "
                            "to 3", truncated=True)
@@ -531,10 +537,8 @@ def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     assert actions == (AbandonSnapshot(1), RequestHistory(2, 0, True, 7_000))
     st = s.serving.status()
     assert (st.state, st.device_blocks, s.hits(1)) == (RECOVERING, 1, (False, 0, 0))
-    truncated = HistoryResult(catch_up=True, continuous=True, index=None, first_seq=0,
-                              last_seq=1, last_digest=7_001, exact=False, digests={},
-                              messages=2, wire_bytes=10, reason="history reply skipped from "
-                              "seq 1 to 3", truncated=True)
+    truncated = CatchUpReply(continuous=True, messages=2, wire_bytes=10,
+                             reason="history reply skipped from seq 1 to 3", truncated=True)
     s.m.on_history_batch(2, 1, [put(2, 1)], 7_001, 10, s.now)
     actions = s._fed(s.m.on_snapshot_complete(2, truncated, s.now, s.now))
     assert actions == (AbandonSnapshot(2), RequestHistory(3, 1, True, 7_001))
@@ -694,23 +698,21 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
         if req.catch_up:
             tail = [b for b in eng.buffer if b[0] >= req.start_seq]
             if not tail or tail[0][0] != req.start_seq or tail[0][2] != req.anchor_digest:
-                result = HistoryResult(True, False, None, None, None, None, False, {}, 0, 0,
-                                       "not continuous")
+                result = CatchUpReply(False, 0, 0, "not continuous")
                 s._fed(s.m.on_snapshot_complete(req.attempt, result, s.now, s.now))
                 return
             for seq, events, digest in tail[1:]:
                 s._fed(s.m.on_history_batch(req.attempt, seq, events, digest, 10, s.now))
                 if s.m.attempt != req.attempt:
                     return
-            result = HistoryResult(True, True, None, tail[0][0], tail[-1][0], tail[-1][2],
-                                   False, {}, len(tail), 10)
+            result = CatchUpReply(True, len(tail), 10)
         else:
             index = TierIndex(BS, SEED, 10_000)
             for _, events, _ in eng.buffer:
                 index.apply(events, snapshot=True)
             b = eng.buffer
-            result = HistoryResult(
-                False, True, index, b[0][0] if b else None, b[-1][0] if b else None,
+            result = RebuildReply(
+                index, b[0][0] if b else None, b[-1][0] if b else None,
                 b[-1][2] if b else None,
                 bool(b) and b[0][0] == 0 and index.stats.orphan_blocks == 0,
                 {seq: d for seq, _, d in b}, len(b), 10)
@@ -840,3 +842,27 @@ def test_switch_interval_lease_gives_back_what_it_lowered_and_nothing_else():
         assert (sys.getswitchinterval(), a.engaged) == (pytest.approx(0.0001), False)
     finally:
         sys.setswitchinterval(original)
+
+
+# ---------------------------------------------------------------------------- pure merges
+
+
+def test_merge_rebuild_drops_covered_batches_applies_the_tail_and_decides_exactness():
+    from kvsvc.errors import SnapshotError as Err
+    from kvsvc.streams.history import merge_rebuild
+    index = TierIndex(BS, SEED, 1000)
+    index.apply([put(1)], snapshot=True)
+    reply = RebuildReply(index, 3, 3, 7_003, False, {3: 7_003}, 1, 10)
+    merged = merge_rebuild(reply, [(3, Batch(0.0, [put(1)], 0), 7_003),
+                                   (4, Batch(0.0, [AllBlocksCleared(), put(2)], 0), 7_004)])
+    assert (merged.sequence, merged.digest, merged.completeness, len(merged.tail)) == (
+        4, 7_004, EXACT, 2)
+    assert index.match(prompt_keys(blk(2), BS, SEED)) == (1, 0)
+    again = RebuildReply(TierIndex(BS, SEED, 1000), 3, 3, 7_003, False, {3: 7_003}, 1, 10)
+    assert str(merge_rebuild(again, [(3, Batch(0.0, [put(1)], 0), 1)])) == (
+        "live seq 3 differs from the batch replayed (the engine restarted)")
+    gap = merge_rebuild(again, [(5, Batch(0.0, [put(1)], 0), 1)])
+    assert isinstance(gap, Err) and str(gap) == "gap after the history reply: expected seq 4, got 5"
+    empty = RebuildReply(TierIndex(BS, SEED, 1000), None, None, None, True, {}, 0, 10)
+    first = merge_rebuild(empty, [(9, Batch(0.0, [put(1)], 0), 7_009)])
+    assert (first.sequence, first.completeness) == (9, SUBSET)

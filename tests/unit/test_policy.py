@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from types import MappingProxyType
-from typing import Optional
 
 import pytest
 
@@ -30,41 +28,9 @@ from kvsvc.routing.policy import (
 from kvsvc.routing.policies import make_policy
 from kvsvc.routing.slo import SloAware
 from kvsvc.routing.ttft import TtftPolicy
-from kvsvc.cluster.model import Instance, InstanceState, InstanceType, LoadMetrics, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState
 from kvsvc.streams.state import StreamId, StreamMatch
-
-D, P, DEC, MIX = InstanceType.DEFAULT, InstanceType.PREFILL, InstanceType.DECODE, InstanceType.MIX
-TOKENS = list(range(100))  # 100 input tokens: hit tokens / 100 is the ratio
-REPORTED_AT = 1.0  # inst()'s LoadMetrics.received_at
-NOW = REPORTED_AT + 4.0  # the requests' time: every inst() load is current (max age 10 s)
-
-
-def inst(name: str, type_: InstanceType = D, *, role: Optional[InstanceType] = None,
-         waiting: int = 0, usage: float = 0.0, dp: int = 1, inc: Optional[str] = None,
-         ts: Optional[int] = None, state: InstanceState = InstanceState.ACTIVE,
-         load: bool = True) -> Instance:
-    return Instance(name=name, type=type_, role=role if role is not None else type_,
-                    incarnation_id=inc if inc is not None else (None if ts else f"inc-{name}"),
-                    register_ts_ms=ts, dp_size=dp, backend_type="xllm", rpc_address=None,
-                    state=state, load=LoadMetrics(waiting, usage, REPORTED_AT) if load else None)
-
-
-def snap(*instances: Instance) -> RegistrySnapshot:
-    return RegistrySnapshot(MappingProxyType({i.name: i for i in instances}), True, False, 1)
-
-
-def match(name: str, dev: int = 0, host: int = 0, rank: int = 0,
-          sync: bool = True) -> StreamMatch:
-    return StreamMatch(name, rank, sync, 7 if sync else None, dev, host, 10, 5,
-                       None if sync else "no snapshot yet")
-
-
-def scores(decision) -> dict[tuple[str, str], float]:
-    return {(c.side, c.name): c.score for c in decision.candidates}
-
-
-def names(decisions) -> list[str]:
-    return [d.prefill.name for d in decisions]
+from tests.support.policy import D, DEC, MIX, NOW, P, TOKENS, inst, match, names, scores, snap
 
 
 # -- hit ratio -----------------------------------------------------------------------------------
@@ -296,8 +262,10 @@ def test_pd_pairs_prefill_side_with_decode_side():
 def test_decision_json_shape():
     d = CacheAware().choose(TOKENS, snap(inst("a:1")), [match("a:1", dev=40, host=20)], now=NOW)
     assert d.to_json() == {
-        "policy": "CAR", "prefill": "a:1", "decode": None, "input_tokens": 100, "reason": None,
-        "candidates": [{"name": "a:1", "side": "P", "hit_ratio": 0.5, "queue_cost": 0.0,
+        "policy": "CAR", "prefill": "a:1", "prefill_dp_rank": None, "decode": None,
+        "input_tokens": 100, "reason": None,
+        "candidates": [{"name": "a:1", "side": "P", "dp_rank": None, "hit_ratio": 0.5,
+                        "queue_cost": 0.0,
                         "score": 0.25, "tied": False, "waiting_requests_num": 0,
                         "gpu_cache_usage_perc": 0.0, "in_flight": 0,
                         "in_flight_after_report": 0,

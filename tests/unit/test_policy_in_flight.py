@@ -14,7 +14,7 @@ import pytest
 from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlight, InFlightSnapshot, waiting_estimate
 from kvsvc.routing.policy import CacheAware, RoundRobin
 from kvsvc.cluster.model import InstanceType, LoadMetrics
-from tests.unit.test_policy import TOKENS, inst, match, names, scores, snap
+from tests.support.policy import TOKENS, inst, match, names, scores, snap
 
 #: The requests' time: loads reported at test_policy.REPORTED_AT (1.0) and at 10.0 are both current (max 10 s).
 NOW = 10.0

@@ -22,7 +22,7 @@ from kvsvc.cluster.model import (
     parse_registration,
 )
 from kvsvc.routing.predictor import PredictorCache, fit, least_squares
-from tests.unit.test_policy import inst
+from tests.support.policy import inst
 
 
 def exact_normal_solution(rows, target):

@@ -127,7 +127,9 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "target_ttft": 800, "target_tpot": 40, "default_prefill_tokens_per_s": 5000.0,
         "tokenizer_path": str(tmp_path / "tok"), "model": "m1,m2",
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
-        "max_request_bytes": 4096, "worker_threads": 16,
+        "max_request_bytes": 4096, "worker_threads": 16, "dp_rank_routing": False,
+        "load_scrape_backends": "vllm", "load_scrape_interval_ms": 250,
+        "xllm_dispatch": "native",
     }
     names = {row.name for row in SETTINGS}
     assert set(values) | {"internal_api_token"} == names, "give every new setting a value here"

@@ -20,7 +20,7 @@ from kvsvc.errors import ConfigError
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.request_metrics import NO_REQUESTS, RequestMetricsLedger
 from kvsvc.routing.slo import SloAware, f32, to_ms, trunc_div
-from tests.unit.test_policy import NOW, inst, snap
+from tests.support.policy import NOW, inst, snap
 
 P, DEC, MIX, DEF = (InstanceType.PREFILL, InstanceType.DECODE, InstanceType.MIX,
                     InstanceType.DEFAULT)

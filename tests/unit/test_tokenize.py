@@ -8,26 +8,16 @@ import logging
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from kvsvc.errors import ConfigError
 from kvsvc.routing.prompt import ChatPrompt, CompletionPrompt, PromptTokenizer, TokenSource
+from tests.support.tokenizer import build_tokenizer
 
-VOCAB = {"[UNK]": 0, "<s>": 1, "</s>": 2, "<|user|>": 3, "<|assistant|>": 4, "<|system|>": 5,
-         "hello": 6, "world": 7, "how": 8, "are": 9, "you": 10, '{"a":': 11, '"<b>"}': 12}
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
             "<|{{ m['role'] }}|> {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CHAT = [{"role": "system", "content": "hello"}, {"role": "user", "content": "how are you"}]
-
-
-def build_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return tok
 
 
 @pytest.fixture

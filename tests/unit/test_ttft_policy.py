@@ -19,7 +19,7 @@ from kvsvc.routing.policy import REASON_MISSING, REASON_STALE, REASON_UNSYNCHRON
 from kvsvc.routing.request_metrics import PendingPrefill, PrefillEnd, RequestMetricsLedger
 from kvsvc.routing.ttft import TtftPolicy, own_backlog_ms, queued_ms
 from kvsvc.streams.state import StreamId
-from tests.unit.test_policy import NOW, REPORTED_AT, inst, match, snap
+from tests.support.policy import NOW, REPORTED_AT, inst, match, snap
 
 N = 1000
 TOKENS = list(range(N))

@@ -570,7 +570,8 @@ class SimEngine:
         self._started = False
         if serving is not None and http_port is None:
             raise ValueError("serving needs an http_port")
-        self.serving = Serving(self, serving, tokenizer) if serving is not None else None
+        self.serving = (Serving(self, serving, tokenizer, self.flavor.value)
+                        if serving is not None else None)
         self.http_port = http_port
         self._health = (HealthServer(host, http_port, name, self.serving,
                                      serving.max_connections if serving is not None else 256)
@@ -766,6 +767,18 @@ class SimEngine:
             with st.lock:
                 used += st.bm.device_count
                 capacity += st.bm.device_capacity
+        return used / capacity if capacity else 0.0
+
+    def rank_device_usage(self, rank: int) -> float:
+        """Device usage of one rank: its resident Device blocks over its Device pool, a float
+        in ``[0, 1]`` (0.0 with an empty pool); what vLLM's ``vllm:kv_cache_usage_perc`` and
+        SGLang's ``sglang:token_usage`` show per rank (§15).
+
+        :raises IndexError: no such rank.
+        """
+        st = self._rank(rank)
+        with st.lock:
+            used, capacity = st.bm.device_count, st.bm.device_capacity
         return used / capacity if capacity else 0.0
 
     def waiting_requests(self) -> int:

@@ -95,7 +95,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
             self.wfile.flush()
 
-        serving.handle(self.path.split("?", 1)[0], body, self.connection, start_response, write)
+        serving.handle(self.path.split("?", 1)[0], body, self.connection, start_response, write,
+                       self.headers.get("X-data-parallel-rank"))
 
     def _reply(self, status: int, doc: dict) -> None:
         body = json.dumps(doc).encode()

@@ -33,7 +33,14 @@ Model, per DP rank (all durations are *simulated* time, divided by ``time_scale`
   ``kvsvc_sim_time_to_first_token_seconds`` and ``kvsvc_sim_time_per_output_token_seconds``
   histograms (simulated seconds, like vLLM's ``vllm:time_to_first_token_seconds`` /
   ``vllm:time_per_output_token_seconds``), request, prompt-token and cached-token counters and
-  the waiting/running gauges; :meth:`Serving.stats` has the same sums in-process.
+  the waiting/running gauges; :meth:`Serving.stats` has the same sums in-process. The
+  ``vllm`` and ``sglang`` flavors add their engine's own load gauges per DP rank
+  (:func:`engine_load_gauges`: ``vllm:num_requests_waiting`` / ``vllm:kv_cache_usage_perc``
+  labelled ``engine``, ``sglang:num_queue_reqs`` / ``sglang:token_usage`` labelled
+  ``dp_rank``), which kvsvc scrapes as their load (§15).
+- **DP rank**: a request with the header ``X-data-parallel-rank: r`` queues and runs on rank
+  ``r`` (vLLM and SGLang honour the header the same way, §15; a value that is not a rank is
+  answered 400); without it, on the least busy rank.
 - ``usage`` reports ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
   ``prompt_tokens_details.cached_tokens`` = Device hits + Host-only hits (full blocks only).
 - A client that goes away (socket closed, seen while queued, prefilling or decoding) cancels the
@@ -129,6 +136,10 @@ class RankExecutor(Protocol):
 
         :raises LifecycleError: the rank is not running.
         """
+        ...
+
+    def rank_device_usage(self, rank: int) -> float:
+        """Device KV-cache usage of ``rank``, a fraction in [0, 1]."""
         ...
 
 
@@ -471,13 +482,16 @@ class Serving:
     :param engine: the engine whose ranks execute the prompts (a :class:`RankExecutor`).
     :param config: latency model and limits.
     :param tokenizer: text tokenizer (see the module docstring), ``None`` for bytes.
+    :param flavor: ``xllm``, ``vllm`` or ``sglang``: ``GET /metrics`` adds that engine's own
+        load gauges, per DP rank (module docstring, §15).
     """
 
     def __init__(self, engine: RankExecutor, config: ServingConfig,
-                 tokenizer: Optional[TextTokenizer] = None) -> None:
+                 tokenizer: Optional[TextTokenizer] = None, flavor: str = "xllm") -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
+        self.flavor = flavor
         self._queues = [_RankQueue() for _ in range(engine.dp_size)]
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -507,6 +521,14 @@ class Serving:
             listener()
 
     # ---- state ---------------------------------------------------------------------------
+
+    def rank_queues(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of every rank, in rank order."""
+        out = []
+        for q in self._queues:
+            with q.cond:
+                out.append((len(q.waiting), q.running))
+        return out
 
     def waiting_requests(self) -> int:
         """Requests waiting (not yet prefilling) on every rank, ``waiting_requests_num``."""
@@ -571,7 +593,7 @@ class Serving:
 
     def handle(self, path: str, body: bytes, conn: socket.socket,
                start_response: Callable[[int, list[tuple[str, str]]], None],
-               write: Callable[[bytes], None]) -> None:
+               write: Callable[[bytes], None], dp_rank: Optional[str] = None) -> None:
         """Serve one request on an HTTP handler thread.
 
         :param path: request path without query.
@@ -579,10 +601,25 @@ class Serving:
         :param conn: the client socket (polled for a disconnect while waiting).
         :param start_response: sends status and headers (once).
         :param write: sends body bytes; raises ``OSError`` when the client is gone.
+        :param dp_rank: the request's ``X-data-parallel-rank`` header (§15), ``None`` when
+            absent: the request runs on that rank (as vLLM and SGLang do); a value that is
+            not a rank of this engine is answered 400.
         """
         if path not in (COMPLETIONS_PATH, CHAT_PATH):
             _send_json(start_response, write, 404, _error(f"no route {path}", "not_found"))
             return
+        rank: Optional[int] = None
+        if dp_rank is not None:
+            try:
+                rank = int(dp_rank.strip())
+            except ValueError:
+                rank = -1
+            if not 0 <= rank < len(self._queues):
+                self._count(rejected=1)
+                _send_json(start_response, write, 400, _error(
+                    f"X-data-parallel-rank {dp_rank!r} is not a rank of this engine "
+                    f"(0-{len(self._queues) - 1})"))
+                return
         try:
             req = parse_request(path, json.loads(body), self.tokenizer, self.config.model)
         except ValueError:
@@ -605,9 +642,9 @@ class Serving:
                       rid, req.decode_name)
         try:
             if req.stream:
-                self._serve_stream(rid, req, conn, start_response, write)
+                self._serve_stream(rid, req, conn, start_response, write, rank)
             else:
-                self._serve_whole(rid, req, conn, start_response, write)
+                self._serve_whole(rid, req, conn, start_response, write, rank)
         except (SimClientDisconnected, OSError):
             self._count(cancelled=1)
             log.info("sim %s: %s cancelled (client went away)", self.engine.name, rid)
@@ -649,11 +686,13 @@ class Serving:
                 # close() instead so that this does not spin.
                 self._closing.wait(step)
 
-    def _prefill(self, req: SimRequest, conn: socket.socket) -> tuple[Prefilled, int]:
-        """Queue, then prefill (executing the prompt on the rank). Returns the prefill outcome
-        and the rank whose slot the caller must release with :meth:`_release_slot`."""
+    def _prefill(self, req: SimRequest, conn: socket.socket,
+                 rank: Optional[int] = None) -> tuple[Prefilled, int]:
+        """Queue on ``rank`` (``None``: the least busy), then prefill (executing the prompt on
+        the rank). Returns the prefill outcome and the rank whose slot the caller must release
+        with :meth:`_release_slot`."""
         arrived = time.monotonic()
-        rank = self._pick_rank()
+        rank = self._pick_rank() if rank is None else rank
         q = self._queues[rank]
         ticket = _Ticket()
         cfg = self.config
@@ -762,8 +801,9 @@ class Serving:
         return total_us / 1000.0
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
-                     start_response: Callable, write: Callable) -> None:
-        pre, rank = self._prefill(req, conn)
+                     start_response: Callable, write: Callable,
+                     wanted_rank: Optional[int] = None) -> None:
+        pre, rank = self._prefill(req, conn, wanted_rank)
         try:
             decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn)
         finally:
@@ -781,7 +821,8 @@ class Serving:
         _send_json(start_response, write, 200, doc, _timing_headers(pre, req, tpot_ms))
 
     def _serve_stream(self, rid: str, req: SimRequest, conn: socket.socket,
-                      start_response: Callable, write: Callable) -> None:
+                      start_response: Callable, write: Callable,
+                      wanted_rank: Optional[int] = None) -> None:
         headers = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")]
         if req.decode_name is not None:
             headers.append(("x-sim-decode-name", req.decode_name))
@@ -814,7 +855,7 @@ class Serving:
         def tokens(first: int, last: int) -> None:
             write(b"".join(token(i) for i in range(first, last + 1)))
 
-        pre, rank = self._prefill(req, conn)
+        pre, rank = self._prefill(req, conn, wanted_rank)
         try:
             write(token(0))
             decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn,
@@ -860,6 +901,43 @@ class _StatsCollector:
                                 value=st.waiting)
         yield GaugeMetricFamily("kvsvc_sim_running_requests", "Requests holding a slot now",
                                 value=st.running)
+        yield from engine_load_gauges(self._serving)
+
+
+def engine_load_gauges(serving: "Serving") -> Iterator[Any]:
+    """The load gauges a real engine of the sim's flavor exposes, one label set per DP rank,
+    under that engine's own names and labels (§15), so a router scrapes the sim as it would
+    scrape the engine: vLLM ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
+    ``vllm:kv_cache_usage_perc`` labelled ``model_name`` and ``engine`` (the DP rank, as
+    vLLM's per-engine labels); SGLang ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``
+    and ``sglang:token_usage`` labelled ``model_name``, ``engine_type``, ``tp_rank``,
+    ``pp_rank`` and ``dp_rank``. Nothing for xLLM (it reports load by heartbeat)."""
+    flavor = serving.flavor
+    if flavor not in ("vllm", "sglang"):
+        return
+    queues = serving.rank_queues()
+    usage = [serving.engine.rank_device_usage(r) for r in range(len(queues))]
+    model = serving.config.model
+    if flavor == "vllm":
+        labels = ["model_name", "engine"]
+        names = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc")
+
+        def values(rank: int) -> list[str]:
+            return [model, str(rank)]
+    else:
+        labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank"]
+        names = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
+
+        def values(rank: int) -> list[str]:
+            return [model, "unified", "0", "0", str(rank)]
+    helps = ("Requests waiting to be scheduled", "Requests running",
+             "KV-cache usage, 1 means 100 percent")
+    for i, (name, doc) in enumerate(zip(names, helps)):
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        for rank, (waiting, running) in enumerate(queues):
+            family.add_metric(values(rank), (waiting, running, usage[rank])[i])
+        yield family
 
 
 def _token_text(i: int) -> str:
