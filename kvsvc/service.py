@@ -31,6 +31,7 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
+from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
@@ -179,6 +180,8 @@ class Service:
         baidu_std server delivers every entry (empty unless ``--xllm_dispatch native``).
     :ivar rpc_source_address: this replica's baidu_std ``ip:port`` sent to engines as
         ``source_xservice_addr`` (§13); ``""`` until the baidu_std server has one.
+    :ivar pd_links: the P/D links of the xLLM instances (§13), with ``--xllm_dispatch native``
+        and a registry; ``None`` otherwise. An instance whose link failed is no candidate.
     """
 
     def __init__(self, settings: ServiceSettings,
@@ -214,6 +217,10 @@ class Service:
                 registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
                 self.router.in_flight, self.router.proxy.observer,
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
+        self.pd_links: Optional[PdLinks] = None
+        if settings.xllm_dispatch == "native" and self.registry is not None:
+            self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
+            self.router.excluded = self.pd_links.excluded
         self.models: Optional[ModelLister] = (
             ModelLister(self.registry) if self.registry is not None and not self.router.models
             else None)
@@ -231,7 +238,7 @@ class Service:
     def _threads(self) -> list[_Component]:
         """The components with threads, in start order."""
         parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery,
-                                             self.models]
+                                             self.models, self.pd_links]
         return [p for p in parts if p is not None]
 
     def start(self, timeout_s: float = 5.0) -> None:

@@ -30,7 +30,7 @@ Rules of the plan (§9):
   ``tcp://host:(port + event_port_offset + r)`` and ``tcp://host:(port + replay_port_offset + r)``.
 - A port above 65535 excludes that instance. An endpoint used twice (event or replay, across
   every stream of every eligible instance, the instance's own included) excludes every instance
-  involved; events are never mixed between instances.
+  involved; events are never mixed between instances (D26 in docs/decisions.md).
 - ``max_streams``: instances in name order; an instance whose ranks do not all fit is skipped
   whole (later, smaller ones may still fit), exactly like static streams (§8).
 - Identity: the registration's ``incarnation_id``, else its ``register_ts_ms``

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from kvsvc.events import DEVICE
+from kvsvc.index.changes import IndexChanges
 
 #: (block_size, hash_seed): the geometry content keys are computed with (§4).
 Geometry = tuple[int, int]
@@ -188,7 +188,7 @@ class BlockOverlay:
             self._settled += dropped
         return dropped
 
-    def settle(self, changes: "IndexChanges") -> int:
+    def settle(self, changes: IndexChanges) -> int:
         """Apply what one applied batch of the stream's events changed (§16): the keys it
         stored or removed are no longer pending, and an ``AllBlocksCleared`` of Device (or of
         every tier) clears the whole set. Called on the stream thread after the batch applied.
@@ -226,30 +226,6 @@ class BlockOverlay:
             dropped += 1
         self._expired += dropped
         return dropped
-
-
-@dataclass(slots=True)
-class IndexChanges:
-    """What one applied batch changed in a stream's index, for the pending overlay (§16):
-    collected by :meth:`kvsvc.index.tier_index.TierIndex.apply` when it is given one.
-
-    :ivar keys: content keys stored or removed by the batch (in event order, repeats allowed).
-    :ivar cleared: the batch cleared Device (an ``AllBlocksCleared`` without medium or of
-        Device): every pending block is covered.
-    """
-
-    keys: list[int] = field(default_factory=list)
-    cleared: bool = False
-
-    def reset(self) -> None:
-        """Empty again, for the next batch (one collector per stream, reused)."""
-        self.keys.clear()
-        self.cleared = False
-
-    def note_cleared(self, tier: Optional[int]) -> None:
-        """An ``AllBlocksCleared`` of ``tier`` (``None``: every tier) was applied."""
-        if tier is None or tier == DEVICE:
-            self.cleared = True
 
 
 @dataclass(frozen=True, slots=True)

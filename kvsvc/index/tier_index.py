@@ -17,7 +17,7 @@ engine map keeps alive:
   (§3: LoRA, extra keys, non-full-attention specs, and their children) and ``ORPHAN`` (snapshot
   blocks whose parent is unknown, and their children, §5). Markers keep tier flags like blocks,
   so a ``BlockRemoved`` deletes a marker once no flag is left; without that, markers of evicted
-  blocks would leak until the stream hit its capacity.
+  blocks would leak until the stream hit its capacity (D16 in docs/decisions.md).
 * ``_alias``: only for content keys reached from more than one engine hash (see below).
 
 §5 lists a "parent key" per block; it is omitted. The content key already encodes the whole
@@ -26,7 +26,8 @@ prefix, so answers never need it, and dropping it saves a slot per block.
 Aliases. Two engine hashes may carry the same content (same tokens and prefix) if an engine
 hashes something kvsvc does not. Flags are per engine hash (what the engine reports) and a
 content key's flags are the OR over its hashes, so removing one alias from a tier never clears a
-block still resident through the other, and deleting one alias never leaves the other dangling.
+block still resident through the other, and deleting one alias never leaves the other dangling
+(D17).
 To stay within the memory budget there is no reverse map ``key -> hashes``; instead an aliased
 key has an entry ``_alias[key] = {hash: flags, ..., None: flags}`` where ``None`` stands for the
 key's first engine hash (the single hash mapping to the key that is not listed). When only one
@@ -68,7 +69,7 @@ from kvsvc.events import (
     Event,
 )
 from kvsvc.index.keys import chain_keys, pack_tokens
-from kvsvc.index.overlay import IndexChanges
+from kvsvc.index.changes import IndexChanges
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate
@@ -121,6 +121,10 @@ class Router:
         #: Native dispatch to xLLM engines (§13, ``--xllm_dispatch native``), set by the
         #: service; ``None``: every instance is relayed over HTTP.
         self.xllm: Optional["XllmDispatcher"] = None
+        #: Instances that are no candidate besides the policy's own rules -> why (the P/D
+        #: instances whose link failed, §13, :class:`~kvsvc.cluster.pd_links.PdLinks`); set by
+        #: the service, ``None``: none.
+        self.excluded: Optional[Callable[[], Mapping[str, str]]] = None
 
     def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
         """Route one prompt with in-process state only (§11); sends nothing.
@@ -134,7 +138,7 @@ class Router:
         :returns: the decision; ``prefill`` is ``None`` (with ``reason``) when no instance can
             serve.
         """
-        snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
+        snapshot = self._view()
         in_flight = self.in_flight.snapshot()
         now = time.monotonic()   # load ages are judged at this instant (§11)
         directory = self._directory
@@ -149,14 +153,27 @@ class Router:
         # The keys travel with the decision to the dispatch (§14, §16): hashed once.
         return dataclasses.replace(decision, prompt=prompt)
 
+    def _view(self) -> RegistrySnapshot:
+        """The registry's snapshot without the instances :attr:`excluded` names (the same
+        object when it names none)."""
+        snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
+        excluded = self.excluded() if self.excluded is not None else None
+        if not excluded:
+            return snapshot
+        return dataclasses.replace(snapshot, instances=MappingProxyType(
+            {n: i for n, i in snapshot.instances.items() if n not in excluded}))
+
     def not_candidates(self) -> dict[str, str]:
         """Every registered instance that is not a candidate now -> why (§11), by the rule
         :meth:`decide` uses (:func:`~kvsvc.routing.policy.candidate_pools`); ``{}`` without a
         registry."""
         if self._registry is None:
             return {}
-        return dict(candidate_pools(self._registry.snapshot(), time.monotonic(),
-                                    self.policy.max_load_age_s).excluded)
+        out = dict(candidate_pools(self._view(), time.monotonic(),
+                                   self.policy.max_load_age_s).excluded)
+        if self.excluded is not None:
+            out.update(self.excluded())
+        return out
 
     def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
                 client_headers: Sequence[tuple[str, str]],

@@ -10,6 +10,10 @@ from typing import Optional, Union
 from kvsvc.index.tier_index import TierIndex
 
 
+#: ``error`` of a stream that has not been synchronized yet.
+NOT_YET = "not synchronized yet: waiting for the first replay (snapshot or history)"
+
+
 class StreamState(str, enum.Enum):
     """§6 states. ``UNSYNCHRONIZED`` carries an error reason; only ``SYNCHRONIZED`` serves hits."""
 

@@ -39,7 +39,7 @@ def test_defaults_and_valid_static_config():
 
 def test_shipped_loopback_config_matches_the_sim_port_rule():
     """config/kv_events_sim_loopback.json follows `kvsvc sim --port 8000 --dp 2 --topic
-    xllm-kv` (README): events on port + 10000 + r, snapshots on port + 30000 + r."""
+    xllm-kv` (docs/testbed.md): events on port + 10000 + r, snapshots on port + 30000 + r."""
     path = Path(__file__).resolve().parents[2] / "config" / "kv_events_sim_loopback.json"
     cfg = load_kv_events_config(path)
     assert [(s.instance_name, s.dp_rank, s.topic, s.endpoint, s.replay_endpoint)

@@ -14,8 +14,10 @@ from kvsvc.directory import ApproximateIndex, Directory, OverlayLimits
 from kvsvc.events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvsvc.errors import ConfigError
 from kvsvc.index.keys import prompt_keys
-from kvsvc.index.overlay import BlockOverlay, IndexChanges, PromptKeys
+from kvsvc.index.changes import IndexChanges
+from kvsvc.index.overlay import BlockOverlay, PromptKeys
 from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.actions import ApplyEvents
 from kvsvc.streams.serving import ServingState
 from kvsvc.streams.state import Completeness, StreamId
 
@@ -172,24 +174,24 @@ def test_live_batches_settle_the_streams_pending_blocks():
     state, pending = serving_with_pending()
     k = keys(4)
     pending.touch(k, 0.0)
-    assert state.apply_live(0, [stored([1, 2], tokens(2))]) is None
+    assert state.apply(ApplyEvents(0, [stored([1, 2], tokens(2))])) is None
     # Stored: exact now, no longer pending; the rest stays pending after the exact prefix.
     m = state.match(k)
     assert (m.device_hit_tokens, m.completeness) == (2 * BS, Completeness.EXACT)
     assert pending.match(k, 1.0) == 0 and pending.match(k, 1.0, start=2) == 2
     # A removal of a stored block leaves nothing pending behind it.
     pending.touch(k, 1.0, start=1)   # re-dispatched while block 1 looked missing
-    state.apply_live(1, [BlockRemoved(block_hashes=[2], tier=DEVICE)])
+    state.apply(ApplyEvents(1, [BlockRemoved(block_hashes=[2], tier=DEVICE)]))
     assert pending.match(k, 2.0, start=1) == 0
     # AllBlocksCleared covers every pending block.
     pending.touch(k, 2.0, start=1)
-    state.apply_live(2, [AllBlocksCleared(None)])
+    state.apply(ApplyEvents(2, [AllBlocksCleared(None)]))
     assert len(pending) == 0
 
 
 def test_nothing_is_collected_while_nothing_is_pending():
     state, pending = serving_with_pending()
-    assert state.apply_live(0, [stored([1, 2], tokens(2))]) is None
+    assert state.apply(ApplyEvents(0, [stored([1, 2], tokens(2))])) is None
     assert pending.stats().settled == 0 and state._changes.keys == []
 
 
@@ -275,7 +277,7 @@ def test_pending_hits_come_after_the_exact_prefix_and_never_inside_device_hits()
         serving = sub._serving
         serving.swap(TierIndex(BS, SEED, 1000), sequence=None, resync=False, difference=0,
                      live_events=(), stats_base=())
-        serving.apply_live(0, [stored([1], tokens(1))])
+        serving.apply(ApplyEvents(0, [stored([1], tokens(1))]))
         prompt = tokens(4)
         (m,), pk = d.query_prompt(prompt)
         assert (m.device_hit_tokens, m.pending_hit_tokens) == (BS, 0)
@@ -285,7 +287,7 @@ def test_pending_hits_come_after_the_exact_prefix_and_never_inside_device_hits()
             BS, 3 * BS, Completeness.EXACT)
         assert m.to_json()["pending_hit_tokens"] == 3 * BS
         # Its events arrive: exact, not pending.
-        serving.apply_live(1, [stored([2, 3], prompt[BS:3 * BS], parent=1)])
+        serving.apply(ApplyEvents(1, [stored([2, 3], prompt[BS:3 * BS], parent=1)]))
         (m,) = d.query(prompt)
         assert (m.device_hit_tokens, m.pending_hit_tokens) == (3 * BS, BS)
         # The TTL passes: nothing pending is left to count.
