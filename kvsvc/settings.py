@@ -185,6 +185,15 @@ class ServiceSettings(BaseSettings):
     # Off by default: every query and heartbeat would be a line.
     access_log: Annotated[bool, Setting(
         SECTION_LOGS, "gunicorn's per-request access lines on stdout")] = False
+    api_key: Annotated[Optional[SecretStr], Setting(
+        SECTION_HTTP, "client API key: every `/v1/*` request except `/v1/internal/*` needs "
+        "`Authorization: Bearer <key>` (vLLM's `--api-key`), else 401; unset: none needed. "
+        "Prefer the variable to the flag (`ps` shows flags)")] = None
+    max_in_flight_requests: Annotated[int, Field(ge=0, le=1 << 20), Setting(
+        SECTION_HTTP, "OpenAI requests served at once (a streamed one until its last byte); "
+        "one more is answered 429 with `Retry-After`. 0: no limit (beyond "
+        "`--worker_threads` requests wait for a thread). Keep it below `--worker_threads` so "
+        "heartbeats and probes always find a thread")] = 0
     metrics_require_token: Annotated[bool, Setting(
         SECTION_HTTP, "require `X-Internal-Token` on `GET /metrics` too (off: Prometheus "
         "scrapes freely)")] = False
@@ -340,6 +349,12 @@ class ServiceSettings(BaseSettings):
             problem = _token_problem(self.internal_api_token.get_secret_value())
             if problem:
                 raise ValueError(f"internal_api_token: {problem}")
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            raise ValueError("api_key: empty; unset it to run without a key")
+        if self.api_key is not None:
+            problem = _token_problem(self.api_key.get_secret_value())
+            if problem:
+                raise ValueError(f"api_key: {problem}")
         return self
 
     def token(self) -> Optional[str]:

@@ -219,12 +219,15 @@ class Router:
             return json.dumps({**doc, "routing": {"prefill_name": target,
                                                   "decode_name": decode}}).encode()
 
+        given = doc.get("model")
+        model = given if isinstance(given, str) else ""
+
         def info_for(target: str) -> RequestInfo:
             return RequestInfo(next(self._attempt_ids), target, decode, decision.input_tokens,
                                decision.prefill_estimates_ms.get(target, 0.0),
                                decision.policy, decision=decision,
                                streamed=doc.get("stream") is True,
-                               dp_rank=decision.prefill_ranks.get(target))
+                               dp_rank=decision.prefill_ranks.get(target), model=model)
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),

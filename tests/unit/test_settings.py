@@ -129,6 +129,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
         "max_request_bytes": 4096, "worker_threads": 16, "dp_rank_routing": False,
         "load_scrape_backends": "vllm", "load_scrape_interval_ms": 250,
+        "api_key": "client-key-1", "max_in_flight_requests": 12,
         "xllm_dispatch": "native",
     }
     names = {row.name for row in SETTINGS}
