@@ -180,6 +180,13 @@ class MalformedRegistration(KvsvcError):
     which the registry turns into :class:`InvalidHeartbeat`."""
 
 
+class MalformedMetrics(KvsvcError):
+    """An engine's ``/metrics`` text that gives no load (§15): not Prometheus text, a load
+    metric missing, or a value that is not a finite number >= 0. ``str(exc)`` names the
+    metric. Raised by :func:`kvsvc.cluster.load_scrape.parse_engine_load`; the scraper logs
+    it and reports no load for that scrape."""
+
+
 class TemplateError(KvsvcError):
     """A chat template raised (``raise_exception``) or failed to render (§11). Raised by
     :mod:`kvsvc.routing.prompt` and turned into unknown tokens there (the request routes with

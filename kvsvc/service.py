@@ -13,10 +13,13 @@ before gunicorn forks, STYLE 8):
   in-flight ledger shared by the proxy and the policy, and the request-metrics ledger the
   proxy's observer seam feeds and SLO_AWARE / TTFT read (§12), reading the registry and the
   directory;
+- with ``--etcd_addr`` and ``--load_scrape_backends`` non-empty the
+  :class:`~kvsvc.cluster.load_scrape.LoadScraper` thread that reads vLLM's and SGLang's load
+  from their ``/metrics`` (§15);
 - with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
   thread that keeps the instances' own model lists for ``GET /v1/models`` (§11).
 
-:meth:`Service.start` starts registry, directory, discovery and the model lister, in that order
+:meth:`Service.start` starts registry, load scraper, directory, discovery and the model lister, in that order
 (the router has no thread); :meth:`Service.close` closes them in the reverse order, then the
 router's upstream connections, every one of them even when an earlier one fails.
 
@@ -31,6 +34,7 @@ import threading
 from typing import Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
+from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
 from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.rejections import HeartbeatRejections
@@ -157,6 +161,8 @@ class Service:
         (:mod:`kvsvc.routing.cache_audit`), shown in ``/metrics`` and ``/v1/internal/route``.
     :ivar models: the backends' model lists, ``None`` unless a registry is configured and
         ``--model`` is empty.
+    :ivar load_scraper: reads the load of the ``--load_scrape_backends`` instances from their
+        ``/metrics`` (§15), ``None`` without a registry or with no backend listed.
     :ivar static_streams: the §8 config lists streams.
     :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
         layer, shown in ``/ready`` and ``/v1/internal/route``.
@@ -189,6 +195,12 @@ class Service:
         # Predicted vs actual cached tokens of every answer (issue 14).
         self.cache_audit = CacheAudit(block_sizes(kv_config))
         self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
+        backends = scrape_backends(settings.load_scrape_backends)
+        # §15: vLLM and SGLang send no heartbeats; their load is read from their /metrics.
+        self.load_scraper: Optional[LoadScraper] = (
+            LoadScraper(self.registry, LoadScrapeSettings(
+                backends=backends, interval_s=settings.load_scrape_interval_ms / 1000.0))
+            if self.registry is not None and backends else None)
         self.generations = PendingRequests()
         self.rpc_source_address = ""
         if settings.xllm_dispatch == "native":
@@ -220,8 +232,8 @@ class Service:
 
     def _threads(self) -> list[_Component]:
         """The components with threads, in start order."""
-        parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery,
-                                             self.models, self.pd_links]
+        parts: list[Optional[_Component]] = [self.registry, self.load_scraper, self.directory,
+                                             self.discovery, self.models, self.pd_links]
         return [p for p in parts if p is not None]
 
     def start(self, timeout_s: float = 5.0) -> None:

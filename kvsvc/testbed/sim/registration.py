@@ -131,6 +131,9 @@ class EtcdRegistration(BackgroundThread):
     :param profiling: extra registration fields, the §12 profiling data
         (``ttft_profiling_data``, ``tpot_profiling_data``:
         :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
+    :param heartbeats: send load heartbeats (§9); off, the instance only keeps its
+        registration and its lease, as a real vLLM or SGLang engine (their load is read from
+        ``/metrics``, §15).
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -142,7 +145,8 @@ class EtcdRegistration(BackgroundThread):
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
                  min_heartbeat_gap_s: Optional[float] = None,
                  master_refresh_s: float = 0.0, backend_type: str = "xllm",
-                 profiling: Optional[Mapping[str, Any]] = None) -> None:
+                 profiling: Optional[Mapping[str, Any]] = None,
+                 heartbeats: bool = True) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -162,6 +166,7 @@ class EtcdRegistration(BackgroundThread):
         self._min_gap_s = min_heartbeat_gap_s
         self._master_refresh_s = master_refresh_s
         self._profiling = dict(profiling or {})
+        self.heartbeats = heartbeats
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -284,6 +289,8 @@ class EtcdRegistration(BackgroundThread):
         assert client is not None and http is not None
         etcd_ok: Optional[bool] = None
         next_keepalive = next_heartbeat = time.monotonic()
+        if not self.heartbeats:
+            next_heartbeat = float("inf")
         last_heartbeat = float("-inf")
         while not self.stopping:
             now = time.monotonic()
@@ -301,7 +308,8 @@ class EtcdRegistration(BackgroundThread):
                 etcd_ok = False
             if now >= next_keepalive:
                 next_keepalive = now + self._keepalive_interval_s
-            early = (self._load_dirty.is_set() and self._min_gap_s is not None
+            early = (self.heartbeats and self._load_dirty.is_set()
+                     and self._min_gap_s is not None
                      and now >= last_heartbeat + self._min_gap_s)
             if now >= next_heartbeat or early:
                 self._load_dirty.clear()
@@ -309,7 +317,7 @@ class EtcdRegistration(BackgroundThread):
                 next_heartbeat = now + self._heartbeat_interval_s
                 self._heartbeat(client, http)
             due = min(next_keepalive, next_heartbeat)
-            if self._load_dirty.is_set() and self._min_gap_s is not None:
+            if self.heartbeats and self._load_dirty.is_set() and self._min_gap_s is not None:
                 due = min(due, last_heartbeat + self._min_gap_s)
             self._tick.wait(max(0.0, due - time.monotonic()))
             self._tick.clear()
