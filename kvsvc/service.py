@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
@@ -49,7 +49,8 @@ from kvsvc.routing.policies import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
 from kvsvc.routing.cache_audit import CacheAudit, block_sizes
-from kvsvc.routing.observer import ObserverChain
+from kvsvc.routing.dispatch_record import DispatchRecorder
+from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
@@ -90,6 +91,9 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     :param directory: where hits come from, ``None`` with the index disabled.
     :param cache_audit: hears every answer after the ledger (predicted vs actual cached
         tokens, :mod:`kvsvc.routing.cache_audit`); ``None``: not audited.
+
+    With a directory, every dispatch is also recorded in its overlays (approximate indexes,
+    pending blocks: :class:`~kvsvc.routing.dispatch_record.DispatchRecorder`, §14, §16).
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
     # The per-instance request metrics (§12), heard through the proxy's observer seam and
@@ -107,13 +111,29 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     in_flight = InFlight()
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
+    observers: list[RequestObserver] = [ledger]
+    if cache_audit is not None:
+        observers.append(cache_audit)
+    if directory is not None:
+        observers.append(DispatchRecorder(directory))
     proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
                                 read_timeout_s=settings.upstream_read_timeout_s,
                                 pool_maxsize=settings.worker_threads), in_flight,
-                  observer=(ObserverChain([ledger, cache_audit]) if cache_audit is not None
-                            else ledger))
+                  observer=ObserverChain(observers) if len(observers) > 1 else ledger)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
+
+
+def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
+    """``instance -> backend_type`` from the registry's snapshot (the audit per backend, §14);
+    ``""`` for an unknown instance or without a registry."""
+    def backend_of(name: str) -> str:
+        if registry is None:
+            return ""
+        inst = registry.snapshot().instances.get(name)
+        return inst.backend_type if inst is not None else ""
+
+    return backend_of
 
 
 def startup_warnings(settings: ServiceSettings,
@@ -193,7 +213,8 @@ class Service:
             self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
                                        kv_config)
         # Predicted vs actual cached tokens of every answer (issue 14).
-        self.cache_audit = CacheAudit(block_sizes(kv_config))
+        self.cache_audit = CacheAudit(block_sizes(kv_config),
+                                      backend_of=_backend_reader(self.registry))
         self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
         backends = scrape_backends(settings.load_scrape_backends)
         # §15: vLLM and SGLang send no heartbeats; their load is read from their /metrics.

@@ -128,6 +128,10 @@ class EtcdRegistration(BackgroundThread):
     :param backend_type: the registration's ``backend_type`` (§9): ``"xllm"``, or ``"vllm"``
         as xllm-service's ``vllm_sidecar`` registers a vLLM instance (with ``type`` 0,
         DEFAULT), or ``"sglang"``.
+    :param heartbeat: sends one heartbeat itself, ``heartbeat(master address, body)`` -> the
+        HTTP-like status (200 accepted, 409 refused, ``None`` not delivered): the native mode's
+        baidu_std ``Heartbeat`` (:func:`kvsvc.testbed.sim.native.rpc_heartbeat`); ``None``:
+        ``POST /v1/internal/heartbeat``.
     :param profiling: extra registration fields, the §12 profiling data
         (``ttft_profiling_data``, ``tpot_profiling_data``:
         :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
@@ -146,7 +150,8 @@ class EtcdRegistration(BackgroundThread):
                  min_heartbeat_gap_s: Optional[float] = None,
                  master_refresh_s: float = 0.0, backend_type: str = "xllm",
                  profiling: Optional[Mapping[str, Any]] = None,
-                 heartbeats: bool = True) -> None:
+                 heartbeats: bool = True,
+                 heartbeat: Optional[Callable[[str, dict], Optional[int]]] = None) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -167,6 +172,7 @@ class EtcdRegistration(BackgroundThread):
         self._master_refresh_s = master_refresh_s
         self._profiling = dict(profiling or {})
         self.heartbeats = heartbeats
+        self._send_heartbeat = heartbeat
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -376,11 +382,14 @@ class EtcdRegistration(BackgroundThread):
                     "load_metrics": {"waiting_requests_num": load.waiting_requests_num,
                                      "gpu_cache_usage_perc": load.gpu_cache_usage_perc},
                     "latency_metrics": {}}
-            try:
-                status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
-                                   timeout=self._http_timeout_s).status_code
-            except requests.RequestException:
-                status = None
+            if self._send_heartbeat is not None:
+                status = self._send_heartbeat(address, body)
+            else:
+                try:
+                    status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
+                                       timeout=self._http_timeout_s).status_code
+                except requests.RequestException:
+                    status = None
             if status != 200:
                 self._master = None  # the master may have changed: read it again next time
         with self._lock:
@@ -392,6 +401,11 @@ class EtcdRegistration(BackgroundThread):
             log.info("sim %s: heartbeat answered %s", self.name,
                      status if status is not None else "nothing (no master or unreachable)")
 
+
+    def master(self) -> Optional[str]:
+        """The master's address as last read from etcd, ``None`` when none is known."""
+        master = self._master
+        return master[0] if master is not None else None
 
     def _master_address(self, client: EtcdClient) -> Optional[str]:
         """The master's address, read from etcd at most every ``master_refresh_s``; ``None``
