@@ -25,6 +25,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
 from kvsvc.index.tier_index import TierIndex
+from kvsvc.streams.carrier import ActionCarrier
 from kvsvc.streams.decoder import decode_batch
 from kvsvc.streams.frame import encode_live, parse_live
 from kvsvc.streams.history import HistoryRecovery
@@ -67,12 +68,13 @@ def _live_path_s(frames: list[list[bytes]], mode: ReplayMode) -> float:
                        hash_seed=HASH_SEED, replay_mode=mode)
     serving = ServingState(StreamId(cfg.instance_name, 0), BLOCK)
     history = mode is ReplayMode.HISTORY
-    rules = (HistoryRecovery if history else SnapshotRecovery)(cfg, limits, serving)
-    rules.start(0.0)
-    rules.on_live_opened()
-    rules.on_live_up(0.0)
-    (request,) = rules.tick(0.0)
-    rules.on_snapshot_opened(request.attempt, 0.0)
+    rules = (HistoryRecovery if history else SnapshotRecovery)(cfg, limits)
+    carrier = ActionCarrier(serving, rules)
+    carrier.carry(rules.start(0.0), 0.0)
+    carrier.carry(rules.on_live_opened(), 0.0)
+    carrier.carry(rules.on_live_up(0.0), 0.0)
+    (request,) = carrier.carry(rules.tick(0.0), 0.0)
+    carrier.carry(rules.on_snapshot_opened(request.attempt, 0.0), 0.0)
     index = TierIndex(BLOCK, HASH_SEED, limits.max_blocks_per_stream)
     result: RebuildReply | SnapshotResult
     if history:
@@ -80,13 +82,15 @@ def _live_path_s(frames: list[list[bytes]], mode: ReplayMode) -> float:
     else:
         result = SnapshotResult(index=index, empty=True, watermark=None, messages=0,
                                 wire_bytes=10)
-    rules.on_snapshot_complete(request.attempt, result, 0.0, 0.0)
+    carrier.carry(rules.on_snapshot_complete(request.attempt, result, 0.0, 0.0), 0.0)
     t = time.thread_time()
+    carry = carrier.carry
     for f in frames:
         frame = parse_live(f, limits.max_message_bytes)
         batch = decode_batch(frame.payload, 0, history)
-        rules.on_live_batch(frame.seq, batch, frame.wire_bytes, 1.0,
-                            xxh3_64_intdigest(frame.payload) if history else 0)
+        serving.note_live(1.0)
+        carry(rules.on_live_batch(frame.seq, batch, frame.wire_bytes, 1.0,
+                                  xxh3_64_intdigest(frame.payload) if history else 0), 1.0)
     took = (time.thread_time() - t) / len(frames)
     if serving.status().sequence != len(frames) - 1:
         raise AssertionError(f"{mode.value}: stream at seq {serving.status().sequence}")

@@ -6,9 +6,10 @@ SnapshotRecovery`, is §6/§7). It shares the attempt plumbing of
 :class:`~kvsvc.streams.recovery.AttemptRules` (its base class: action queue, attempt
 announce/abandon, live up/down bookkeeping, §6 backoff through
 :class:`~kvsvc.streams.recovery.RecoveryTimers`), the buffer accounting
-(:func:`~kvsvc.streams.recovery.record_bytes`) and the
-:class:`~kvsvc.streams.serving.ServingState`. Like it, it holds no socket, starts no thread
-and never reads the clock.
+(:func:`~kvsvc.streams.recovery.record_bytes`) and the actions it returns
+(:mod:`kvsvc.streams.actions`: the stream thread carries them out on the serving state). Like
+it, it holds no socket, starts no thread, never reads the clock and never reads the serving
+state back.
 
 Inputs beyond the snapshot rules' ones: ``on_live_batch`` takes the payload's XXH3-64 digest
 (``digest=``), and ``on_history_batch(attempt, seq, events, digest, wire_bytes, now)`` is each
@@ -17,12 +18,12 @@ batch of a catch-up after its anchor, as it arrives. Replies end with
 :class:`~kvsvc.streams.state.CatchUpReply` or a :class:`~kvsvc.streams.state.RebuildReply`. Requests are :class:`RequestHistory`
 (a catch-up from ``L`` with the anchor digest, or a rebuild from 0).
 
-The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
+The rules (§7h; docs/recovery.md, and the decisions D6-D14 of docs/decisions.md):
 
 - **Anchor.** The working index (serving, or kept while the stream recovers) has ``expected``
   (next seq it needs, ``L + 1``) and ``digest`` (``D``, of batch ``L``); the digests of the last
   :data:`~kvsvc.streams.anchor.RECENT_DIGESTS` applied batches tell a duplicate (same seq, same digest) from an
-  engine that restarted (same seq, another payload).
+  engine that restarted (same seq, another payload) (D9).
 - **Live batch, synchronized.** ``seq == expected``: applied (the hot path: one apply, one
   dict store). A duplicate: dropped. An older seq that is not a duplicate: the engine restarted
   (``sequence_backwards``): discard, rebuild. ``seq > expected``: a gap: the stream is
@@ -34,14 +35,14 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   error, on an exact index). A kept index takes no live batch before the proof (an engine that
   restarted may have reached exactly the expected seq): live batches are buffered, and at the
   end marker those after the last replayed seq follow contiguously (the others are duplicates,
-  checked by digest) and the stream serves again. A periodic catch-up's stream keeps applying
+  checked by digest) and the stream serves again (D11). A periodic catch-up's stream keeps applying
   live batches as they come (whichever copy comes first; the other is a duplicate). A reply
   with a hole (``truncated``: a ``ROUTER`` dropped messages) keeps what it applied and asks
-  again from there. Not proven
+  again from there (D7). Not proven
   (another first seq, another digest, an empty reply): discard, rebuild
   (``history_mismatch``). Every ``resync_interval_ms`` a synchronized stream catches up the
   same way while it serves; batches it applies that never arrived live are counted as a resync
-  difference (in batches).
+  difference (in batches, D14).
 - **Rebuild** from 0 into a private index (built by the history client), swapped in at the end
   marker, then the buffered live batches: those the reply covers are dropped (a different
   digest fails the attempt), the rest must follow contiguously. Reply from 0: ``exact``; from
@@ -49,7 +50,7 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   decides (seq 0 exact, else subset).
 - **Subset index.** Its live deltas (and catch-ups) apply with the orphan rule too: a block
   stored under a parent from before ``F`` is an orphan, not an error (a subset never knows all
-  parents). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
+  parents; D6). It becomes exact on a batch starting with an untargeted ``AllBlocksCleared``, or
   on a rebuild from 0.
 - **No replay answer** (a rebuild with no reply message at all within ``replay_timeout_ms``):
   the stream serves a live-only subset and retries the rebuild with the §6 backoff, which
@@ -60,7 +61,8 @@ The rules (§7h; README "Recovery, in short", "Where the spec is silent"):
   stream is ready, §10), and its first live batch decides as after an empty reply. A gap in a
   live-only stream discards it and starts a new one at that batch; so do a disconnect
   (nothing proves continuity without a replay) and a refused batch, at the next live batch
-  (the rebuild retry goes on; batches kept for it from before a refused one are dropped).
+  (the rebuild retry goes on; batches kept for it from before a refused one are dropped)
+  (D10).
 - **Unsynchronized**: a live batch starting with an untargeted ``AllBlocksCleared`` is a
   complete state (§6): exact from it.
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
@@ -74,6 +76,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from logging import DEBUG, INFO, WARNING
 from typing import Optional, Sequence, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
@@ -101,7 +104,19 @@ from kvsvc.streams.recovery import (
     record_bytes,
 )
 from kvsvc.streams.anchor import Anchor, Judgement, starts_cleared
-from kvsvc.streams.serving import ServingState
+from kvsvc.streams.actions import (
+    COUNT_DUPLICATE,
+    SET_RECOVERING,
+    ApplyEvents,
+    CountDecodeError,
+    CountRecovery,
+    CountResyncDifference,
+    HoldIndex,
+    ResumeIndex,
+    SetCompleteness,
+    SnapshotOk,
+    SwapIndex,
+)
 from kvsvc.streams.state import (
     CatchUpReply,
     Completeness,
@@ -125,13 +140,13 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
 
     :param stream: the stream's configuration (name and endpoint appear in reasons).
     :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
-    :param serving: where the serving side effects go.
     """
 
-    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
-                 serving: ServingState) -> None:
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig) -> None:
         self._anchor = Anchor()       # L + 1, D and recent digests of the working index
-        super().__init__(stream, limits, serving)
+        super().__init__(stream, limits)
+        # (first seq, stream served before) of a catch-up's buffered tail just asked for.
+        self._tail: Optional[tuple[int, bool]] = None
         self._held = False            # the serving state holds the working index
         self._completeness = EXACT
         self._live_only = False       # no replay answered: the index is built from live only
@@ -203,16 +218,14 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
 
         :param wire_bytes: the message's wire size (buffer accounting).
         """
-        serving = self._serving
-        serving.live_messages += 1
-        serving.last_event_at = now
+        self._live_messages += 1
         if self._awaiting_live:
             self._live_alive_again(now)
         if self._synced:
             expected = self._expected
             if expected is None or seq == expected:
                 self._apply_serving(seq, batch, digest, wire_bytes, now)
-                return self._take() if self._out else NO_ACTIONS
+                return self._take()
             if seq < expected:
                 self._older(seq, batch, digest, wire_bytes, now)
             else:
@@ -240,9 +253,9 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._attempt_failed(SnapshotError(f"history reply seq {seq} skips seq "
                                                f"{self._expected}"), now)
             return self._take()
-        if self._apply_held(seq, Batch(0.0, events, None), digest, now):
-            if self._synced:
-                self._caught_up += 1
+        self._apply_held(seq, Batch(0.0, events, None), digest)
+        if self._synced:
+            self._caught_up += 1
         return self._take()
 
     def on_live_down(self, reason: str, now: float) -> tuple[HistoryAction, ...]:
@@ -259,14 +272,14 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._live_only_wait = True
         elif self._synced:
             self._synced = False
-            self._serving.set_recovering()
+            self._out.append(SET_RECOVERING)
             how = (f"catching up from seq {self._expected - 1 if self._expected else 0} "
                    "once reconnected")
-            self._serving.set_error(f"{reason}; {how}")
+            self._set_error(f"{reason}; {how}")
             self._log_unsynchronized(f"{reason}; {how}", RecoveryTrigger.DISCONNECT,
                                      recovering=True)
         else:
-            self._serving.set_unsynchronized(reason)
+            self._set_unsynchronized(reason)
         if not self._live_only or self._timers.next_attempt_at is None:
             # (A live-only stream keeps its rebuild retry schedule, or retries once connected.)
             self._timers.next_attempt_at = now
@@ -305,43 +318,49 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._expected = seq
             self._set_completeness(EXACT if seq == 0 else SUBSET,
                                    f"first live batch after an empty reply has seq {seq}")
-        if not self._apply_held(seq, batch, digest, now):
-            return
+        self._apply_held(seq, batch, digest)
         request = self._request
         if request is not None and not request.catch_up:
             # A rebuild retry in flight (live-only stream): its index needs this batch too.
             self._buffer_batch(seq, batch, digest, wire_bytes, now)
 
-    def _apply_held(self, seq: int, batch: Batch, digest: int, now: float) -> bool:
-        """Apply batch ``seq == expected`` to the working index (serving or kept); keeps the
-        anchor. On an apply error the index is gone and a rebuild starts; returns False."""
+    def _apply_held(self, seq: int, batch: Batch, digest: int) -> None:
+        """Apply batch ``seq == expected`` to the working index (serving or kept) and move the
+        anchor; should the index refuse it, :meth:`on_apply_failed` follows."""
         subset = self._completeness is SUBSET
         events = batch.events
-        failure = self._serving.apply_live(seq, events, subset)
-        if failure is not None:
-            # The serving state discarded the index in the same lock hold.
-            reason = f"seq {seq}: {failure}"
-            live_only = self._live_only
-            self._lost(reason, trigger_of(error_reason(failure)))
-            if live_only:
-                # A rebuild retry in flight goes on, but the batches it kept came before this
-                # one (which may have removed their blocks): none may start a live-only index.
-                self._buffer = []
-                self._buffer_bytes = 0
-                self._live_only_wait = True
-            else:
-                self._restart_recovery(now)
-            return False
+        self._tail = None
+        self._out.append(ApplyEvents(seq, events, subset))
         self._anchor.advance(seq, digest)
         if subset and starts_cleared(events):
             self._set_completeness(EXACT, f"seq {seq} starts with AllBlocksCleared")
-        return True
+
+    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[HistoryAction, ...]:
+        """The working index refused batch ``seq`` (§5; the serving state discarded it): the
+        index is gone and a rebuild starts; a live-only stream starts again from the next live
+        batch (the rebuild retry in flight goes on)."""
+        reason, label = self._refused(seq, error)
+        tail = self._tail
+        if tail is not None and seq >= tail[0]:
+            # Refused in a catch-up's buffered tail: the stream had not served again yet.
+            self._synced = tail[1]
+        live_only = self._live_only
+        self._lost(reason, trigger_of(label))
+        if live_only:
+            # A rebuild retry in flight goes on, but the batches it kept came before this
+            # one (which may have removed their blocks): none may start a live-only index.
+            self._buffer = []
+            self._buffer_bytes = 0
+            self._live_only_wait = True
+        else:
+            self._restart_recovery(now)
+        return self._take()
 
     def _older(self, seq: int, batch: Batch, digest: int, wire_bytes: int, now: float) -> None:
         """A live seq below the expected one on a serving index."""
         if self._anchor.judge(seq, digest) is DUPLICATE:
             # Applied already (a catch-up brought it first, or a repeat of the same batch).
-            self._serving.duplicates_dropped += 1
+            self._out.append(COUNT_DUPLICATE)
             return
         self._discard_and_rebuild(f"sequence went backwards: expected seq {self._expected}, "
                                   f"got {seq} (the engine restarted)",
@@ -356,8 +375,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             self._discard_live_only(seq, batch, digest, wire_bytes, reason, now)
             return
         self._synced = False
-        self._serving.set_recovering()
-        self._serving.set_error(f"{reason}; catching up from seq {self._expected - 1}")  # type: ignore[operator]
+        self._out.append(SET_RECOVERING)
+        self._set_error(f"{reason}; catching up from seq {self._expected - 1}")  # type: ignore[operator]
         self._log_unsynchronized(f"{reason}; catching up", RecoveryTrigger.SEQUENCE_GAP,
                                  recovering=True)
         request = self._request
@@ -385,7 +404,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
             expected = self._expected
             if expected is not None and seq < expected:
                 if self._anchor.judge(seq, digest) is DUPLICATE:
-                    self._serving.duplicates_dropped += 1
+                    self._out.append(COUNT_DUPLICATE)
                     return
                 self._discard_and_rebuild(
                     f"sequence went backwards: expected seq {expected}, got {seq} (the "
@@ -440,9 +459,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         try:
             index.apply(batch.events, snapshot=completeness is SUBSET)
         except StreamError as exc:
-            reason = error_reason(exc)
-            self._serving.count_decode_error(reason)
-            self._serving.set_error(f"seq {seq}: {exc}")
+            self._out.append(CountDecodeError(error_reason(exc)))
+            self._set_error(f"seq {seq}: {exc}")
             return
         self._live_only_wait = False
         self._install(index, seq, digest, {}, completeness, live_events=batch.events,
@@ -482,7 +500,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
     def _catch_up_done(self, reply: CatchUpReply, duration: float, now: float) -> None:
         request = self._request
         assert request is not None
-        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
         if not reply.continuous:
             self._discard_and_rebuild(f"catch-up from seq {request.start_seq} failed: "
                                       f"{reply.reason}; rebuilding",
@@ -494,8 +512,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         self._abandon_attempt()
         if reply.truncated:
             # The engine dropped part of its reply: what arrived is applied; ask for the rest.
-            log.info("stream %s: %s; catching up again from seq %d", self._name, reply.reason,
-                     self._expected - 1)  # type: ignore[operator]
+            self._log(log, INFO, "stream %s: %s; catching up again from seq %d", self._name,
+                      reply.reason, self._expected - 1)  # type: ignore[operator]
             self._caught_up = caught_up
             self._begin_attempt()
             return
@@ -511,29 +529,31 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
                 return
             if judged is GAP:
                 # Published after the reply and lost on the way: ask again from here.
-                log.info("stream %s: catch-up ended at seq %d, buffered live seq %d: catching "
-                         "up again", self._name, self._expected - 1, seq)  # type: ignore[operator]
+                self._log(log, INFO, "stream %s: catch-up ended at seq %d, buffered live seq "
+                          "%d: catching up again", self._name,
+                          self._expected - 1, seq)  # type: ignore[operator]
                 self._begin_attempt()
                 return
-            if not self._apply_held(seq, batch, digest, now):
-                return
+            tail = self._tail
+            self._apply_held(seq, batch, digest)
+            self._tail = (seq, periodic) if tail is None else tail
         self._timers.synchronized(now, probe=False)
-        live_messages = self._serving.live_messages
+        live_messages = self._live_messages
         silent = live_messages == self._live_at_check
         self._live_at_check = live_messages
         if periodic:
             if caught_up:
-                self._serving.count_resync_difference(caught_up)
-                log.warning("stream %s: periodic catch-up found %d batches that never arrived "
-                            "live (lost events); applied", self._name, caught_up)
+                self._out.append(CountResyncDifference(caught_up))
+                self._log(log, WARNING, "stream %s: periodic catch-up found %d batches that "
+                          "never arrived live (lost events); applied", self._name, caught_up)
                 if silent and self._silence is None:
                     # Not one live message since the last check while the engine published:
-                    # in flight still, or a dead live channel (README "Where the spec is
-                    # silent"); a live message must arrive within the grace period.
+                    # in flight still, or a dead live channel (D13 in docs/decisions.md);
+                    # a live message must arrive within the grace period.
                     self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
             else:
-                log.debug("stream %s: periodic catch-up matched (seq %d)", self._name,
-                          request.start_seq)
+                self._log(log, DEBUG, "stream %s: periodic catch-up matched (seq %d)",
+                          self._name, request.start_seq)
             return
         self._resume(f"catch-up from seq {request.start_seq}, {reply.messages} messages")
 
@@ -543,7 +563,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         if reply.truncated and reply.last_seq is not None and reply.last_digest is not None:
             # Complete up to the hole: keep it (not served) and catch up from its last seq;
             # the catch-up's reply covers the buffered live batches.
-            self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+            self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
             self._live_only = self._live_only_wait = False
             self._hold(index, reply.last_seq, reply.last_digest, dict(reply.digests),
                        EXACT if reply.exact else SUBSET, stats_base,
@@ -553,7 +573,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         if isinstance(merged, SnapshotError):
             self._attempt_failed(merged, now)
             return
-        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
         self._live_only = self._live_only_wait = False
         self._install(index, merged.sequence, merged.digest, merged.digests,
                       merged.completeness, live_events=merged.tail, stats_base=stats_base,
@@ -571,49 +591,51 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         replacing = self._synced
         if not keep_attempt:
             self._abandon_attempt()
-        self._serving.swap(index, sequence=sequence, resync=False, difference=0,
-                           live_events=live_events, stats_base=stats_base,
-                           completeness=completeness)
+        self._out.append(SwapIndex(index, sequence, False, 0, live_events, stats_base,
+                                   completeness))
+        self._index = index
+        self._error = None
+        self._tail = None
         self._synced = self._held = True
         self._completeness = completeness
         self._anchor = Anchor.at(sequence, digest, digests)
         if now is not None:
             self._timers.synchronized(now, probe=False)
-        self._live_at_check = self._serving.live_messages
-        log.info("stream %s: synchronized%s (%s, %s): %d device, %d host blocks", self._name,
-                 " again" if replacing else "", how, completeness.value, index.device_blocks,
-                 index.host_blocks)
+        self._live_at_check = self._live_messages
+        self._log(log, INFO, "stream %s: synchronized%s (%s, %s): %d device, %d host blocks",
+                  self._name, " again" if replacing else "", how, completeness.value,
+                  index.device_blocks, index.host_blocks)
 
     def _hold(self, index: TierIndex, sequence: int, digest: int, digests: dict[int, int],
               completeness: Completeness, stats_base: tuple[int, ...], reason: str) -> None:
         """Keep a rebuilt index complete up to ``sequence`` without serving it and catch up."""
         was_synced = self._synced
         self._abandon_attempt()
-        self._serving.hold(index, sequence=sequence, stats_base=stats_base,
-                           completeness=completeness, reason=reason)
+        self._out.append(HoldIndex(index, sequence, stats_base, completeness, reason))
+        self._index = index
+        self._error = reason
+        self._tail = None
         if was_synced:
             # (A live-only subset was serving: it stops, the rebuilt index takes over.)
-            self._serving.count_recovery(RecoveryTrigger.SEQUENCE_GAP)
+            self._out.append(CountRecovery(RecoveryTrigger.SEQUENCE_GAP))
         self._synced = False
         self._held = True
         self._completeness = completeness
         self._anchor = Anchor.at(sequence, digest, digests)
-        log.info("stream %s: rebuilt to seq %d: %s", self._name, sequence, reason)
+        self._log(log, INFO, "stream %s: rebuilt to seq %d: %s", self._name, sequence, reason)
         self._begin_attempt()
 
     def _resume(self, how: str) -> None:
         """The kept index is complete again: serve it."""
         self._synced = True
-        self._live_at_check = self._serving.live_messages
-        self._serving.resume(None if self._expected is None else self._expected - 1)
-        self._serving.set_completeness(self._completeness)
-        device, host = self._index_blocks()
-        log.info("stream %s: synchronized (%s, %s): %d device, %d host blocks", self._name, how,
-                 self._completeness.value, device, host)
-
-    def _index_blocks(self) -> tuple[int, int]:
-        index = self._serving.index
-        return (index.device_blocks, index.host_blocks) if index is not None else (0, 0)
+        self._live_at_check = self._live_messages
+        self._out.append(ResumeIndex(None if self._expected is None else self._expected - 1))
+        self._error = None
+        self._out.append(SetCompleteness(self._completeness))
+        # (Counted when the line is written: after the catch-up's batches were applied.)
+        self._log(log, INFO, "stream %s: synchronized (%s, %s): %s device, %s host blocks",
+                  self._name, how, self._completeness.value, _Blocks(self._index, "device_blocks"),
+                  _Blocks(self._index, "host_blocks"))
 
     def _check_silence(self, now: float) -> None:
         """End a silent-channel check: passed once a live message arrived since it was armed;
@@ -629,27 +651,28 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
                   f"{self._expected - 1 if self._expected else 0} (found by a catch-up) but no "
                   f"live batch arrived; check the stream's endpoint and topic "
                   f"{self._stream.topic!r}")
-        self._serving.set_unsynchronized(reason)
+        self._set_unsynchronized(reason)
         self._log_unsynchronized(reason, RecoveryTrigger.LIVE_SILENT)
 
     def _live_alive_again(self, now: float) -> None:
         """A live message after a silent channel: catch up (the kept index) now."""
         self._awaiting_live = False
-        log.info("stream %s: live channel alive again; catching up", self._name)
+        self._log(log, INFO, "stream %s: live channel alive again; catching up", self._name)
         self._timers.next_attempt_at = now
 
     def _set_completeness(self, completeness: Completeness, why: str) -> None:
         if completeness is self._completeness:
             return
         self._completeness = completeness
-        self._serving.set_completeness(completeness)
-        log.info("stream %s: index is %s now (%s)", self._name, completeness.value, why)
+        self._out.append(SetCompleteness(completeness))
+        self._log(log, INFO, "stream %s: index is %s now (%s)", self._name, completeness.value,
+                  why)
 
     def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
         """An error of the stream: discard the index and rebuild (a live-only stream: start
         again from the next live batch), or fail the attempt in flight. A live message that
         failed decoding comes here too (``on_live_error``): the batch is lost to the index and
-        its replayed copy would fail alike."""
+        its replayed copy would fail alike (D12 in docs/decisions.md)."""
         if self._held:
             live_only = self._live_only
             self._abandon_attempt()
@@ -675,7 +698,7 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
     def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
         """Discard the working index and its anchor; one log line and one recovery count per
         loss of synchronization (a kept index just logs)."""
-        self._serving.invalidate(reason)
+        self._discard(reason)
         self._lost(reason, trigger)
 
     def _lost(self, reason: str, trigger: RecoveryTrigger) -> None:
@@ -683,13 +706,14 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         an index goes (a kept one too: its catch-up becomes a rebuild)."""
         was_synced, was_held = self._synced, self._held
         self._synced = self._held = False
+        self._tail = None
         self._anchor = Anchor()
         self._completeness = EXACT
         if was_synced:
             self._log_unsynchronized(reason, trigger)
         elif was_held:
-            self._serving.count_recovery(trigger)
-            log.warning("stream %s: index discarded: %s", self._name, reason)
+            self._out.append(CountRecovery(trigger))
+            self._log(log, WARNING, "stream %s: index discarded: %s", self._name, reason)
 
     # ------------------------------------------------------------------ attempts
 
@@ -728,10 +752,10 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         what = (f"catch-up requested (start_seq {request.start_seq})" if request.catch_up
                 else "rebuild requested (start_seq 0)")
         if not request.urgent or self._synced:
-            log.debug("stream %s: periodic %s", self._name, what)
+            self._log(log, DEBUG, "stream %s: periodic %s", self._name, what)
             return
-        self._serving.set_recovering()
-        log.info("stream %s: recovering: %s", self._name, what)
+        self._out.append(SET_RECOVERING)
+        self._log(log, INFO, "stream %s: recovering: %s", self._name, what)
 
     def _attempt_failed(self, exc: StreamError, now: float) -> None:
         """A failed attempt (§6, §7h): close it, keep the reason, retry after the backoff. A
@@ -745,7 +769,8 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
                       and not request.catch_up)
         if self._synced:
             # Once per failure streak at warning: a live-only stream retries for good.
-            (log.warning if self._timers.failures == 1 else log.debug)(
+            self._log(
+                log, WARNING if self._timers.failures == 1 else DEBUG,
                 "stream %s: %s failed: %s; still serving; retry in %.1fs", self._name,
                 "rebuild retry" if request is not None and not request.catch_up
                 else "periodic catch-up", exc, delay)
@@ -760,14 +785,15 @@ class HistoryRecovery(AttemptRules[RequestHistory, tuple[int, Batch, int], tuple
         if unanswered and not self._held:
             self._live_only = self._live_only_wait = True
             reason = f"{reason}; serving a live-only subset from the next live batch"
-        self._serving.set_unsynchronized(reason)
-        log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, reason, delay)
+        self._set_unsynchronized(reason)
+        self._log(log, WARNING, "stream %s: unsynchronized: %s; retry in %.1fs", self._name,
+                  reason, delay)
         if unanswered and buffered and not self._held:
             self._live_only_from(buffered, now)
 
     def _start_empty_live_only(self, reason: str, delay: float) -> None:
-        """No replay answer and no live batch received (§7h "No replay answer"; README "Where
-        the spec is silent"): serve an EMPTY live-only index, ``subset``, with the expected seq
+        """No replay answer and no live batch received (§7h "No replay answer"; D10 in
+        docs/decisions.md): serve an EMPTY live-only index, ``subset``, with the expected seq
         unknown. It holds no block, so it is a valid subset of any residency (0 hits, never a
         false one). The first live batch then decides as after an empty rebuild reply: seq 0
         ``exact``, any other seq ``subset`` with the orphan rule. The rebuild keeps its §6
@@ -854,3 +880,17 @@ def merge_rebuild(reply: RebuildReply,
         digests[seq] = digest
     sequence = None if anchor.expected is None else anchor.expected - 1
     return RebuildMerge(sequence, anchor.digest, digests, completeness, tail, how)
+
+
+class _Blocks:
+    """A log argument: ``index``'s block count ``attr`` (``device_blocks``, ``host_blocks``)
+    read when the line is written, after the batches asked for before it were applied."""
+
+    __slots__ = ("_index", "_attr")
+
+    def __init__(self, index: Optional[TierIndex], attr: str) -> None:
+        self._index = index
+        self._attr = attr
+
+    def __str__(self) -> str:
+        return str(getattr(self._index, self._attr) if self._index is not None else 0)

@@ -14,9 +14,8 @@ Two rule sets implement :class:`RecoveryRules`; the stream thread picks one by t
   ``subset`` index; without any replay answer the stream serves a live-only subset. Both
   subclass :class:`AttemptRules` (the attempt plumbing: action queue, attempt
   announce/abandon, live up/down bookkeeping, failure backoff, silent-channel judgement). It
-  shares :class:`RecoveryTimers` (§6 backoff, resync interval), :func:`record_bytes` (buffer
-  accounting) and the :class:`~kvsvc.streams.serving.ServingState`; its requests are
-  :class:`RequestHistory`.
+  shares :class:`RecoveryTimers` (§6 backoff, resync interval) and :func:`record_bytes`
+  (buffer accounting); its requests are :class:`RequestHistory`.
 
 :class:`SnapshotRecovery` is fed what happened on the stream's thread and answers what to do
 next. It holds no socket, starts no thread and never reads the clock: every input carries
@@ -34,19 +33,22 @@ next. It holds no socket, starts no thread and never reads the clock: every inpu
 ``on_snapshot_complete(id, result, ...)``      the end marker of attempt ``id`` arrived (§7)
 ``on_snapshot_failed(id, exc, now)``           attempt ``id`` failed (timeout, malformed, ...)
 ``on_internal_error(name, now)``               a bug-class exception escaped a turn
+``on_apply_failed(seq, error, now)``           the index refused batch ``seq``'s events
 ``tick(now)``                                  time passed (call at each loop turn)
 =============================================  ==============================================
 
-Each returns a tuple of actions for the owner to carry out, in order: :class:`RequestSnapshot`
-(open attempt ``id`` with ``start_seq``; ``urgent`` for a recovery, not for a periodic resync;
-the owner reports ``on_snapshot_opened`` once the attempt is open, or ``on_snapshot_failed``
-when it cannot be opened) and :class:`AbandonSnapshot` (close attempt ``id``); usually the
-empty tuple
-:data:`NO_ACTIONS`, which is what one in-order live batch costs. :meth:`SnapshotRecovery.wakeup_at`
-says when the next :meth:`~SnapshotRecovery.tick` is due. The serving side effects (apply a
-batch, swap in an index, invalidate with a reason, count a recovery with its trigger label) are
-made on the :class:`~kvsvc.streams.serving.ServingState` the machine is given, which is pure
-memory under one lock: the index is discarded under the same lock hold that saw an apply error.
+Each returns a tuple of actions (:mod:`kvsvc.streams.actions`) for the owner to carry out, in
+order: the serving side effects (apply a batch, swap in an index, invalidate with a reason,
+count a recovery with its trigger label, ...) and log lines, which the stream thread carries
+out on its :class:`~kvsvc.streams.serving.ServingState`
+(:class:`~kvsvc.streams.carrier.ActionCarrier`), and the attempt actions
+:class:`RequestSnapshot` (open attempt ``id`` with ``start_seq``; ``urgent`` for a recovery,
+not for a periodic resync; the owner reports ``on_snapshot_opened`` once the attempt is open,
+or ``on_snapshot_failed`` when it cannot be opened) and :class:`AbandonSnapshot` (close attempt
+``id``). One in-order live batch costs one :class:`~kvsvc.streams.actions.ApplyEvents`; if the
+index refuses it, the rules hear of it through ``on_apply_failed``. The rules never read the
+serving state: what they need of it they recorded when they asked for it.
+:meth:`SnapshotRecovery.wakeup_at` says when the next :meth:`~SnapshotRecovery.tick` is due.
 
 States (§6)::
 
@@ -56,22 +58,22 @@ States (§6)::
 
     RECOVERING / UNSYNCHRONIZED --live batch starting with AllBlocksCleared--> SYNCHRONIZED
 
-Rules (each one fixes a failure the soak test found; README "Where the spec is silent"):
+Rules (each one fixes a failure the soak test found; the decisions D1-D5 of docs/decisions.md):
 
 - Snapshots are requested only while the live ``SUB`` is connected (``on_live_up`` since the
   last ``on_live_opened``/``on_live_down``): a ``PUB`` drops every batch published before a
   subscription reaches it without a trace, so a snapshot taken before that moment can be
   followed by batches this stream never receives; with a restarted counter the gap is
-  invisible. A due attempt waiting for the connection says so in ``error``.
+  invisible. A due attempt waiting for the connection says so in ``error`` (D2).
 - ``expected``: the next live seq the serving index needs; ``None`` after an empty snapshot
-  (watermark unknown): the first live batch is then applied whatever its seq (§7).
+  (watermark unknown): the first live batch is then applied whatever its seq (§7, D5).
 - ``max_seen``: the highest live seq this ``SUB`` connection has received (forgotten on a
   disconnect and when a backward jump starts a new epoch). After a swap at watermark W, a
   batch with seq <= W that is above ``max_seen`` was published before the snapshot but
   received after it: a duplicate already covered, dropped silently. With nothing seen on the
   connection, an old seq may be a publisher whose counter restarted after the snapshot: that
   recovers. Any other seq than ``expected`` (a repeat, a backward jump, a gap) is a sequence
-  error.
+  error (D4).
 - Buffer accounting during an attempt (§6): each batch costs its wire bytes plus
   :data:`BUFFER_EVENT_OVERHEAD` per event, :data:`BUFFER_HASH_OVERHEAD` per block hash and
   :data:`BUFFER_TOKEN_OVERHEAD` per token id; above ``max_buffered_bytes`` the attempt fails
@@ -82,11 +84,11 @@ Rules (each one fixes a failure the soak test found; README "Where the spec is s
   after a recovery from a snapshot with a watermark while nothing has arrived on the live
   connection, the first resync comes after :data:`PROBE_RESYNC_S`.
 - A resync whose watermark is behind the applied seq means the engine's counter restarted
-  unseen: the serving index goes, not just the attempt.
+  unseen: the serving index goes, not just the attempt (D4).
 - Silent channel: a resync showing batches that never arrived (watermark >= expected) while
   no live message arrived since the previous swap arms a check; no live message within
   :data:`LIVE_SILENCE_GRACE_S` unsynchronizes the stream, and no snapshot is requested until a
-  live message arrives (then it recovers).
+  live message arrives (then it recovers) (D1).
 
 The history rule set (§7h) has its own meaning of a reply and of the tail merge, its own
 duplicate rule (by digest, not by ``max_seen``) and one more input, ``on_history_batch``;
@@ -100,6 +102,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from logging import DEBUG, INFO, WARNING
 from typing import Generic, Optional, Protocol, Sequence, TypeVar, Union
 
 from kvsvc.config import KvEventsConfig, StreamConfig
@@ -116,8 +119,28 @@ from kvsvc.streams.counters import (
     stats_tuple,
     trigger_of,
 )
-from kvsvc.streams.serving import NOT_YET, ServingState
-from kvsvc.streams.state import HistoryReply, SnapshotResult
+from kvsvc.streams.actions import (
+    COUNT_DUPLICATE,
+    NO_ACTIONS,
+    SET_RECOVERING,
+    AbandonSnapshot,
+    Action,
+    ApplyEvents,
+    CountAttempt,
+    CountDecodeError,
+    CountRecovery,
+    Invalidate,
+    Log,
+    RequestHistory,
+    RequestSnapshot,
+    SetError,
+    SetUnsynchronized,
+    SnapshotOk,
+    SwapIndex,
+)
+from kvsvc.streams.state import NOT_YET, HistoryReply, SnapshotResult, StreamId
+
+__all__ = ["NO_ACTIONS", "AbandonSnapshot", "Action", "RequestHistory", "RequestSnapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +150,12 @@ BACKOFF_MAX_S = 5.0
 #: After a periodic resync shows live batches that never arrived (watermark above the applied
 #: seq) while nothing at all arrived on the live channel since the previous swap, a live batch
 #: must arrive within this many seconds (those batches may still be in flight), or the live
-#: channel is taken for dead (README "Where the spec is silent").
+#: channel is taken for dead (D1 in docs/decisions.md).
 LIVE_SILENCE_GRACE_S = 2.0
 #: After a recovery from a snapshot with a watermark while nothing at all has arrived on the
 #: live connection, the first resync comes this soon (seconds) instead of after
 #: ``resync_interval_ms``: a dead live channel (a wrong topic) is then found within seconds,
-#: not after a whole resync interval of a snapshot index going stale.
+#: not after a whole resync interval of a snapshot index going stale (D1).
 PROBE_RESYNC_S = 2.0
 #: Buffer record overheads (bytes) added to a buffered batch's wire size (§6).
 BUFFER_EVENT_OVERHEAD = 128
@@ -141,60 +164,6 @@ BUFFER_TOKEN_OVERHEAD = 4
 
 #: Appended to the reason while a due snapshot waits for the live connection.
 LIVE_WAIT = "; the snapshot is requested once the live channel "
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSnapshot:
-    """Action: open snapshot attempt ``attempt`` (§7) asking from ``start_seq``; report that it
-    is open with :meth:`SnapshotRecovery.on_snapshot_opened` (or that it could not be opened
-    with ``on_snapshot_failed``), then its end with ``on_snapshot_complete`` /
-    ``on_snapshot_failed``.
-
-    :param attempt: the attempt's id (increasing per machine).
-    :param start_seq: last applied seq + 1 for a resync, else 0 (§7).
-    :param urgent: a recovery (the stream serves nothing meanwhile); False: a periodic resync.
-    """
-
-    attempt: int
-    start_seq: int
-    urgent: bool
-
-
-@dataclass(frozen=True, slots=True)
-class AbandonSnapshot:
-    """Action: close attempt ``attempt`` (its socket and gate permit); a late reply is dropped."""
-
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class RequestHistory:  # (history mode, §7h: kvsvc.streams.history)
-    """Action: open history attempt ``attempt`` (§7h) from ``start_seq``; report it open with
-    ``on_snapshot_opened`` (or ``on_snapshot_failed``), its catch-up batches with
-    ``on_history_batch``, its end with ``on_snapshot_complete`` / ``on_snapshot_failed``.
-
-    :param attempt: the attempt's id (increasing per machine).
-    :param start_seq: ``L`` for a catch-up, 0 for a rebuild.
-    :param urgent: the stream serves nothing meanwhile (False: a periodic catch-up, or a rebuild
-        retry while a live-only subset serves).
-    :param anchor_digest: ``D`` for a catch-up; ``None``: a rebuild.
-    """
-
-    attempt: int
-    start_seq: int
-    urgent: bool
-    anchor_digest: Optional[int]
-
-    @property
-    def catch_up(self) -> bool:
-        """A catch-up (else a rebuild from 0)."""
-        return self.anchor_digest is not None
-
-
-#: What the rule sets ask their owner to do (a history-mode stream asks with RequestHistory).
-Action = Union[RequestSnapshot, RequestHistory, AbandonSnapshot]
-#: What most inputs return: nothing to do.
-NO_ACTIONS: tuple[Action, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,8 +239,8 @@ class RecoveryRules(Protocol):
     next). Every input is called on the stream thread only, takes ``now`` (monotonic seconds)
     where time matters and returns the actions to carry out in order (:data:`NO_ACTIONS` when
     there are none; the hot path, an in-order live batch, returns that very tuple). The
-    serving side effects go to the :class:`~kvsvc.streams.serving.ServingState` the rule set
-    was built with. See :class:`SnapshotRecovery` for the snapshot-mode rules of each input.
+    serving side effects are actions too (:mod:`kvsvc.streams.actions`), carried out by the
+    stream thread (:class:`~kvsvc.streams.carrier.ActionCarrier`). See :class:`SnapshotRecovery` for the snapshot-mode rules of each input.
     """
 
     @property
@@ -343,6 +312,11 @@ class RecoveryRules(Protocol):
         """Called when a bug-class exception (``error_name``, its class name) escaped a turn;
         may return an abandon; the recovery comes later through :meth:`tick`."""
 
+    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[Action, ...]:
+        """Called when the index refused the :class:`~kvsvc.streams.actions.ApplyEvents` of
+        batch ``seq`` with ``error`` (the serving state stopped serving it; the actions after
+        it were dropped); may return any actions."""
+
 
 class RecoveryTimers:
     """The schedule shared by every rule set: when the next attempt is due, the backoff of
@@ -399,15 +373,16 @@ class AttemptRules(Generic[_R, _B, _S]):
 
     :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
     :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
-    :param serving: where the serving side effects go.
     """
 
-    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
-                 serving: ServingState) -> None:
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig) -> None:
         self._stream = stream
         self._limits = limits
-        self._serving = serving
-        self._name = str(serving.stream_id)
+        self._name = str(StreamId(stream.instance_name, stream.dp_rank))
+        # What the serving state was told (the rules' own record: never read back from it).
+        self._error: Optional[str] = NOT_YET     # its error reason
+        self._index: Optional[TierIndex] = None  # the index it holds (serving or kept)
+        self._live_messages = 0                  # live messages with the exact topic
         self._max_buffered = limits.max_buffered_bytes
         self._timers = RecoveryTimers(limits.resync_interval_ms)
         self._out: list[Action] = []
@@ -451,7 +426,7 @@ class AttemptRules(Generic[_R, _B, _S]):
             next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
             buffered_bytes=self._buffer_bytes, buffered_seqs=buffered_seqs,
             silence_check=silence_check, awaiting_live=awaiting_live,
-            live_messages=self._serving.live_messages)
+            live_messages=self._live_messages)
 
     def _wakeup(self, *, held_back: bool, deadline: Optional[float]) -> Optional[float]:
         """When :meth:`tick` is next due (monotonic s): the due attempt's time unless an
@@ -484,7 +459,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         """The stream thread runs: a recovery is due at once (§6; sent on the first
         :meth:`tick` with the live channel up). Counts the ``start`` recovery."""
         self._timers.next_attempt_at = now
-        self._serving.count_recovery(RecoveryTrigger.START)
+        self._out.append(CountRecovery(RecoveryTrigger.START))
         return self._take()
 
     def on_live_opened(self) -> tuple[Action, ...]:
@@ -503,10 +478,10 @@ class AttemptRules(Generic[_R, _B, _S]):
             self._timers.new_connection(now)
         if self._live_wait_noted:
             self._live_wait_noted = False
-            error = self._serving.error
+            error = self._error
             # The wait is over: the reason is the cause alone again.
             if not self._synced and error is not None:
-                self._serving.set_error(error.partition(LIVE_WAIT)[0])
+                self._set_error(error.partition(LIVE_WAIT)[0])
         return self._take()
 
     def on_snapshot_opened(self, attempt: int, now: float) -> tuple[Action, ...]:
@@ -546,12 +521,12 @@ class AttemptRules(Generic[_R, _B, _S]):
         :param text: the error's text (``/ready``): for a payload, ``"seq <seq>: <error>"``.
         :param seq: the message's seq when its frames parsed, else ``None``.
         """
-        self._serving.live_messages += 1
+        self._live_messages += 1
         if self._awaiting_live:
             self._live_alive_again(now)
         if seq is not None:
             self._note_seen(seq)
-        self._serving.count_decode_error(reason)
+        self._out.append(CountDecodeError(reason))
         self._stream_error(text, RecoveryTrigger.DECODE_ERROR, now)
         return self._take()
 
@@ -559,7 +534,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         """A live message with ``seq`` arrived (its payload may not have decoded)."""
 
     def _silence_failed(self, live_messages: int, deadline: float, now: float) -> bool:
-        """Judge the running silent-channel check (README "Where the spec is silent"), armed
+        """Judge the running silent-channel check (D1 in docs/decisions.md), armed
         when ``live_messages`` live messages had arrived, due at ``deadline`` (monotonic s):
         passed (ended, False) once any live message arrived since it was armed or the stream
         no longer serves; running (False) before ``deadline``; else failed (True): ended, the
@@ -567,7 +542,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         (``_awaiting_live``); the rule set then says how the stream stops serving."""
         # Counted from when the check was armed, not from the last swap: a later resync's
         # swap must not hide a batch that arrived in between.
-        if self._serving.live_messages != live_messages or not self._synced:
+        if self._live_messages != live_messages or not self._synced:
             self._silence = None
             return False
         if now < deadline:
@@ -635,7 +610,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         outcome = (SnapshotOutcome.TIMEOUT if isinstance(exc, SnapshotTimeout) else
                    SnapshotOutcome.BUFFER_OVERFLOW if isinstance(exc, BufferOverflow) else
                    SnapshotOutcome.ERROR)
-        self._serving.count_attempt(outcome)
+        self._out.append(CountAttempt(outcome))
         return self._timers.failed(now)
 
     def _cleared_index(self, seq: int, batch: Batch, now: float) -> Optional[TierIndex]:
@@ -647,7 +622,7 @@ class AttemptRules(Generic[_R, _B, _S]):
             index.apply(batch.events)
         except StreamError as exc:
             reason = error_reason(exc)
-            self._serving.count_decode_error(reason)
+            self._out.append(CountDecodeError(reason))
             self._stream_error(f"seq {seq}: {exc}", trigger_of(reason), now)
             return None
         return index
@@ -681,26 +656,61 @@ class AttemptRules(Generic[_R, _B, _S]):
         """An error while a retry waits: record the reason; the state does not change, so only
         the first error is logged at warning (a burst of garbage cannot flood the log; the
         latest reason is still in ``error``)."""
-        self._serving.set_error(reason)
+        self._set_error(reason)
         if not self._waiting_error_logged:
             self._waiting_error_logged = True
-            log.warning("stream %s: %s (retry already scheduled; further errors until then "
-                        "are logged at debug level)", self._name, reason)
+            self._log(log, WARNING, "stream %s: %s (retry already scheduled; further errors "
+                      "until then are logged at debug level)", self._name, reason)
         else:
-            log.debug("stream %s: %s (retry already scheduled)", self._name, reason)
+            self._log(log, DEBUG, "stream %s: %s (retry already scheduled)", self._name, reason)
 
     def _log_unsynchronized(self, reason: str, trigger: RecoveryTrigger,
                             recovering: bool = False) -> None:
         """Count the recovery (``trigger``) and log the loss of synchronization once."""
-        self._serving.count_recovery(trigger)
-        log.warning("stream %s: %s: %s", self._name,
-                    "recovering" if recovering else "unsynchronized", reason)
+        self._out.append(CountRecovery(trigger))
+        self._log(log, WARNING, "stream %s: %s: %s", self._name,
+                  "recovering" if recovering else "unsynchronized", reason)
 
     def _note_live_wait(self) -> None:
         """An attempt is due but the live channel is not connected: say so in ``error``."""
         self._live_wait_noted = True
-        cause = self._serving.error or NOT_YET
-        self._serving.set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
+        cause = self._error or NOT_YET
+        self._set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
+
+    # ------------------------------------------------------------------ serving actions
+
+    def _log(self, logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+        """Ask for one log line (a :class:`~kvsvc.streams.actions.Log`) when ``logger`` logs
+        at ``level``."""
+        if logger.isEnabledFor(level):
+            self._out.append(Log(logger.name, level, msg, args))
+
+    def _set_error(self, error: Optional[str]) -> None:
+        """The serving state's error reason becomes ``error`` (the state stays)."""
+        self._error = error
+        self._out.append(SetError(error))
+
+    def _set_unsynchronized(self, error: str) -> None:
+        """The serving state becomes ``UNSYNCHRONIZED`` with ``error`` (an index is kept)."""
+        self._error = error
+        self._out.append(SetUnsynchronized(error))
+
+    def _discard(self, reason: str) -> None:
+        """The serving state discards its index: ``UNSYNCHRONIZED`` with ``reason``."""
+        self._error = reason
+        self._index = None
+        self._out.append(Invalidate(reason))
+
+    def _refused(self, seq: int, error: StreamError) -> tuple[str, DecodeErrorReason]:
+        """An :class:`~kvsvc.streams.actions.ApplyEvents` of batch ``seq`` was refused: the
+        serving state discarded the index (reason ``"seq <seq>: <error>"``); counts the
+        decode-error label. :returns: the reason and the label."""
+        reason = f"seq {seq}: {error}"
+        label = error_reason(error)
+        self._error = reason
+        self._index = None
+        self._out.append(CountDecodeError(label))
+        return reason, label
 
 
 class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceCheck]):
@@ -708,12 +718,10 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
 
     :param stream: the stream's configuration (name, topic and endpoint appear in reasons).
     :param limits: ``max_buffered_bytes``, ``resync_interval_ms``, ``max_blocks_per_stream``.
-    :param serving: where the serving side effects go (the subscriber publishes it).
     """
 
-    def __init__(self, stream: StreamConfig, limits: KvEventsConfig,
-                 serving: ServingState) -> None:
-        super().__init__(stream, limits, serving)
+    def __init__(self, stream: StreamConfig, limits: KvEventsConfig) -> None:
+        super().__init__(stream, limits)
         self._max_seen: Optional[int] = None     # highest live seq on this connection
         self._live_at_swap = 0                   # live_messages when the index was swapped
 
@@ -755,35 +763,34 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
 
         :param wire_bytes: the message's wire size (buffer accounting).
         """
-        serving = self._serving
-        serving.live_messages += 1
+        self._live_messages += 1
         if self._awaiting_live:
             self._live_alive_again(now)
         prev_max = self._max_seen
         self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
-        serving.last_event_at = now
         if self._synced:
             expected = self._expected
             if expected is None or seq == expected:
-                failure = serving.apply_live(seq, batch.events)
-                if failure is not None:
-                    self._synced = False
-                    self._expected = None
-                    self._log_unsynchronized(f"seq {seq}: {failure}",
-                                             trigger_of(error_reason(failure)))
-                    self._restart_recovery(now)
-                    return self._take()
+                self._out.append(ApplyEvents(seq, batch.events))
                 self._expected = seq + 1
                 if self._attempt is not None:
                     # Background resync: the new index needs this batch too.
                     self._buffer_batch(seq, batch, wire_bytes, now)
-                    return self._take()
-                if self._out:
-                    return self._take()
-                return NO_ACTIONS
+                return self._take()
             self._on_unexpected_seq(seq, expected, batch, wire_bytes, prev_max, now)
         else:
             self._on_live_unsynchronized(seq, batch, wire_bytes, prev_max, now)
+        return self._take()
+
+    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[Action, ...]:
+        """The serving index refused live batch ``seq`` (§5: an unknown parent, a hash
+        conflict, capacity): the serving state discarded it; counted, and a recovery starts
+        (trigger from the error's label)."""
+        reason, label = self._refused(seq, error)
+        self._synced = False
+        self._expected = None
+        self._log_unsynchronized(reason, trigger_of(label))
+        self._restart_recovery(now)
         return self._take()
 
     def _note_seen(self, seq: int) -> None:
@@ -861,7 +868,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
                 self._restart_recovery(now)
                 return self._take()
             how = f"snapshot watermark {_wm(wm)}, {reply.messages} messages, tail to seq {_wm(sequence)}"
-        live_messages = self._serving.live_messages
+        live_messages = self._live_messages
         silent = (resync and not reply.empty and reply.watermark is not None
                   and self._expected is not None and reply.watermark >= self._expected
                   and live_messages == self._live_at_swap)
@@ -870,7 +877,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
             stats_base = stats_tuple(index.stats)
             tail = []
         duration = now - requested_at if requested_at is not None else 0.0
-        self._serving.snapshot_ok(duration, reply.wire_bytes, reply.messages)
+        self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
         self._abandon_attempt()
         self._swap(index, expected=expected, sequence=sequence, resync=resync, how=how,
                    live_events=[ev for b in tail for ev in b.events], stats_base=stats_base,
@@ -901,7 +908,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
 
     def _live_alive_again(self, now: float) -> None:
         self._awaiting_live = False
-        log.info("stream %s: live channel alive again; recovering", self._name)
+        self._log(log, INFO, "stream %s: live channel alive again; recovering", self._name)
         self._restart_recovery(now)
 
     def _on_unexpected_seq(self, seq: int, expected: int, batch: Batch, wire_bytes: int,
@@ -913,8 +920,8 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
             # connection yet (prev_max None) an old seq may just as well be a publisher that
             # restarted its counter after the snapshot: that case recovers (one extra snapshot
             # at worst), because dropping it could keep a stale index synchronized.
-            self._serving.duplicates_dropped += 1
-            log.debug("stream %s: dropped seq %d covered by the snapshot (next %d)",
+            self._out.append(COUNT_DUPLICATE)
+            self._log(log, DEBUG, "stream %s: dropped seq %d covered by the snapshot (next %d)",
                       self._name, seq, expected)
             return
         if seq > expected:
@@ -981,7 +988,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
     def _invalidate(self, reason: str, trigger: RecoveryTrigger) -> None:
         """Discard the serving index and forget its sequence; one log line and one recovery
         count (``trigger``) per loss of synchronization."""
-        self._serving.invalidate(reason)
+        self._discard(reason)
         self._synced = False
         self._expected = None
         self._log_unsynchronized(reason, trigger)
@@ -1023,48 +1030,51 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         a resync only logs at debug level."""
         if not request.urgent:
             # Periodic and uneventful (every resync_interval_ms per stream): not a state change.
-            log.debug("stream %s: resync snapshot requested (start_seq %d)", self._name,
-                      request.start_seq)
+            self._log(log, DEBUG, "stream %s: resync snapshot requested (start_seq %d)",
+                      self._name, request.start_seq)
         else:
-            self._serving.set_recovering()
-            log.info("stream %s: recovering: snapshot requested (start_seq %d)", self._name,
-                     request.start_seq)
+            self._out.append(SET_RECOVERING)
+            self._log(log, INFO, "stream %s: recovering: snapshot requested (start_seq %d)",
+                      self._name, request.start_seq)
 
     def _attempt_failed(self, exc: StreamError, now: float) -> None:
         """A failed attempt (§6): close it, keep the reason, retry after the backoff. A failed
         resync leaves the stream synchronized and serving."""
         delay = self._fail_attempt(exc, now)
         if self._synced:
-            log.warning("stream %s: resync failed: %s; retry in %.1fs", self._name, exc, delay)
+            self._log(log, WARNING, "stream %s: resync failed: %s; retry in %.1fs", self._name,
+                      exc, delay)
             return
-        self._serving.set_unsynchronized(str(exc))
-        log.warning("stream %s: unsynchronized: %s; retry in %.1fs", self._name, exc, delay)
+        self._set_unsynchronized(str(exc))
+        self._log(log, WARNING, "stream %s: unsynchronized: %s; retry in %.1fs", self._name, exc,
+                  delay)
 
     def _swap(self, index: TierIndex, *, expected: Optional[int], sequence: Optional[int],
               resync: bool, how: str, live_events: Sequence[object],
               stats_base: tuple[int, ...], now: float) -> None:
         """Make ``index`` the serving one, atomically (§6), and schedule the next resync."""
-        serving = self._serving
         difference = 0
-        current = serving.index
+        current = self._index
         if resync and current is not None:
-            # Only this thread writes the serving index, so reading it unlocked is safe.
+            # The stream thread is the serving index's only writer and carries every action
+            # before the next input, so this is the index as served.
             difference = index.difference(current)
-        serving.swap(index, sequence=sequence, resync=resync, difference=difference,
-                     live_events=live_events, stats_base=stats_base)
+        self._out.append(SwapIndex(index, sequence, resync, difference, live_events, stats_base))
+        self._index = index
+        self._error = None
         self._synced = True
         self._expected = expected
-        self._live_at_swap = serving.live_messages
+        self._live_at_swap = self._live_messages
         self._timers.synchronized(
             now, probe=not resync and sequence is not None and self._max_seen is None)
         if not resync:
-            log.info("stream %s: synchronized (%s): %d device, %d host blocks", self._name, how,
-                     index.device_blocks, index.host_blocks)
+            self._log(log, INFO, "stream %s: synchronized (%s): %d device, %d host blocks",
+                      self._name, how, index.device_blocks, index.host_blocks)
         elif difference:
-            log.warning("stream %s: resync found %d differing blocks (lost events); index "
-                        "replaced (%s)", self._name, difference, how)
+            self._log(log, WARNING, "stream %s: resync found %d differing blocks (lost events); "
+                      "index replaced (%s)", self._name, difference, how)
         else:
-            log.debug("stream %s: resync matched (%s)", self._name, how)
+            self._log(log, DEBUG, "stream %s: resync matched (%s)", self._name, how)
 
 
 def _wm(value: Optional[int]) -> str:

@@ -2,15 +2,16 @@
 
 A :class:`ServingState` holds the serving index (only while ``SYNCHRONIZED``), the state, the
 error reason, the last applied seq and the metrics counters, all under one lock. It is written
-by the stream thread only (through :class:`~kvsvc.streams.recovery.SnapshotRecovery`) and read
+by the stream thread only (the actions of the recovery rules, :mod:`kvsvc.streams.actions`,
+carried out by :meth:`ServingState.perform` and :meth:`ServingState.apply`) and read
 by request threads (:meth:`ServingState.match`, :meth:`ServingState.status`,
 :meth:`ServingState.counters`). Pure memory: no ZMQ, no thread, no clock.
 
 Rules it keeps:
 
-- Any change of the serving state happens under the lock in one hold, and the index is
-  discarded under the same hold that saw an apply error, so a query never sees a partial
-  batch, a stale index or a half-built one (§6). A snapshot index is built privately and swapped
+- Any change of the serving state happens under the lock in one hold, and an index that
+  refuses a batch stops serving in the same hold, so a query never sees a partial batch, a
+  stale index or a half-built one (§6); what follows (counting, recovering) is the rules'. A snapshot index is built privately and swapped
   in one assignment.
 - A live message dropped for its topic (§1: equal exactly, while a ``SUB`` receives every topic
   that *starts* with its own) is counted, and the first :data:`OTHER_TOPICS_MAX` distinct
@@ -27,6 +28,8 @@ import threading
 from typing import Container, Optional, Sequence
 
 from kvsvc.errors import StreamError
+from kvsvc.index.changes import IndexChanges
+from kvsvc.index.overlay import BlockOverlay
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import (
     DECODE_ERROR_REASONS,
@@ -38,13 +41,37 @@ from kvsvc.streams.counters import (
     RecoveryTrigger,
     SnapshotOutcome,
     StreamCounters,
-    error_reason,
     stats_tuple,
 )
-from kvsvc.streams.state import Completeness, StreamId, StreamMatch, StreamState, StreamStatus
+from kvsvc.streams.actions import (
+    ApplyEvents,
+    CountAttempt,
+    CountDecodeError,
+    CountDuplicate,
+    CountRecovery,
+    CountResyncDifference,
+    HoldIndex,
+    Invalidate,
+    ResumeIndex,
+    ServingAction,
+    SetCompleteness,
+    SetError,
+    SetRecovering,
+    SetUnsynchronized,
+    SnapshotOk,
+    SwapIndex,
+)
+from kvsvc.streams.state import (
+    NOT_YET,
+    Completeness,
+    StreamId,
+    StreamMatch,
+    StreamState,
+    StreamStatus,
+)
 
-#: ``error`` of a stream that has not been synchronized yet.
-NOT_YET = "not synchronized yet: waiting for the first replay (snapshot or history)"
+__all__ = ["NOT_YET", "OTHER_TOPICS_MAX", "ServingState", "shown_topic"]
+
 #: Distinct other topics kept per stream (a bound: an engine may publish many).
 OTHER_TOPICS_MAX = 5
 #: Longest topic shown, bytes (the rest is cut as ``...``).
@@ -115,6 +142,10 @@ class ServingState:
         # stats minus what its snapshot had counted when it was swapped in (_stats_base).
         self._not_indexed_retired = [0] * len(NOT_INDEXED)
         self._stats_base: tuple[int, ...] = _ZERO_STATS
+        # §16: the stream's pending blocks (set once by the directory before the thread
+        # starts), settled by every live batch applied; the collector is reused per batch.
+        self.pending: Optional[BlockOverlay] = None
+        self._changes = IndexChanges()
 
     # ------------------------------------------------------------------ request threads
 
@@ -236,29 +267,50 @@ class ServingState:
         """The current error reason (stream thread only: it is the only writer)."""
         return self._error
 
-    def apply_live(self, seq: int, events: Sequence[object],
-                   orphans: bool = False) -> Optional[StreamError]:
-        """Apply one live batch to the serving index (§5, §6), under the lock. In history mode
-        (§7h) also a replayed batch of a catch-up, and the index may be one kept while the
-        stream recovers (not served: only ``SYNCHRONIZED`` serves hits).
+    def note_live(self, now: Optional[float]) -> None:
+        """A live message with the exact topic arrived (``now``: it decoded, monotonic s;
+        ``None``: it failed framing or decoding)."""
+        self.live_messages += 1
+        if now is not None:
+            self.last_event_at = now
 
-        :param orphans: the index is a subset (§7h): a block whose parent is unknown becomes an
-            orphan (§5 snapshot rule) instead of an error.
-        :returns: ``None`` when applied (``sequence`` is then ``seq``); the index's error
-            otherwise, after counting its decode-error label and discarding the index in the
-            same lock hold (reason ``"seq <seq>: <error>"``).
+    def apply(self, action: ApplyEvents) -> Optional[StreamError]:
+        """Apply one batch to the stream's index (§5, §6) under the lock: a live batch, or in
+        history mode (§7h) a catch-up's replayed one, to an index served or kept while the
+        stream recovers (only ``SYNCHRONIZED`` serves hits).
+
+        :returns: ``None`` when applied (``sequence`` is then ``action.seq``); the index's error
+            otherwise. A batch is never served half applied: an index that refuses one stops
+            serving in the same lock hold (discarded, ``UNSYNCHRONIZED``, reason ``"seq <seq>:
+            <error>"``); the rules' ``on_apply_failed`` says what follows.
         """
+        events = action.events
+        pending = self.pending
+        # Collected only while blocks are pending (§16): otherwise nothing is settled.
+        changes = self._changes if pending is not None and len(pending) else None
         with self._lock:
             try:
-                self._index.apply(events, snapshot=orphans)  # type: ignore[union-attr, arg-type]
+                if changes is None:
+                    self._index.apply(events, snapshot=action.orphans)  # type: ignore[union-attr, arg-type]
+                else:
+                    self._index.apply(events, snapshot=action.orphans,  # type: ignore[union-attr, arg-type]
+                                      changes=changes)
             except StreamError as exc:
-                self._decode_errors[error_reason(exc)] += 1
-                self._invalidate_locked(f"seq {seq}: {exc}")
+                self._invalidate_locked(f"seq {action.seq}: {exc}")
                 return exc
-            self._sequence = seq
+            self._sequence = action.seq
             self._count_events_locked(events)
             self._publish_locked()
+        if changes is not None:
+            # After the index holds them, so a query sees each block exact or pending.
+            pending.settle(changes)  # type: ignore[union-attr]
+            changes.reset()
         return None
+
+    def perform(self, action: ServingAction) -> None:
+        """Carry out one serving action of the rules (:mod:`kvsvc.streams.actions`) other than
+        :class:`~kvsvc.streams.actions.ApplyEvents` (:meth:`apply`), in one lock hold."""
+        _PERFORM[type(action)](self, action)
 
     def invalidate(self, reason: str) -> None:
         """Discard the serving index and its sequence; state ``UNSYNCHRONIZED`` with ``reason``."""
@@ -432,3 +484,36 @@ class ServingState:
             return
         for i, (cur, base) in enumerate(zip(stats_tuple(index.stats), self._stats_base)):
             self._not_indexed_retired[i] += cur - base
+
+
+def _swap(serving: ServingState, a: SwapIndex) -> None:
+    serving.swap(a.index, sequence=a.sequence, resync=a.resync, difference=a.difference,
+                 live_events=a.live_events, stats_base=a.stats_base, completeness=a.completeness)
+
+
+def _hold(serving: ServingState, a: HoldIndex) -> None:
+    serving.hold(a.index, sequence=a.sequence, stats_base=a.stats_base,
+                 completeness=a.completeness, reason=a.reason)
+
+
+def _count_duplicate(serving: ServingState, a: CountDuplicate) -> None:
+    serving.duplicates_dropped += 1
+
+
+#: action type -> how :meth:`ServingState.perform` carries it out.
+_PERFORM: dict = {
+    SwapIndex: _swap,
+    HoldIndex: _hold,
+    ResumeIndex: lambda s, a: s.resume(a.sequence),
+    Invalidate: lambda s, a: s.invalidate(a.reason),
+    SetRecovering: lambda s, a: s.set_recovering(),
+    SetUnsynchronized: lambda s, a: s.set_unsynchronized(a.error),
+    SetError: lambda s, a: s.set_error(a.error),
+    SetCompleteness: lambda s, a: s.set_completeness(a.completeness),
+    CountRecovery: lambda s, a: s.count_recovery(a.trigger),
+    CountAttempt: lambda s, a: s.count_attempt(a.outcome),
+    CountDecodeError: lambda s, a: s.count_decode_error(a.reason),
+    CountResyncDifference: lambda s, a: s.count_resync_difference(a.difference),
+    CountDuplicate: _count_duplicate,
+    SnapshotOk: lambda s, a: s.snapshot_ok(a.seconds, a.wire_bytes, a.messages),
+}

@@ -17,11 +17,13 @@ to their integer form, §2; its attempts are
 the machine as they arrive):
 the time (``tick``), monitor events (handshake, disconnect), live messages (framed §1 and
 decoded §2 here: ``on_live_batch`` / ``on_live_error``), the end or failure of the attempt in
-flight; and carries the machine's actions out (open or close a snapshot attempt). The poll
+flight; and carries the machine's actions out (:mod:`kvsvc.streams.actions`: the serving ones
+on the :class:`~kvsvc.streams.serving.ServingState` through
+:class:`~kvsvc.streams.carrier.ActionCarrier`, then open or close a replay attempt). The poll
 sleeps until the next deadline (attempt timeout, the machine's ``wakeup_at``, a delayed
 ``SUB`` reopen; at most :data:`POLL_INTERVAL_MS`), so an idle stream costs no CPU. A bug-class
 exception in a turn is logged and handed to the machine (``on_internal_error``), which
-discards the index and recovers: input must never kill the stream.
+discards the index and recovers: input must never kill the stream (D21 in docs/decisions.md).
 
 Request threads only call :meth:`StreamSubscriber.match`, :meth:`StreamSubscriber.status` and
 :meth:`StreamSubscriber.counters`, which read the :class:`~kvsvc.streams.serving.ServingState`
@@ -47,6 +49,7 @@ from xxhash import xxh3_64_intdigest
 from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
 from kvsvc.errors import DecodeError, SnapshotError, StreamError
 from kvsvc.events import Event
+from kvsvc.index.overlay import BlockOverlay
 from kvsvc.lifecycle import DEFAULT_TIMEOUT_S, BackgroundThread
 from kvsvc.streams.counters import DecodeErrorReason, StreamCounters
 from kvsvc.streams.decoder import decode_batch
@@ -55,14 +58,9 @@ from kvsvc.streams.gate import SnapshotGate
 from kvsvc.streams.history import HistoryRecovery
 from kvsvc.streams.history_client import HistoryAttempt
 from kvsvc.streams.live import DISCONNECTED, HANDSHAKE_SUCCEEDED, LiveConnection
-from kvsvc.streams.recovery import (
-    Action,
-    RecoveryRules,
-    RecoveryView,
-    RequestHistory,
-    RequestSnapshot,
-    SnapshotRecovery,
-)
+from kvsvc.streams.actions import AbandonSnapshot, Action, RequestHistory, RequestSnapshot
+from kvsvc.streams.carrier import ActionCarrier
+from kvsvc.streams.recovery import RecoveryRules, RecoveryView, SnapshotRecovery
 from kvsvc.streams.serving import ServingState, shown_topic
 from kvsvc.streams.snapshot_client import ReplayAttempt, SnapshotAttempt
 from kvsvc.streams.state import HistoryReply, SnapshotResult, StreamId, StreamMatch, StreamStatus
@@ -107,10 +105,13 @@ class StreamSubscriber(BackgroundThread):
         (or, for a resync, still serving) and sends its request when the permit comes.
     :param live_turns: a lock shared by the streams of one directory, held while a stream
         thread drains its live socket (one turn); ``None``: a lock of this stream's own.
+    :param pending: the stream's pending blocks (§16, :mod:`kvsvc.index.overlay`), settled by
+        every live batch applied; ``None``: none.
 
     :ivar stream_id: the stream's (instance, DP rank).
     :ivar block_size: tokens per block; callers compute query keys with it.
     :ivar hash_seed: the §4 seed; callers compute query keys with it.
+    :ivar pending: the ``pending`` overlay given (the directory records dispatches in it).
     :ivar match: this stream's answer to a prefix query (§10):
         :meth:`kvsvc.streams.serving.ServingState.match` (lock-free for a prompt whose first
         block the stream does not hold).
@@ -124,7 +125,8 @@ class StreamSubscriber(BackgroundThread):
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,
                  gate: Optional[SnapshotGate] = None,
-                 live_turns: Optional[threading.Lock] = None) -> None:
+                 live_turns: Optional[threading.Lock] = None,
+                 pending: Optional[BlockOverlay] = None) -> None:
         self.stream = stream
         self.limits = limits
         self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
@@ -137,6 +139,8 @@ class StreamSubscriber(BackgroundThread):
         self._live_turns = live_turns if live_turns is not None else threading.Lock()
         self._topic = stream.topic.encode("utf-8")
         self._serving = ServingState(self.stream_id, stream.block_size, stream.topic)
+        self.pending = pending
+        self._serving.pending = pending
         self.match = self._serving.match
         # The §7 rules (snapshot mode), or the §7h rules of a history-mode stream, whose live
         # batches also carry their payload digest (the catch-up anchor) and whose byte hashes
@@ -144,9 +148,12 @@ class StreamSubscriber(BackgroundThread):
         self._history = stream.replay_mode is ReplayMode.HISTORY
         self._recovery: RecoveryRules
         if self._history:
-            self._recovery = HistoryRecovery(stream, limits, self._serving)
+            self._recovery = HistoryRecovery(stream, limits)
         else:
-            self._recovery = SnapshotRecovery(stream, limits, self._serving)
+            self._recovery = SnapshotRecovery(stream, limits)
+        # The rules' serving actions are carried out on the serving state (§6: each in one
+        # lock hold); their attempt actions come back to _carry for the sockets.
+        self._carrier = ActionCarrier(self._serving, self._recovery)
 
         # Owned by the stream thread from start() on.
         self._poller: Optional[zmq.Poller] = None
@@ -327,16 +334,22 @@ class StreamSubscriber(BackgroundThread):
             except StreamError as exc:
                 self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, time.monotonic()))
 
-    def _carry(self, actions: Sequence[Action]) -> None:
-        """Carry out the machine's actions, in order (an attempt opened, or one that cannot
-        be opened, is reported back to it at once)."""
-        for action in actions:
-            kind = type(action)
-            if kind is RequestSnapshot or kind is RequestHistory:
+    def _carry(self, actions: Sequence[Action], now: Optional[float] = None) -> None:
+        """Carry out the machine's actions, in order: the serving ones on the serving state
+        (:class:`~kvsvc.streams.carrier.ActionCarrier`), then the attempts opened or closed
+        (an attempt opened, or one that cannot be opened, is reported back to it at once).
+
+        :param now: monotonic seconds of the input (read here when not given).
+        """
+        if not actions:
+            return
+        for action in self._carrier.carry(actions, time.monotonic() if now is None else now):
+            if type(action) is AbandonSnapshot:
+                if action.attempt == self._attempt_id and self._attempt is not None:
+                    self._attempt.close()  # unregisters it and returns its gate permit
+                    self._attempt = None
+            else:
                 self._open_attempt(action)  # type: ignore[arg-type]
-            elif action.attempt == self._attempt_id and self._attempt is not None:
-                self._attempt.close()  # unregisters it and returns its gate permit
-                self._attempt = None
 
     def _open_attempt(self, request: "RequestSnapshot | RequestHistory") -> None:
         if self._attempt is not None:  # never left open by the machine; closed to be sure
@@ -433,6 +446,7 @@ class StreamSubscriber(BackgroundThread):
             # (parse_live takes any bytes-like frames; memoryviews are read in place.)
             frame = parse_live(frames, self.limits.max_message_bytes)  # type: ignore[arg-type]
         except DecodeError as exc:
+            self._serving.note_live(None)
             self._carry(self._recovery.on_live_error(DecodeErrorReason.FRAME, str(exc), None,
                                                      time.monotonic()))
             return
@@ -441,12 +455,16 @@ class StreamSubscriber(BackgroundThread):
         try:
             batch = decode_batch(frame.payload, self.stream.dp_rank, history)
         except DecodeError as exc:
+            self._serving.note_live(None)
             self._carry(self._recovery.on_live_error(DecodeErrorReason.PAYLOAD,
                                                      f"seq {seq}: {exc}", seq, time.monotonic()))
             return
         # §7h anchor: the digest of every batch's payload bytes, as published (history only).
+        now = time.monotonic()
+        self._serving.note_live(now)
+        # §7h anchor: the digest of every batch's payload bytes, as published (history only).
         actions = self._recovery.on_live_batch(
-            seq, batch, frame.wire_bytes, time.monotonic(),
+            seq, batch, frame.wire_bytes, now,
             xxh3_64_intdigest(frame.payload) if history else 0)
         if actions:
-            self._carry(actions)
+            self._carry(actions, now)

@@ -14,7 +14,7 @@ from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.proxy import Proxy, ProxySettings
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
-from tests.util import free_ports
+from tests.support.util import free_ports
 
 BS = 4
 

@@ -29,6 +29,7 @@ from kvsvc.streams.recovery import (
     RequestHistory,
 )
 from kvsvc.streams.serving import ServingState
+from tests.support.rules import Carried
 from kvsvc.streams.state import (
     CatchUpReply,
     Completeness,
@@ -67,7 +68,8 @@ class Stream:
     def __init__(self, **limits) -> None:
         self.limits = KvEventsConfig(**limits)
         self.serving = ServingState(StreamId("e:1", 0), BS)
-        self.m = HistoryRecovery(CFG, self.limits, self.serving)
+        # The machine with its serving actions carried out (tests/support/rules.py).
+        self.m = Carried(HistoryRecovery(CFG, self.limits), self.serving, clock=lambda: self.now)
         self.now = T0
         self.requests: list[RequestHistory] = []
 

@@ -31,6 +31,7 @@ from kvsvc.streams.recovery import (
 )
 from kvsvc.streams.serving import ServingState
 from kvsvc.streams.state import SnapshotResult, StreamId, StreamState
+from tests.support.rules import Carried
 
 BS = 4
 SEED = 1024
@@ -56,44 +57,30 @@ def store(h: int, parent: Optional[int], content: int) -> BlockStored:
 NOOP: tuple[Event, ...] = (BlockRemoved([999_999], DEVICE),)
 
 
-#: The machine's inputs; the others (view, wakeup_at, attempt, ...) are read as they are.
-INPUTS = frozenset({"start", "tick", "on_live_batch", "on_live_error", "on_live_opened",
-                    "on_live_up", "on_live_down", "on_snapshot_failed", "on_snapshot_complete",
-                    "on_internal_error"})
-
-
-class Owner:
+class Owner(Carried):
     """Feeds one input to the machine and, as the stream thread does once ``SnapshotAttempt.open``
-    succeeded, reports each requested attempt open; returns the input's own actions."""
+    succeeded, reports each requested attempt open; returns the input's own attempt actions
+    (its serving actions are carried out on the serving state, tests/support/rules.py)."""
 
     def __init__(self, stream: "Stream") -> None:
-        self._stream = stream
+        def opened(action) -> None:
+            assert stream.rules.on_snapshot_opened(action.attempt, stream.now) is NO_ACTIONS
 
-    def __getattr__(self, name: str):
-        value = getattr(self._stream.rules, name)
-        if name not in INPUTS:
-            return value
-
-        def fed(*args):
-            actions = value(*args)
-            for action in actions:
-                if type(action) is RequestSnapshot:
-                    assert self._stream.rules.on_snapshot_opened(
-                        action.attempt, self._stream.now) is NO_ACTIONS
-            return actions
-        return fed
+        super().__init__(stream.machine, stream.serving, opened, lambda: stream.now)
 
 
 class Stream:
     """One machine with its serving state, a clock, and helpers that feed it (``m``: through
-    the :class:`Owner`; ``rules``: the machine itself)."""
+    the :class:`Owner`; ``rules``: the machine with its serving actions carried out, attempts
+    reported by the test itself; ``machine``: the rules themselves)."""
 
     def __init__(self, **limits) -> None:
         self.limits = KvEventsConfig(**limits)
         cfg = StreamConfig(instance_name="e:1", block_size=BS, endpoint=ENDPOINT,
                            replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED)
         self.serving = ServingState(StreamId("e:1", 0), BS)
-        self.rules = SnapshotRecovery(cfg, self.limits, self.serving)
+        self.machine = SnapshotRecovery(cfg, self.limits)
+        self.rules = Carried(self.machine, self.serving, clock=lambda: self.now)
         self.m = Owner(self)
         self.now = T0
 
