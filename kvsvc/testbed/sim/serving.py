@@ -956,7 +956,7 @@ class Serving:
             self._count(rejected=1)
             raise
         self._count(completed=1)
-        return pre, (self._finished(req, decode_ms) if decode else 0.0)
+        return pre, (self._finished(generate(req.max_tokens), decode_ms) if decode else 0.0)
 
     def decode_only(self, req: SimRequest, cancel: "CancelFlag",
                     emit: Callable[[int, int], None]) -> float:
@@ -974,7 +974,7 @@ class Serving:
             self._count(rejected=1)
             raise
         self._count(completed=1)
-        return self._finished(req, decode_ms)
+        return self._finished(generate(req.max_tokens), decode_ms)
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
                      start_response: Callable, write: Callable,
