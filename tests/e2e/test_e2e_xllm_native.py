@@ -28,6 +28,7 @@ import pytest
 import requests
 
 from kvsvc.routing.answers import Generation, GenOutput
+from kvsvc.testbed.ports import free_instance_port
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.native import ServiceClient, rpc_heartbeat
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load, RegisteredType
@@ -138,6 +139,11 @@ def cluster(tmp_path_factory) -> Iterator[tuple[Server, int, NativeEngine, str]]
         engine = NativeEngine(etcd.addr).start()
         wait_for(lambda: _candidates(server, {engine.name}), BOUND_S, 0.1,
                  "the native engine a candidate (heartbeats over baidu_std)")
+        # One request first: kvsvc's baidu_std connection to the engine (and the engine's
+        # thread serving it) then lives for the whole module, not from one test on.
+        warm = server.post("/v1/completions", json={"model": "sim", "prompt": [1, 2],
+                                                    "max_tokens": 1})
+        assert warm.status_code == 200, warm.text
         yield server, rpc_port, engine, etcd.addr
     finally:
         if engine is not None:
@@ -291,7 +297,7 @@ def test_instance_replaced_mid_stream_fails_the_request_visibly(cluster) -> None
 
 def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> None:
     server, _, _, etcd_addr = cluster
-    port = free_port()
+    port = free_instance_port(1, 10000, 30000)   # the sim's §9 event/replay ports fit too
     log = open(tmp_path / "sim.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvsvc", "sim", "--serve", "--native", "--kv-events", "off",
