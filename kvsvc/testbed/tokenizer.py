@@ -81,3 +81,9 @@ def write_tokenizer(directory: Path) -> Path:
         "pad_token": "<|endoftext|>", "model_max_length": 131072}, indent=2),
         encoding="utf-8")
     return directory
+
+
+def write_tokenizer_dir(directory: Path) -> Path:
+    """:func:`write_tokenizer` under the name ``kvsvc up --xllm native`` first used (that
+    router tokenizes text for engines that take token ids only, §13)."""
+    return write_tokenizer(directory)
