@@ -148,7 +148,8 @@ class DiscoveryConfig(_Strict):
     backends: List[Annotated[Backend, Field(strict=False)]] = Field(
         default_factory=lambda: list(DEFAULT_BACKENDS), description=(
             "the registered `backend_type`s whose instances get streams (§9), each at most "
-            "once, at least one: `\"xllm\"` (the seed's rule), `\"vllm\"` (e.g. registered by "
+            "once (empty only when `approximate_backends` lists some): `\"xllm\"` (the seed's "
+            "rule), `\"vllm\"` (e.g. registered by "
             "xllm-service's `vllm_sidecar`), `\"sglang\"`; another value is refused "
             "(`discovery.backends[1]: Input should be 'xllm', 'vllm' or 'sglang', got "
             "'trtllm'`). Instances of other backends are skipped (logged once per instance)"))
@@ -158,20 +159,48 @@ class DiscoveryConfig(_Strict):
             "per backend, the `replay_mode` of its instances' streams (`snapshot` §7 or "
             "`history` §7h); the keys given replace those defaults one by one, the others "
             "stay"))
+    approximate_backends: List[Annotated[Backend, Field(strict=False)]] = Field(
+        default_factory=list, description=(
+            "backend types whose instances publish no KV events and get an approximate index "
+            "per (instance, DP rank) instead of a stream (§14; an xLLM cluster of today: "
+            "`\"backends\": []`, `\"approximate_backends\": [\"xllm\"]`), each once and never "
+            "also in `backends`"))
+    approximate_ttl_s: Annotated[StrictInt, Field(ge=1, le=86400, description=(
+        "seconds an approximate entry lives after its last use (§14)"))] = 120
+    approximate_blocks: Annotated[StrictInt, Field(ge=1, description=(
+        "blocks one approximate index holds at most (per DP rank), least recently used "
+        "dropped first (§14); at most `max_blocks_per_stream`"))] = 65536
 
-    @field_validator("backends")
+    @field_validator("backends", "approximate_backends")
     @classmethod
     def _backends_once(cls, value: List[Backend]) -> List[Backend]:
-        if not value:
-            # Discovery would subscribe nothing: say so rather than run an empty index.
-            raise ValueError("must list at least one backend type ("
-                             + ", ".join(repr(b.value) for b in Backend) + ")")
         seen: set[Backend] = set()
         for backend in value:
             if backend in seen:
                 raise ValueError(f"{backend.value!r} listed twice")
             seen.add(backend)
         return value
+
+    @model_validator(mode="after")
+    def _backends_apart(self) -> "DiscoveryConfig":
+        problems: list[ConfigProblem] = []
+        if not self.backends and not self.approximate_backends:
+            # Discovery would index nothing: say so rather than run an empty index.
+            problems.append(ConfigProblem(
+                "discovery.backends", "must list at least one backend type ("
+                + ", ".join(repr(b.value) for b in Backend) + "), got [] (or list the "
+                "backends without KV events in approximate_backends, §14)"))
+        for i, backend in enumerate(self.approximate_backends):
+            if backend in self.backends:
+                # §14: an instance gets a stream or an approximate index, never both.
+                problems.append(ConfigProblem(
+                    f"discovery.approximate_backends[{i}]",
+                    f"{backend.value!r} is also in discovery.backends (a backend has KV "
+                    "event streams or an approximate index, not both), got "
+                    f"{backend.value!r}"))
+        if problems:
+            raise _Problems(problems)
+        return self
 
     @field_validator("replay_modes")
     @classmethod
@@ -236,6 +265,12 @@ class KvEventsConfig(_Strict):
                         f"endpoint {ep} already used by {seen_endpoints[key]}"))
                 else:
                     seen_endpoints[key] = f"streams[{i}].{name}"
+        d = self.discovery
+        if d is not None and d.approximate_blocks > self.max_blocks_per_stream:
+            problems.append(ConfigProblem(
+                "discovery.approximate_blocks",
+                f"must be at most max_blocks_per_stream ({self.max_blocks_per_stream}), "
+                f"got {d.approximate_blocks}"))
         if problems:
             raise _Problems(problems)
         return self

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import annotated_types
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -107,7 +107,8 @@ def config_table(model: type[BaseModel], skip: Sequence[str] = ()) -> str:
         if name in skip:
             continue
         if not field.description:
-            raise TypeError(f"{model.__name__}.{name} has no description for the §8 reference")
+            raise TypeError(f"{model.__name__}.{name} has no description for the §8 reference: "
+                            "give its Field a description= (its line in docs/configuration.md)")
         lines.append(f"| `{name}` | {_cell(_default_text(field))} | {_cell(_range_text(field))} "
                      f"| {_cell(field.description)} |")
     return "\n".join(lines) + "\n"
@@ -122,18 +123,26 @@ def _env_help(row: SettingRow) -> list[str]:
                          initial_indent="# ", subsequent_indent="#   ")
 
 
+def _in_env_file(row: SettingRow) -> bool:
+    """Secrets (the internal token, the API key) and the token file's path (the unit passes
+    it) are never in the env file."""
+    return row.kind is not SecretStr and row.name != "internal_api_token_file"
+
+
 def env_file_text() -> str:
-    """``config/kvsvc.env``: one ``KVSVC_<NAME>=value`` line per setting (the token ones aside:
-    the token is a systemd credential, never in this file), each after its help, by section;
-    a setting whose ``env_file`` is unset is commented out with its default."""
+    """``config/kvsvc.env``: one ``KVSVC_<NAME>=value`` line per setting (secrets aside: never
+    in this file), each after its help, by section; a setting whose ``env_file`` is unset is
+    commented out with its default."""
     lines = [
         "# /etc/kvsvc/kvsvc.env: settings of config/kvsvc.service, read by both `kvsvc check-config`",
         "# (ExecStartPre) and `kvsvc serve` (ExecStart). One KVSVC_<FLAG>=value per line; every `serve`",
-        "# flag has one (docs/configuration.md). Never put the token here: it comes from LoadCredential=.",
+        "# flag has one (docs/configuration.md). No secret here: the internal token comes from",
+        "# LoadCredential=; a client API key (KVSVC_API_KEY) belongs in a drop-in with",
+        "# Environment=KVSVC_API_KEY=..., mode 0600.",
         f"# Generated from kvsvc/settings.py ({REGENERATE}); a commented line shows the default.",
     ]
     for section, rows in by_section():
-        rows = [row for row in rows if not row.name.startswith("internal_api_token")]
+        rows = [row for row in rows if _in_env_file(row)]
         if not rows:
             continue
         lines += ["", f"# -- {section} " + "-" * max(0, 90 - len(section))]

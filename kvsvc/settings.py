@@ -55,7 +55,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvsvc.address import check_bind_host, format_host_port, parse_host_port, parse_http_host_port
+from kvsvc.address import (advertised_ipv4, check_bind_host, check_ipv4, format_host_port,
+                           parse_host_port, parse_http_host_port)
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
     KvEventsConfig,
@@ -115,8 +116,12 @@ SECTION_REGISTRY = "Instance registry (§9)"
 SECTION_ROUTING = "Routing (§11)"
 SECTION_LOGS = "Logs"
 SECTION_WORKER = "gunicorn worker"
-SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_LOGS,
-            SECTION_WORKER)
+SECTION_RPC = "xLLM engines: baidu_std (§13)"
+SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_RPC,
+            SECTION_LOGS, SECTION_WORKER)
+
+#: xllm-service's baidu_std port (``--rpc_server_port``), kvsvc's ``--rpc_port`` default.
+DEFAULT_RPC_PORT = 8889
 
 #: Marker lines around the generated table in docs/configuration.md.
 README_BEGIN = ("<!-- settings-table:begin (generated: python -m kvsvc.settings --update-readme "
@@ -203,13 +208,22 @@ class ServiceSettings(BaseSettings):
     # Off by default: every query and heartbeat would be a line.
     access_log: Annotated[bool, Setting(
         SECTION_LOGS, "gunicorn's per-request access lines on stdout", env_file=True)] = False
+    api_key: Annotated[Optional[SecretStr], Setting(
+        SECTION_HTTP, "client API key: every `/v1/*` request except `/v1/internal/*` needs "
+        "`Authorization: Bearer <key>` (vLLM's `--api-key`), else 401; unset: none needed. "
+        "Prefer the variable to the flag (`ps` shows flags)")] = None
+    max_in_flight_requests: Annotated[int, Field(ge=0, le=1 << 20), Setting(
+        SECTION_HTTP, "OpenAI requests served at once (a streamed one until its last byte); "
+        "one more is answered 429 with `Retry-After`. 0: no limit (beyond "
+        "`--worker_threads` requests wait for a thread). Keep it below `--worker_threads` so "
+        "heartbeats and probes always find a thread", env_file="120")] = 0
     metrics_require_token: Annotated[bool, Setting(
         SECTION_HTTP, "require `X-Internal-Token` on `GET /metrics` too (off: Prometheus "
         "scrapes freely)")] = False
     etcd_addr: Annotated[str, Setting(
         SECTION_REGISTRY, "etcd `host:port` of the instance registry (§9); empty = no registry "
         "(static streams only, heartbeats answered 503). Required when the config file "
-        "enables `discovery`", env_file=True)] = ""
+        "enables `discovery`", env_file="127.0.0.1:2379")] = ""
     etcd_namespace: Annotated[str, Setting(
         SECTION_REGISTRY, "registry keys live under `/<ns>/` when set (no `/` in it)",
         env_file=True)] = ""
@@ -217,9 +231,23 @@ class ServiceSettings(BaseSettings):
         SECTION_REGISTRY, "time a `SUSPECT` instance is kept before removal",
         unit="s")] = 15.0
     self_address: Annotated[str, Setting(
-        SECTION_REGISTRY, "`host:port` engines reach this replica at, written to "
-        "`XLLM:SERVICE:MASTER` while it is master; empty: `--host`:`--port`, a wildcard host "
+        SECTION_REGISTRY, "HTTP `host:port` engines reach this replica at; written to "
+        "`XLLM:SERVICE:MASTER` while it is master when `--rpc_port` is 0 (else the master key "
+        "holds the baidu_std `ip:port`, §13); empty: `--host`:`--port`, a wildcard host "
         "replaced by the machine's host name")] = ""
+    rpc_port: Annotated[int, Field(ge=0, le=65535), Setting(
+        SECTION_RPC, "baidu_std port of `xllm_service.proto.XllmRpcService` (Heartbeat, "
+        "Generations, GetInstanceInfo... from real xLLM engines, §13); served only with "
+        "`--etcd_addr`; **unauthenticated** (engines send no credential): bind it to the "
+        "engines' network only; 0 disables it")] = DEFAULT_RPC_PORT
+    rpc_host: Annotated[str, Setting(
+        SECTION_RPC, "IPv4 address the baidu_std port binds (`0.0.0.0`: every interface)")] = (
+        "0.0.0.0")
+    rpc_advertise_host: Annotated[str, Setting(
+        SECTION_RPC, "IPv4 engines reach the baidu_std port at, written as `ip:port` to "
+        "`XLLM:SERVICE:MASTER` (while master) and `XLLM:SERVICE:<ip:port>`; empty: "
+        "`--rpc_host`, or for `0.0.0.0` the host of `--self_address` when it is an IPv4, else "
+        "the machine's host name's IPv4 (start-up is refused when there is none)")] = ""
     # One at a time: an index build is CPU work under the GIL, so a request thread then waits
     # at most one build slice while many streams recover; more speeds up recovery and
     # lengthens that wait (bench 8).
@@ -355,11 +383,31 @@ class ServiceSettings(BaseSettings):
             parse_host_port(value)
         return value
 
+    @field_validator("rpc_host")
+    @classmethod
+    def _rpc_host(cls, value: str) -> str:
+        # xLLM engines accept only ip:port (IPv4) as the service's address.
+        return check_ipv4(value, "rpc_host")
+
+    @field_validator("rpc_advertise_host")
+    @classmethod
+    def _rpc_advertise_host(cls, value: str) -> str:
+        if value and check_ipv4(value, "rpc_advertise_host") == "0.0.0.0":
+            raise ValueError("must be an address engines can reach, not 0.0.0.0")
+        return value
+
     @field_validator("host")
     @classmethod
     def _bind_host(cls, value: str) -> str:
         # A bind address: an IP (0.0.0.0 / :: allowed here, unlike connect addresses) or a name.
         return check_bind_host(value)
+
+    @model_validator(mode="after")
+    def _rpc_port_apart(self) -> "ServiceSettings":
+        if self.rpc_port and self.rpc_port == self.port:
+            raise ValueError(f"rpc_port: {self.rpc_port} is also --port; the baidu_std port "
+                             "needs its own (0 disables it)")
+        return self
 
     @model_validator(mode="after")
     def _token_sources(self) -> "ServiceSettings":
@@ -372,6 +420,12 @@ class ServiceSettings(BaseSettings):
             problem = _token_problem(self.internal_api_token.get_secret_value())
             if problem:
                 raise ValueError(f"internal_api_token: {problem}")
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            raise ValueError("api_key: empty; unset it to run without a key")
+        if self.api_key is not None:
+            problem = _token_problem(self.api_key.get_secret_value())
+            if problem:
+                raise ValueError(f"api_key: {problem}")
         return self
 
     def token(self) -> Optional[str]:
@@ -413,6 +467,34 @@ class ServiceSettings(BaseSettings):
         config = load_kv_events_config(self.kv_events_config_file)
         check_discovery_needs_etcd(config, self.etcd_addr)
         return config
+
+    def rpc_address(self) -> Optional[str]:
+        """This replica's baidu_std ``ip:port`` as engines must reach it (§13; the master
+        key's value and ``source_xservice_addr``), ``None`` when ``--rpc_port`` is 0 or there
+        is no registry (no engine can find the port then). A wildcard ``--rpc_host`` is
+        resolved as ``--rpc_advertise_host`` says (the machine's host name is resolved here).
+
+        :raises ConfigError: no IPv4 address can be advertised (``field`` is
+            ``rpc_advertise_host``).
+        """
+        if not self.rpc_port or not self.etcd_addr:
+            return None
+        self_host = ""
+        if self.self_address:
+            self_host = parse_host_port(self.self_address).host
+        ipv4s: list[str] = []
+        if not self.rpc_advertise_host and self.rpc_host == "0.0.0.0" and not self_host:
+            try:
+                ipv4s = [str(info[4][0]) for info in socket.getaddrinfo(
+                    socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)]
+            except OSError:
+                ipv4s = []
+        try:
+            host = advertised_ipv4(self.rpc_host, self.rpc_advertise_host, self_host, ipv4s)
+        except ValueError as exc:
+            raise ConfigError("rpc_advertise_host", f"{exc}; set --rpc_advertise_host to the "
+                              "IPv4 engines reach this machine at, or bind --rpc_host to it")
+        return f"{host}:{self.rpc_port}"
 
     def advertised_address(self) -> str:
         """``host:port`` written as master address (§9): ``self_address``, else ``host:port``

@@ -323,6 +323,10 @@ class ServiceProcess:
                 str(self.config_path), "--port", str(self.port), "--host", "127.0.0.1"]
         if self.etcd_addr:
             argv += ["--etcd_addr", self.etcd_addr]
+        if not any(a == "--rpc_port" or a.startswith("--rpc_port=") for a in self.extra_args):
+            # The simulated engines heartbeat over HTTP (KVSVC:SERVICE:MASTER:HTTP); no fixed
+            # baidu_std port 8889 that another local service may hold (§13).
+            argv += ["--rpc_port", "0"]
         argv += self.extra_args
         # Its own session: a terminal's Ctrl-C reaches only the parent, which stops the
         # service in its order (router first, then what it talks to) instead of all at once.
@@ -498,8 +502,10 @@ def _load(engine: SimEngine) -> Load:
 def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[EtcdRegistration]:
     regs = []
     for eng in engines:
+        # vLLM and SGLang send no heartbeats (§15): the service scrapes their /metrics.
         reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
-                               token=token, backend_type=eng.flavor.backend_type)
+                               token=token, backend_type=eng.flavor.backend_type,
+                               heartbeats=eng.flavor.value == "xllm")
         regs.append(reg)
         reg.start()
     for reg in regs:

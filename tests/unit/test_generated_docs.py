@@ -79,7 +79,7 @@ def test_env_file_holds_every_setting_but_the_token_and_loads_as_the_deployment_
     text = reference.ENV_FILE.read_text(encoding="utf-8")
     for row in SETTINGS:
         listed = f"\n{row.env}=" in text or f"\n#{row.env}=" in text
-        assert listed != row.name.startswith("internal_api_token"), row.name
+        assert listed == reference._in_env_file(row), row.name
     set_lines = dict(line.split("=", 1) for line in text.splitlines()
                      if line.startswith("KVSVC_"))
     for key in [k for k in os.environ if k.startswith("KVSVC_")]:
@@ -87,8 +87,9 @@ def test_env_file_holds_every_setting_but_the_token_and_loads_as_the_deployment_
     for key, value in set_lines.items():
         monkeypatch.setenv(key, value)
     loaded = load_service_settings()
-    expected = ServiceSettings(kv_events_config_file="/etc/kvsvc/kv_events.json")
-    assert loaded == expected   # every value it sets is the default but the §8 file's path
+    expected = ServiceSettings(kv_events_config_file="/etc/kvsvc/kv_events.json",
+                               etcd_addr="127.0.0.1:2379", max_in_flight_requests=120)
+    assert loaded == expected   # every value it sets is the default but these
 
 
 @pytest.mark.parametrize("policy, expected", [
