@@ -33,7 +33,6 @@ never a token or a prompt.
 
 from __future__ import annotations
 
-import enum
 import logging
 import platform
 import threading
@@ -61,6 +60,7 @@ from prometheus_client.registry import Collector
 
 from kvsvc import __version__
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
+from kvsvc.cluster.heartbeat import HeartbeatOutcome
 from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
 from kvsvc.routing.cache_audit import DIFF_BUCKETS_TOKENS, UNAUDITED_REASONS
@@ -74,18 +74,6 @@ from kvsvc.streams.state import Completeness, StreamState
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
-class HeartbeatOutcome(enum.StrEnum):
-    """Outcomes of ``POST /v1/internal/heartbeat``: the ``outcome`` label of
-    ``kvsvc_heartbeats_total`` (§9), declared once."""
-
-    OK = "ok"
-    MALFORMED = "malformed"
-    INVALID_LOAD = "invalid_load"
-    UNKNOWN_INSTANCE = "unknown_instance"
-    STALE_INCARNATION = "stale_incarnation"
-    NO_REGISTRY = "no_registry"
-    UNAUTHORIZED = "unauthorized"
-
 
 #: Every heartbeat outcome label, in declaration order.
 HEARTBEAT_OUTCOMES = tuple(o.value for o in HeartbeatOutcome)
@@ -106,7 +94,11 @@ HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0
 
 _STREAM_LABELS = ("instance", "dp_rank")
 #: The ``completeness`` label values of ``kvsvc_stream_completeness`` (§7h, §10).
-COMPLETENESS_VALUES = tuple(c.value for c in Completeness)
+#: The stream completeness values (approximate indexes are not streams: they have their own
+#: ``kvsvc_overlay_*`` families).
+COMPLETENESS_VALUES = tuple(c.value for c in Completeness if c is not Completeness.APPROXIMATE)
+#: ``event`` labels of ``kvsvc_overlay_block_events_total`` (:class:`~kvsvc.index.overlay.OverlayStats`).
+OVERLAY_EVENTS = ("added", "refreshed", "evicted", "expired", "settled")
 
 
 class Metrics:
@@ -357,6 +349,7 @@ class ServiceCollector(Collector):
             "head (the upstream connection closed, §15).", svc.router.proxy.client_gone())
         yield self._upstream_errors(svc)
         yield from self._cache_audit(svc)
+        yield from self._overlays(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.
@@ -425,7 +418,49 @@ class ServiceCollector(Collector):
             "e.g. RR; no_usage: the answer carried no cached_tokens).", labels=("reason",))
         for reason in UNAUDITED_REASONS:
             unaudited.add_metric((reason,), float(snap.unaudited.get(reason, 0)))
-        return hist, abs_error, outcomes, exact, causes, unaudited
+        by_backend = CounterMetricFamily(
+            "kvsvc_cache_predictions_by_backend",
+            "Audited answers by the prefill's backend_type, by what the prediction came from "
+            "(exact, subset, approximate: the §14 approximate index; none: a rank counted 0) "
+            "and by outcome.", labels=("backend", "completeness", "outcome"))
+        for key, count in sorted(snap.by_backend.items()):
+            by_backend.add_metric(key, float(count))
+        backend_abs = CounterMetricFamily(
+            "kvsvc_cache_prediction_abs_error_by_backend_tokens",
+            "Sum of |engine cached_tokens - predicted| by backend_type and completeness, "
+            "tokens (divided by the matching kvsvc_cache_predictions_by_backend: the mean "
+            "absolute error of, e.g., the approximate index).",
+            labels=("backend", "completeness"))
+        for key2, total in sorted(snap.backend_abs_error.items()):
+            backend_abs.add_metric(key2, float(total))
+        return hist, abs_error, outcomes, exact, causes, unaudited, by_backend, backend_abs
+
+    @staticmethod
+    def _overlays(svc: Service) -> Iterable[Metric]:
+        """The approximate indexes (§14) and pending blocks (§16) of every (instance, rank)."""
+        labels = ("instance", "dp_rank", "kind")
+        held = GaugeMetricFamily(
+            "kvsvc_overlay_blocks",
+            "Blocks held by an overlay (kind approximate: the §14 approximate index of an "
+            "instance without KV events; pending: §16 blocks routed to an exact stream whose "
+            "events have not arrived), expired ones not yet swept included.", labels=labels)
+        touches = CounterMetricFamily(
+            "kvsvc_overlay_dispatches",
+            "Dispatches recorded in an overlay (each routed request's prompt).", labels=labels)
+        events = CounterMetricFamily(
+            "kvsvc_overlay_block_events",
+            "Blocks by what happened to them: added, refreshed (touched again), evicted (the "
+            "LRU bound), expired (the TTL), settled (pending: stored, removed or cleared by "
+            "the stream's events).", labels=(*labels, "event"))
+        directory = svc.directory
+        stats = directory.overlay_stats() if directory is not None else {}
+        for sid, (kind, st) in stats.items():
+            key = (sid.instance_name, str(sid.dp_rank), kind)
+            held.add_metric(key, float(st.blocks))
+            touches.add_metric(key, float(st.touches))
+            for event in OVERLAY_EVENTS:
+                events.add_metric((*key, event), float(getattr(st, event)))
+        return held, touches, events
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Se
 
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate, UnknownModel
+from kvsvc.index.overlay import PromptKeys
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import serving_model
 from kvsvc.routing.observer import RequestInfo
@@ -78,6 +79,10 @@ class DirectoryView(Protocol):
 
     def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
         """One match per stream for the prompt (§10)."""
+        ...
+
+    def query_prompt(self, token_ids: Sequence[int]) -> tuple[list[StreamMatch], PromptKeys]:
+        """:meth:`query` and the prompt's content keys (§14, §16: recorded at dispatch)."""
         ...
 
 
@@ -176,8 +181,13 @@ class Router:
         if directory is None:
             return self.policy.choose(token_ids, snapshot, None, None, in_flight, now=now)
         identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
-        matches = directory.query(token_ids if token_ids is not None else [])
-        return self.policy.choose(token_ids, snapshot, matches, identities, in_flight, now=now)
+        matches, prompt = directory.query_prompt(token_ids if token_ids is not None else [])
+        decision = self.policy.choose(token_ids, snapshot, matches, identities, in_flight,
+                                      now=now)
+        if not token_ids or decision.prefill is None:
+            return decision
+        # The keys travel with the decision to the dispatch (§14, §16): hashed once.
+        return dataclasses.replace(decision, prompt=prompt)
 
     def _view(self) -> RegistrySnapshot:
         """The registry's snapshot without the instances :attr:`excluded` names (the same
