@@ -14,7 +14,7 @@ default); ``--small`` runs 9..12 at a tenth of their sizes to check that they ru
 written then); ``--b12-loads`` / ``--b12-variants`` / ``--b12-rounds`` widen benchmark 12;
 ``--no-write`` leaves RESULTS.md alone. A full run writes the whole file; ``--only`` with any
 of 9..12 rewrites only those benchmarks' parts of its history section. Whole suite: about 6
-minutes on 2 quiet cores (README "Performance").
+minutes on 2 quiet cores (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -174,6 +174,8 @@ def _table(results: list[Result]) -> list[str]:
 #: rewritten by the runs that measure it (``--only 9,10`` keeps 11 and 12).
 HISTORY_BENCHES = (9, 10, 11, 12)
 HISTORY_BEGIN, HISTORY_END = "<!-- history:begin -->", "<!-- history:end -->"
+#: Hand-written figures moved out of the docs, kept as they are by every rewrite.
+NOTES_MARKERS = ("<!-- notes:begin -->", "<!-- notes:end -->")
 #: Hand-written figures of earlier runs, kept as they are by every rewrite.
 EARLIER_BEGIN, EARLIER_END = "<!-- history-earlier:begin -->", "<!-- history-earlier:end -->"
 HISTORY_INTRO = """\
@@ -264,10 +266,11 @@ def write_results(results: list[Result], machine: dict[str, str], wall_s: float)
     old = RESULTS.read_text() if RESULTS.exists() else ""
     # Issue 12's section: this run's blocks, the earlier ones kept.
     lines += [history_section(results, machine, old), ""]
-    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing).
-    begin, end = "<!-- routing:begin -->", "<!-- routing:end -->"
-    if begin in old and end in old:
-        lines += [old[old.index(begin):old.index(end) + len(end)], ""]
+    # Keep the routing section `kvsvc bench-routing` writes (kvsvc.testbed.bench_routing) and
+    # the hand-written notes between the notes markers.
+    for begin, end in (("<!-- routing:begin -->", "<!-- routing:end -->"), NOTES_MARKERS):
+        if begin in old and end in old:
+            lines += [old[old.index(begin):old.index(end) + len(end)], ""]
     RESULTS.write_text("\n".join(lines))
 
 

@@ -136,19 +136,47 @@ class DiscoveryConfig(_Strict):
     backend's instances. The keys given override :data:`DEFAULT_REPLAY_MODES` one by one; the
     others keep their default, so after validation every backend has a mode."""
 
-    @field_validator("backends")
+    approximate_backends: List[Annotated[Backend, Field(strict=False)]] = Field(
+        default_factory=list)
+    """Backend types whose instances publish no KV events and get an approximate index per
+    (instance, DP rank) instead of a stream (§14; an xLLM cluster of today: ``"backends": []``,
+    ``"approximate_backends": ["xllm"]``), each once and never also in ``backends``."""
+    approximate_ttl_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 120
+    """Seconds an approximate entry lives after its last use (§14)."""
+    approximate_blocks: Annotated[StrictInt, Field(ge=1)] = 65536
+    """Blocks one approximate index holds at most (per DP rank), least recently used dropped
+    first (§14); at most ``max_blocks_per_stream``."""
+
+    @field_validator("backends", "approximate_backends")
     @classmethod
     def _backends_once(cls, value: List[Backend]) -> List[Backend]:
-        if not value:
-            # Discovery would subscribe nothing: say so rather than run an empty index.
-            raise ValueError("must list at least one backend type ("
-                             + ", ".join(repr(b.value) for b in Backend) + ")")
         seen: set[Backend] = set()
         for backend in value:
             if backend in seen:
                 raise ValueError(f"{backend.value!r} listed twice")
             seen.add(backend)
         return value
+
+    @model_validator(mode="after")
+    def _backends_apart(self) -> "DiscoveryConfig":
+        problems: list[ConfigProblem] = []
+        if not self.backends and not self.approximate_backends:
+            # Discovery would index nothing: say so rather than run an empty index.
+            problems.append(ConfigProblem(
+                "discovery.backends", "must list at least one backend type ("
+                + ", ".join(repr(b.value) for b in Backend) + "), got [] (or list the "
+                "backends without KV events in approximate_backends, §14)"))
+        for i, backend in enumerate(self.approximate_backends):
+            if backend in self.backends:
+                # §14: an instance gets a stream or an approximate index, never both.
+                problems.append(ConfigProblem(
+                    f"discovery.approximate_backends[{i}]",
+                    f"{backend.value!r} is also in discovery.backends (a backend has KV "
+                    "event streams or an approximate index, not both), got "
+                    f"{backend.value!r}"))
+        if problems:
+            raise _Problems(problems)
+        return self
 
     @field_validator("replay_modes")
     @classmethod
@@ -205,6 +233,12 @@ class KvEventsConfig(_Strict):
                         f"endpoint {ep} already used by {seen_endpoints[key]}"))
                 else:
                     seen_endpoints[key] = f"streams[{i}].{name}"
+        d = self.discovery
+        if d is not None and d.approximate_blocks > self.max_blocks_per_stream:
+            problems.append(ConfigProblem(
+                "discovery.approximate_blocks",
+                f"must be at most max_blocks_per_stream ({self.max_blocks_per_stream}), "
+                f"got {d.approximate_blocks}"))
         if problems:
             raise _Problems(problems)
         return self

@@ -19,6 +19,18 @@ with many busy stream threads each release would hand the GIL to another stream 
 back, a context switch per frame. Request threads never take that lock, so they get the GIL
 whenever the draining thread waits on its socket.
 
+Overlays (:mod:`kvsvc.index.overlay`, one LRU + TTL block set per (instance, DP rank)):
+
+- **Approximate indexes** (§14): discovery adds one per (instance, DP rank) of a backend in
+  ``discovery.approximate_backends`` (:meth:`Directory.add_approximate`) instead of a stream. No
+  thread, no socket: it answers every query (``synchronized`` true, ``completeness``
+  ``"approximate"``, ``sequence`` null, ``device_blocks`` the blocks it holds) from what this
+  replica routed there (:meth:`Directory.record_dispatch`).
+- **Pending prefixes** (§16): with ``pending`` settings every exact stream gets a pending block
+  set, settled by its own live batches (the stream thread, :meth:`BlockOverlay.settle`). A query
+  walks it from where the stream's reusable prefix ends and answers its blocks apart
+  (``pending_hit_tokens``); an unsynchronized stream answers none.
+
 Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not start or stop in time
 (:meth:`Directory.close` closes every stream first and raises the first failure),
 :class:`~kvsvc.errors.ConfigError` for a duplicate stream, ``ValueError`` for bad token ids.
@@ -26,8 +38,10 @@ Errors: :class:`~kvsvc.errors.LifecycleError` when a stream thread does not star
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence
@@ -42,9 +56,16 @@ from kvsvc.config import (
 )
 from kvsvc.errors import ConfigError, LifecycleError
 from kvsvc.index.keys import chain_keys, pack_tokens
+from kvsvc.index.overlay import BlockOverlay, OverlayStats, PromptKeys
 from kvsvc.streams.counters import StreamCounters
 from kvsvc.streams.gate import GateStats, SnapshotGate
-from kvsvc.streams.state import StreamId, StreamMatch, StreamState, StreamStatus
+from kvsvc.streams.state import (
+    Completeness,
+    StreamId,
+    StreamMatch,
+    StreamState,
+    StreamStatus,
+)
 from kvsvc.streams.subscriber import StreamSubscriber
 
 log = logging.getLogger(__name__)
@@ -57,6 +78,47 @@ NOT_STARTED = "not started"
 
 
 
+@dataclass(frozen=True, slots=True)
+class OverlayLimits:
+    """The bounds of one kind of overlay (§14, §16).
+
+    :ivar ttl_s: an entry's lifetime after its last use, seconds (> 0).
+    :ivar max_blocks: blocks per (instance, DP rank), >= 1.
+    """
+
+    ttl_s: float
+    max_blocks: int
+
+    def new(self) -> BlockOverlay:
+        """An empty overlay with these bounds."""
+        return BlockOverlay(self.ttl_s, self.max_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class ApproximateIndex:
+    """The approximate index of one (instance, DP rank) (§14).
+
+    :ivar stream_id: its (instance, DP rank).
+    :ivar overlay: the blocks routed there.
+    :ivar block_size: tokens per block of its keys.
+    :ivar hash_seed: the §4 seed of its keys.
+    :ivar backend: its instance's backend type (metrics, the audit per backend).
+    """
+
+    stream_id: StreamId
+    overlay: BlockOverlay
+    block_size: int
+    hash_seed: int
+    backend: str
+
+    def match(self, keys: Sequence[int], now: float) -> StreamMatch:
+        """The §10 answer from the overlay: Device hits only, ``approximate``."""
+        blocks = self.overlay.match(keys, now)
+        sid = self.stream_id
+        return StreamMatch(sid.instance_name, sid.dp_rank, True, None, blocks * self.block_size,
+                           0, len(self.overlay), 0, None, Completeness.APPROXIMATE)
+
+
 @dataclass(frozen=True)
 class _View:
     """One immutable generation of the stream set (copy-on-write: never changed, replaced).
@@ -64,36 +126,74 @@ class _View:
     :param configs: stream id -> its configuration, read-only.
     :param subscribers: stream id -> subscriber, read-only; empty until the directory has a ZMQ
         context (an owned context is only created in :meth:`Directory.start`).
-    :param ordered: stream ids sorted by (instance_name, dp_rank), the §10 answer order.
+    :param ordered: stream ids sorted by (instance_name, dp_rank); streams only.
+    :param approximate: stream id -> its approximate index (§14), read-only.
+    :param answer_ids: streams and approximate indexes sorted, the §10 answer order.
     :param geometries: distinct (block_size, hash_seed) pairs, first-seen order.
-    :param matchers: per stream of ``ordered``, the function answering a query from that
-        stream's keys: the subscriber's ``match``, or a constant "not started" answer.
-    :param geometry_of: per stream of ``ordered``, its index in ``geometries``.
+    :param matchers: per id of ``answer_ids``, the function answering a query from its keys:
+        the subscriber's ``match``, an approximate index's, or a constant "not started" answer.
+    :param geometry_of: per id of ``answer_ids``, its index in ``geometries``.
+    :param pending_slots: (position in ``answer_ids``, pending overlay, block_size) of every
+        stream with a pending overlay (§16).
     """
 
     configs: Mapping[StreamId, StreamConfig]
     subscribers: Mapping[StreamId, StreamSubscriber]
     ordered: tuple[StreamId, ...]
+    approximate: Mapping[StreamId, ApproximateIndex]
+    answer_ids: tuple[StreamId, ...]
     geometries: tuple[Geometry, ...]
     matchers: tuple[Callable[[Sequence[int]], StreamMatch], ...]
     geometry_of: tuple[int, ...]
+    pending_slots: tuple[tuple[int, BlockOverlay, int], ...]
 
     @classmethod
     def of(cls, configs: dict[StreamId, StreamConfig],
-           subscribers: dict[StreamId, StreamSubscriber]) -> "_View":
+           subscribers: dict[StreamId, StreamSubscriber],
+           approximate: Optional[dict[StreamId, ApproximateIndex]] = None,
+           clock: Callable[[], float] = time.monotonic) -> "_View":
         """Build a view from fresh dicts (the caller must not change them afterwards)."""
+        approximate = approximate if approximate is not None else {}
         ordered = tuple(sorted(configs))
+        answer_ids = tuple(sorted((*configs, *approximate)))
         geometry_index: dict[Geometry, int] = {}
-        for sid in ordered:
-            geometry_index.setdefault((configs[sid].block_size, configs[sid].hash_seed),
-                                      len(geometry_index))
+
+        def geometry(sid: StreamId) -> Geometry:
+            cfg = configs.get(sid)
+            if cfg is not None:
+                return (cfg.block_size, cfg.hash_seed)
+            approx = approximate[sid]
+            return (approx.block_size, approx.hash_seed)
+
+        for sid in answer_ids:
+            geometry_index.setdefault(geometry(sid), len(geometry_index))
         # Resolved once per view, not per query: the query loop is per stream and hot (§10).
-        matchers = tuple(subscribers[sid].match if sid in subscribers else _not_started(sid)
-                         for sid in ordered)
-        geometry_of = tuple(geometry_index[(configs[sid].block_size, configs[sid].hash_seed)]
-                            for sid in ordered)
+        matchers: list[Callable[[Sequence[int]], StreamMatch]] = []
+        pending: list[tuple[int, BlockOverlay, int]] = []
+        for i, sid in enumerate(answer_ids):
+            sub = subscribers.get(sid)
+            if sid in approximate:
+                matchers.append(_approximate_matcher(approximate[sid], clock))
+            elif sub is not None:
+                matchers.append(sub.match)
+                if sub.pending is not None:
+                    pending.append((i, sub.pending, configs[sid].block_size))
+            else:
+                matchers.append(_not_started(sid))
+        geometry_of = tuple(geometry_index[geometry(sid)] for sid in answer_ids)
         return cls(MappingProxyType(configs), MappingProxyType(subscribers), ordered,
-                   tuple(geometry_index), matchers, geometry_of)
+                   MappingProxyType(approximate), answer_ids, tuple(geometry_index),
+                   tuple(matchers), geometry_of, tuple(pending))
+
+
+def _approximate_matcher(approx: ApproximateIndex, clock: Callable[[], float]
+                         ) -> Callable[[Sequence[int]], StreamMatch]:
+    """A matcher answering from ``approx`` at the clock's time of the query."""
+
+    def match(keys: Sequence[int]) -> StreamMatch:
+        return approx.match(keys, clock())
+
+    return match
 
 
 def _not_started(sid: StreamId) -> Callable[[Sequence[int]], StreamMatch]:
@@ -124,12 +224,23 @@ class Directory:
         once across all streams, >= 1; the others queue first come, first served before
         sending their request (:class:`~kvsvc.streams.gate.SnapshotGate`). The service
         passes ``ServiceSettings.max_concurrent_snapshots``.
+    :param pending: the bounds of every exact stream's pending overlay (§16); ``None``: no
+        pending prefixes (queries answer ``pending_hit_tokens`` 0).
+    :param clock: monotonic seconds of the overlays' TTLs (``time.monotonic``; tests inject).
     :raises ValueError: ``max_concurrent_snapshots`` < 1.
     """
 
     def __init__(self, config: KvEventsConfig, context: Optional[zmq.Context] = None,
-                 max_concurrent_snapshots: int = DEFAULT_MAX_CONCURRENT_SNAPSHOTS) -> None:
+                 max_concurrent_snapshots: int = DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
+                 pending: Optional[OverlayLimits] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._limits = config
+        self._pending_limits = pending
+        self._clock = clock
+        discovery = config.discovery
+        self._approximate_limits = (
+            OverlayLimits(float(discovery.approximate_ttl_s), discovery.approximate_blocks)
+            if discovery is not None else OverlayLimits(120.0, 65536))
         self._gate = SnapshotGate(max_concurrent_snapshots)
         self._live_turns = threading.Lock()
         self._context = context
@@ -144,11 +255,21 @@ class Directory:
         configs = {_stream_id(cfg): cfg for cfg in config.kept_streams()}
         subscribers = ({} if context is None else
                        {sid: self._subscriber(cfg, context) for sid, cfg in configs.items()})
-        self._view = _View.of(configs, subscribers)
+        self._view = _View.of(configs, subscribers, clock=clock)
 
     def _subscriber(self, cfg: StreamConfig, context: zmq.Context) -> StreamSubscriber:
+        pending = self._pending_limits.new() if self._pending_limits is not None else None
         return StreamSubscriber(cfg, self._limits, context, gate=self._gate,
-                                live_turns=self._live_turns)
+                                live_turns=self._live_turns, pending=pending)
+
+    def _new_view(self, configs: dict[StreamId, StreamConfig],
+                  subscribers: dict[StreamId, StreamSubscriber],
+                  approximate: Optional[dict[StreamId, ApproximateIndex]] = None) -> _View:
+        """A view of these streams, keeping the current approximate indexes unless given
+        (caller holds the lock)."""
+        if approximate is None:
+            approximate = dict(self._view.approximate)
+        return _View.of(configs, subscribers, approximate, self._clock)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -164,7 +285,7 @@ class Directory:
                 raise LifecycleError("directory already started")
             if self._owns_context:
                 self._context = zmq.Context()
-                self._view = _View.of(
+                self._view = self._new_view(
                     dict(self._view.configs),
                     {sid: self._subscriber(cfg, self._context)
                      for sid, cfg in self._view.configs.items()})
@@ -222,15 +343,15 @@ class Directory:
             self._started = False
             configs = dict(self._view.configs)
             if self._owns_context:
-                self._view = _View.of(configs, {})
+                self._view = self._new_view(configs, {})
                 if self._context is not None:
                     self._context.destroy(linger=0)
                     self._context = None
             else:
                 context = self._context
                 assert context is not None  # given to the constructor, never replaced
-                self._view = _View.of(configs, {sid: self._subscriber(cfg, context)
-                                                for sid, cfg in configs.items()})
+                self._view = self._new_view(configs, {sid: self._subscriber(cfg, context)
+                                                      for sid, cfg in configs.items()})
 
     @staticmethod
     def _close_quietly(sub: StreamSubscriber, timeout_s: float) -> None:
@@ -265,14 +386,14 @@ class Directory:
             sub.start(timeout_s=timeout_s)
         with self._lock:
             # Re-check: another add of the same id, or a start()/close(), may have run meanwhile.
-            clash = sid in self._view.configs
+            clash = sid in self._view.configs or sid in self._view.approximate
             if not clash and self._context is context and self._started == started:
                 configs = dict(self._view.configs)
                 configs[sid] = cfg
                 subscribers = dict(self._view.subscribers)
                 if sub is not None:
                     subscribers[sid] = sub
-                self._view = _View.of(configs, subscribers)
+                self._view = self._new_view(configs, subscribers)
                 if identity is not None:
                     self._identities = MappingProxyType({**self._identities, sid: identity})
                 added = True
@@ -289,7 +410,8 @@ class Directory:
         return sid
 
     def remove_stream(self, stream_id: StreamId, timeout_s: float = 5.0) -> bool:
-        """Remove one stream; queries stop listing it at once, then its thread is closed.
+        """Remove one stream or approximate index (§14); queries stop listing it at once, then
+        a stream's thread is closed (an approximate index has none: its blocks are dropped).
 
         :param stream_id: the stream to remove.
         :param timeout_s: close bound, seconds.
@@ -298,31 +420,78 @@ class Directory:
         """
         with self._lock:
             view = self._view
+            if stream_id in view.approximate:
+                approximate = dict(view.approximate)
+                del approximate[stream_id]
+                self._view = self._new_view(dict(view.configs), dict(view.subscribers),
+                                            approximate)
+                self._forget_identity(stream_id)
+                log.info("approximate index %s removed", stream_id)
+                return True
             if stream_id not in view.configs:
                 return False
             configs = dict(view.configs)
             del configs[stream_id]
             subscribers = dict(view.subscribers)
             sub = subscribers.pop(stream_id, None)
-            self._view = _View.of(configs, subscribers)
-            if stream_id in self._identities:
-                self._identities = MappingProxyType(
-                    {k: v for k, v in self._identities.items() if k != stream_id})
+            self._view = self._new_view(configs, subscribers)
+            self._forget_identity(stream_id)
             started = self._started
         log.info("stream %s removed", stream_id)
         if sub is not None and started:
             sub.close(timeout_s=timeout_s)
         return True
 
+    def _forget_identity(self, stream_id: StreamId) -> None:
+        """Drop ``stream_id``'s identity (caller holds the lock)."""
+        if stream_id in self._identities:
+            self._identities = MappingProxyType(
+                {k: v for k, v in self._identities.items() if k != stream_id})
+
+    def add_approximate(self, stream_id: StreamId, *, block_size: int, hash_seed: int,
+                        identity: Optional[str] = None, backend: str = "") -> StreamId:
+        """Add an empty approximate index for one (instance, DP rank) without KV events (§14):
+        answered at once (``synchronized``, ``approximate``, 0 hits until a request is routed
+        there, :meth:`record_dispatch`), started or not. Bounded by the §8 discovery block's
+        ``approximate_ttl_s`` and ``approximate_blocks``.
+
+        :param stream_id: (instance_name, dp_rank).
+        :param block_size: tokens per block of its keys (discovery's ``block_size``).
+        :param hash_seed: the §4 seed of its keys.
+        :param identity: its instance's incarnation (§9), kept for :meth:`identity`.
+        :param backend: its instance's ``backend_type`` (metrics, the audit).
+        :returns: ``stream_id``.
+        :raises ConfigError: a stream or approximate index with that id exists.
+        """
+        approx = ApproximateIndex(stream_id, self._approximate_limits.new(), block_size,
+                                  hash_seed, backend)
+        with self._lock:
+            view = self._view
+            if stream_id in view.configs or stream_id in view.approximate:
+                raise ConfigError("streams", f"stream {stream_id} already exists")
+            approximate = dict(view.approximate)
+            approximate[stream_id] = approx
+            self._view = self._new_view(dict(view.configs), dict(view.subscribers), approximate)
+            if identity is not None:
+                self._identities = MappingProxyType({**self._identities, stream_id: identity})
+        log.info("approximate index %s added (block_size=%d, ttl %g s, at most %d blocks, "
+                 "backend %s)", stream_id, block_size, self._approximate_limits.ttl_s,
+                 self._approximate_limits.max_blocks, backend or "-")
+        return stream_id
+
     # -- request path ---------------------------------------------------------------------------
 
     def stream_ids(self) -> list[StreamId]:
-        """Current stream ids in answer order (instance_name, dp_rank)."""
-        return list(self._current().ordered)
+        """Current stream and approximate index ids in answer order (instance_name, dp_rank)."""
+        return list(self._current().answer_ids)
+
+    def approximate_ids(self) -> list[StreamId]:
+        """The approximate indexes' ids (§14), sorted."""
+        return sorted(self._current().approximate)
 
     def stream_config(self, stream_id: StreamId) -> Optional[StreamConfig]:
         """The configuration ``stream_id`` runs with (static, or as discovery handed it over,
-        §9), ``None`` for an unknown stream."""
+        §9), ``None`` for an unknown stream or an approximate index."""
         return self._current().configs.get(stream_id)
 
     def replay_modes(self) -> dict[StreamId, ReplayMode]:
@@ -333,12 +502,19 @@ class Directory:
 
     def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
         """Each stream's reusable prefix of ``token_ids`` (§10), ordered by (instance_name,
-        dp_rank).
+        dp_rank): :meth:`query_prompt`'s matches."""
+        return self.query_prompt(token_ids)[0]
+
+    def query_prompt(self, token_ids: Sequence[int]) -> tuple[list[StreamMatch], PromptKeys]:
+        """Each stream's and approximate index's reusable prefix of ``token_ids`` (§10, §14),
+        ordered by (instance_name, dp_rank), plus the prompt's content keys (for
+        :meth:`record_dispatch`).
 
         Tokens are packed once and content keys (§4) computed once per distinct (block_size,
         hash_seed), reusing the packed bytes; only full blocks count. An unsynchronized stream
-        answers 0 hits with its error (§6). An empty list gives every stream's status with zero
-        hits.
+        answers 0 hits with its error (§6). A synchronized stream with pending blocks (§16)
+        answers those right after its reusable prefix in ``pending_hit_tokens``. An empty list
+        gives every stream's status with zero hits.
 
         :param token_ids: token ids, ints in ``[0, 2**31 - 1]``.
         :raises ValueError: a token id is not such an int.
@@ -348,9 +524,85 @@ class Directory:
         geometries = view.geometries
         if len(geometries) == 1:  # the usual deployment: one model, one seed
             keys = chain_keys(packed, *geometries[0])
-            return [match(keys) for match in view.matchers]
-        by_geometry = [chain_keys(packed, bs, seed) for bs, seed in geometries]
-        return [match(by_geometry[g]) for match, g in zip(view.matchers, view.geometry_of)]
+            out = [match(keys) for match in view.matchers]
+            by_geometry: list[list[int]] = [keys]
+        else:
+            by_geometry = [chain_keys(packed, bs, seed) for bs, seed in geometries]
+            out = [match(by_geometry[g]) for match, g in zip(view.matchers, view.geometry_of)]
+        if view.pending_slots:
+            self._add_pending(view, out, by_geometry)
+        return out, PromptKeys(dict(zip(geometries, by_geometry)))
+
+    def _add_pending(self, view: _View, out: list[StreamMatch],
+                     by_geometry: list[list[int]]) -> None:
+        """§16: each synchronized stream's pending blocks right after its reusable prefix, in
+        ``pending_hit_tokens`` (a new answer: zero-hit answers are shared)."""
+        now = self._clock()
+        geometry_of = view.geometry_of
+        for i, overlay, block_size in view.pending_slots:
+            if not len(overlay):
+                continue
+            m = out[i]
+            if not m.synchronized:
+                continue
+            start = (m.device_hit_tokens + m.host_only_hit_tokens) // block_size
+            blocks = overlay.match(by_geometry[geometry_of[i]], now, start)
+            if blocks:
+                out[i] = dataclasses.replace(m, pending_hit_tokens=blocks * block_size)
+
+    def record_dispatch(self, instance_name: str, ranks: Sequence[tuple[int, int]],
+                        prompt: PromptKeys, now: Optional[float] = None) -> int:
+        """A request was sent to ``instance_name``: record its prompt's full blocks (§14, §16).
+
+        Per rank of ``ranks``: an approximate index adds (or renews) every block as resident;
+        a stream with a pending overlay adds the blocks from its reusable prefix on as pending
+        (those before it are exact hits already). Other ranks and unknown ids are ignored.
+
+        :param instance_name: the P the request went to.
+        :param ranks: (dp_rank, reusable prefix tokens the policy saw on it) pairs.
+        :param prompt: the prompt's keys from :meth:`query_prompt`.
+        :param now: monotonic seconds (default: the directory's clock).
+        :returns: blocks newly added, over all ranks.
+        """
+        view = self._current()
+        now = self._clock() if now is None else now
+        added = 0
+        for rank, prefix_tokens in ranks:
+            sid = StreamId(instance_name, rank)
+            approx = view.approximate.get(sid)
+            if approx is not None:
+                keys = prompt.keys((approx.block_size, approx.hash_seed))
+                if keys:
+                    added += approx.overlay.touch(keys, now)
+                continue
+            sub = view.subscribers.get(sid)
+            if sub is None or sub.pending is None:
+                continue
+            cfg = view.configs[sid]
+            keys = prompt.keys((cfg.block_size, cfg.hash_seed))
+            if keys:
+                added += sub.pending.touch(keys, now, prefix_tokens // cfg.block_size)
+        return added
+
+    def overlay_stats(self) -> dict[StreamId, tuple[str, OverlayStats]]:
+        """Every overlay's counters: stream id -> (kind, stats), kind ``"approximate"`` (§14)
+        or ``"pending"`` (§16), in answer order."""
+        view = self._current()
+        out: dict[StreamId, tuple[str, OverlayStats]] = {}
+        for sid in view.answer_ids:
+            approx = view.approximate.get(sid)
+            if approx is not None:
+                out[sid] = ("approximate", approx.overlay.stats())
+                continue
+            sub = view.subscribers.get(sid)
+            if sub is not None and sub.pending is not None:
+                out[sid] = ("pending", sub.pending.stats())
+        return out
+
+    def approximate_backend(self, stream_id: StreamId) -> Optional[str]:
+        """The backend of the approximate index ``stream_id``; ``None`` when it is none."""
+        approx = self._current().approximate.get(stream_id)
+        return approx.backend if approx is not None else None
 
     def statuses(self) -> list[StreamStatus]:
         """Every stream's status, ordered by (instance_name, dp_rank)."""

@@ -30,6 +30,7 @@ translated into these once, at the module boundary where they occur (``raise ...
     │   │   └── RpcUnreachable         a baidu_std connection refused, reset or closed (§13)
     │   └── UpstreamTimeout        connect, response head or body read timed out
     │       └── RpcTimeout             a baidu_std call not answered in time (§13)
+    ├── ClientGone             the client left while its request waited upstream (§15)
     ├── RpcError               a baidu_std (brpc) call or frame failed (§13); also the base of
     │   │                      RpcUnreachable and RpcTimeout above
     │   ├── RpcProtocolError       the peer broke the framing: the connection must be closed
@@ -38,6 +39,8 @@ translated into these once, at the module boundary where they occur (``raise ...
     └── RequestError           a request the service refuses (§9-§11); ``message`` says why
         ├── BadRequest         malformed body or field; ``message`` starts with the field name
         ├── Unauthorized       missing or wrong ``X-Internal-Token`` (§10)
+        ├── InvalidApiKey      missing or wrong ``Authorization: Bearer`` key on ``/v1/*``
+        ├── TooManyRequests    the in-flight limit is reached (``--max_in_flight_requests``)
         ├── PayloadTooLarge    body over the endpoint's size limit
         ├── UnknownModel       ``model`` not among the served ``--model`` names (§11)
         ├── NoRegistry         a heartbeat while no registry is configured (``--etcd_addr`` empty)
@@ -177,6 +180,13 @@ class MalformedRegistration(KvsvcError):
     which the registry turns into :class:`InvalidHeartbeat`."""
 
 
+class MalformedMetrics(KvsvcError):
+    """An engine's ``/metrics`` text that gives no load (§15): not Prometheus text, a load
+    metric missing, or a value that is not a finite number >= 0. ``str(exc)`` names the
+    metric. Raised by :func:`kvsvc.cluster.load_scrape.parse_engine_load`; the scraper logs
+    it and reports no load for that scrape."""
+
+
 class TemplateError(KvsvcError):
     """A chat template raised (``raise_exception``) or failed to render (§11). Raised by
     :mod:`kvsvc.routing.prompt` and turned into unknown tokens there (the request routes with
@@ -283,6 +293,15 @@ class BadRequest(RequestError):
 
 class Unauthorized(RequestError):
     """The request lacks the configured ``X-Internal-Token`` or carries another one (§10)."""
+
+
+class InvalidApiKey(RequestError):
+    """A ``/v1/*`` request (not ``/v1/internal/*``) without ``Authorization: Bearer <key>``
+    equal to ``--api_key`` (vLLM's ``--api-key`` rule)."""
+
+
+class TooManyRequests(RequestError):
+    """The OpenAI requests in flight reached ``--max_in_flight_requests``: retry later."""
 
 
 class PayloadTooLarge(RequestError):

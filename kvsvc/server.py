@@ -43,9 +43,10 @@ STREAM_TIMEOUT_S = 5.0
 #: Fields of a JSON log line besides ``timestamp`` (renamed: levelname -> level, name -> logger).
 JSON_FIELDS = "%(levelname)s %(name)s %(process)d %(message)s"
 TEXT_FORMAT = "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"
-#: gunicorn access line: client, request line, status, bytes, seconds. No header is logged
+#: gunicorn access line: client, request line, status, bytes, seconds, the answer's x-request-id.
+#: No request header is logged
 #: (the internal token travels in one).
-ACCESS_LOG_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s %(L)s'
+ACCESS_LOG_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s %(L)s %({x-request-id}o)s'
 
 
 def bind_address(host: str, port: int) -> str:
@@ -77,11 +78,13 @@ def log_config(level: str, log_format: str = "json", access_log: bool = False) -
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"generic": formatter},
+        # Records logged while an OpenAI request runs carry its request id (JSON field).
+        "filters": {"request_id": {"()": "kvsvc.http.admission.RequestIdFilter"}},
         "handlers": {
             "stderr": {"class": "logging.StreamHandler", "formatter": "generic",
-                       "stream": "ext://sys.stderr"},
+                       "stream": "ext://sys.stderr", "filters": ["request_id"]},
             "stdout": {"class": "logging.StreamHandler", "formatter": "generic",
-                       "stream": "ext://sys.stdout"},
+                       "stream": "ext://sys.stdout", "filters": ["request_id"]},
         },
         "root": {"level": level, "handlers": ["stderr"]},
         "loggers": {

@@ -13,10 +13,13 @@ before gunicorn forks, STYLE 8):
   in-flight ledger shared by the proxy and the policy, and the request-metrics ledger the
   proxy's observer seam feeds and SLO_AWARE / TTFT read (§12), reading the registry and the
   directory;
+- with ``--etcd_addr`` and ``--load_scrape_backends`` non-empty the
+  :class:`~kvsvc.cluster.load_scrape.LoadScraper` thread that reads vLLM's and SGLang's load
+  from their ``/metrics`` (§15);
 - with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
   thread that keeps the instances' own model lists for ``GET /v1/models`` (§11).
 
-:meth:`Service.start` starts registry, directory, discovery and the model lister, in that order
+:meth:`Service.start` starts registry, load scraper, directory, discovery and the model lister, in that order
 (the router has no thread); :meth:`Service.close` closes them in the reverse order, then the
 router's upstream connections, every one of them even when an earlier one fails.
 
@@ -28,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
+from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
+from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
@@ -44,7 +49,8 @@ from kvsvc.routing.policies import make_policy
 from kvsvc.routing.prompt import PromptTokenizer, TokenSource
 from kvsvc.routing.proxy import Proxy, ProxySettings
 from kvsvc.routing.cache_audit import CacheAudit, block_sizes
-from kvsvc.routing.observer import ObserverChain
+from kvsvc.routing.dispatch_record import DispatchRecorder
+from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
@@ -85,6 +91,9 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     :param directory: where hits come from, ``None`` with the index disabled.
     :param cache_audit: hears every answer after the ledger (predicted vs actual cached
         tokens, :mod:`kvsvc.routing.cache_audit`); ``None``: not audited.
+
+    With a directory, every dispatch is also recorded in its overlays (approximate indexes,
+    pending blocks: :class:`~kvsvc.routing.dispatch_record.DispatchRecorder`, §14, §16).
     :raises ConfigError: bad policy parameters or an unloadable ``--tokenizer_path``.
     """
     # The per-instance request metrics (§12), heard through the proxy's observer seam and
@@ -102,13 +111,29 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     in_flight = InFlight()
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
+    observers: list[RequestObserver] = [ledger]
+    if cache_audit is not None:
+        observers.append(cache_audit)
+    if directory is not None:
+        observers.append(DispatchRecorder(directory))
     proxy = Proxy(ProxySettings(connect_timeout_s=settings.upstream_connect_timeout_s,
                                 read_timeout_s=settings.upstream_read_timeout_s,
                                 pool_maxsize=settings.worker_threads), in_flight,
-                  observer=(ObserverChain([ledger, cache_audit]) if cache_audit is not None
-                            else ledger))
+                  observer=ObserverChain(observers) if len(observers) > 1 else ledger)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
+
+
+def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
+    """``instance -> backend_type`` from the registry's snapshot (the audit per backend, §14);
+    ``""`` for an unknown instance or without a registry."""
+    def backend_of(name: str) -> str:
+        if registry is None:
+            return ""
+        inst = registry.snapshot().instances.get(name)
+        return inst.backend_type if inst is not None else ""
+
+    return backend_of
 
 
 def startup_warnings(settings: ServiceSettings,
@@ -152,6 +177,8 @@ class Service:
         (:mod:`kvsvc.routing.cache_audit`), shown in ``/metrics`` and ``/v1/internal/route``.
     :ivar models: the backends' model lists, ``None`` unless a registry is configured and
         ``--model`` is empty.
+    :ivar load_scraper: reads the load of the ``--load_scrape_backends`` instances from their
+        ``/metrics`` (§15), ``None`` without a registry or with no backend listed.
     :ivar static_streams: the §8 config lists streams.
     :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
         layer, shown in ``/ready`` and ``/v1/internal/route``.
@@ -159,6 +186,8 @@ class Service:
         baidu_std server delivers every entry (empty unless ``--xllm_dispatch native``).
     :ivar rpc_source_address: this replica's baidu_std ``ip:port`` sent to engines as
         ``source_xservice_addr`` (§13); ``""`` until the baidu_std server has one.
+    :ivar pd_links: the P/D links of the xLLM instances (§13), with ``--xllm_dispatch native``
+        and a registry; ``None`` otherwise. An instance whose link failed is no candidate.
     """
 
     def __init__(self, settings: ServiceSettings,
@@ -180,8 +209,15 @@ class Service:
             self.discovery = Discovery(self.registry, self.directory, kv_config.discovery,
                                        kv_config)
         # Predicted vs actual cached tokens of every answer (issue 14).
-        self.cache_audit = CacheAudit(block_sizes(kv_config))
+        self.cache_audit = CacheAudit(block_sizes(kv_config),
+                                      backend_of=_backend_reader(self.registry))
         self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
+        backends = scrape_backends(settings.load_scrape_backends)
+        # §15: vLLM and SGLang send no heartbeats; their load is read from their /metrics.
+        self.load_scraper: Optional[LoadScraper] = (
+            LoadScraper(self.registry, LoadScrapeSettings(
+                backends=backends, interval_s=settings.load_scrape_interval_ms / 1000.0))
+            if self.registry is not None and backends else None)
         self.generations = PendingRequests()
         self.rpc_source_address = ""
         if settings.xllm_dispatch == "native":
@@ -193,6 +229,10 @@ class Service:
                 registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
                 self.router.in_flight, self.router.proxy.observer,
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
+        self.pd_links: Optional[PdLinks] = None
+        if settings.xllm_dispatch == "native" and self.registry is not None:
+            self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
+            self.router.excluded = self.pd_links.excluded
         self.models: Optional[ModelLister] = (
             ModelLister(self.registry) if self.registry is not None and not self.router.models
             else None)
@@ -209,8 +249,8 @@ class Service:
 
     def _threads(self) -> list[_Component]:
         """The components with threads, in start order."""
-        parts: list[Optional[_Component]] = [self.registry, self.directory, self.discovery,
-                                             self.models]
+        parts: list[Optional[_Component]] = [self.registry, self.load_scraper, self.directory,
+                                             self.discovery, self.models, self.pd_links]
         return [p for p in parts if p is not None]
 
     def start(self, timeout_s: float = 5.0) -> None:

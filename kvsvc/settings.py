@@ -13,8 +13,8 @@ derived from the declaration, through :data:`SETTINGS` (one :class:`SettingRow` 
 - the ``KVSVC_*`` export that hands the resolved settings to the gunicorn worker
   (:func:`export_environment`); the worker rebuilds them with :func:`load_service_settings`;
 - the settings lines of ``check-config`` (:func:`describe_settings`);
-- the README settings table (:func:`markdown_table`, ``python -m kvsvc.settings --markdown``;
-  ``tests/unit/test_settings.py`` fails when the README and this table differ).
+- the settings table of docs/configuration.md (:func:`markdown_table`, ``--markdown``;
+  ``tests/unit/test_settings.py`` fails when that file and this table differ).
 
 The flag spelling rule of every ``kvsvc`` subcommand lives here too (:func:`add_flag`, used by
 the testbed's parsers as well): each flag is declared once in one spelling, and the other
@@ -113,8 +113,9 @@ SECTION_WORKER = "gunicorn worker"
 SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_LOGS,
             SECTION_WORKER)
 
-#: Marker lines around the generated table in README.md.
-README_BEGIN = "<!-- settings-table:begin (generated: python -m kvsvc.settings --update-readme README.md) -->"
+#: Marker lines around the generated table in docs/configuration.md.
+README_BEGIN = ("<!-- settings-table:begin (generated: python -m kvsvc.settings --update-readme "
+                "docs/configuration.md) -->")
 README_END = "<!-- settings-table:end -->"
 
 
@@ -180,10 +181,19 @@ class ServiceSettings(BaseSettings):
         choices=LOG_LEVELS, fold_case=True)] = "info"
     log_format: Annotated[str, Setting(
         SECTION_LOGS, "`json`: one JSON object per line (for journald and log shippers); "
-        "`text`: plain lines for a terminal (see \"Logs\")", choices=LOG_FORMATS)] = "json"
+        "`text`: plain lines for a terminal (docs/operating.md)", choices=LOG_FORMATS)] = "json"
     # Off by default: every query and heartbeat would be a line.
     access_log: Annotated[bool, Setting(
         SECTION_LOGS, "gunicorn's per-request access lines on stdout")] = False
+    api_key: Annotated[Optional[SecretStr], Setting(
+        SECTION_HTTP, "client API key: every `/v1/*` request except `/v1/internal/*` needs "
+        "`Authorization: Bearer <key>` (vLLM's `--api-key`), else 401; unset: none needed. "
+        "Prefer the variable to the flag (`ps` shows flags)")] = None
+    max_in_flight_requests: Annotated[int, Field(ge=0, le=1 << 20), Setting(
+        SECTION_HTTP, "OpenAI requests served at once (a streamed one until its last byte); "
+        "one more is answered 429 with `Retry-After`. 0: no limit (beyond "
+        "`--worker_threads` requests wait for a thread). Keep it below `--worker_threads` so "
+        "heartbeats and probes always find a thread")] = 0
     metrics_require_token: Annotated[bool, Setting(
         SECTION_HTTP, "require `X-Internal-Token` on `GET /metrics` too (off: Prometheus "
         "scrapes freely)")] = False
@@ -205,12 +215,11 @@ class ServiceSettings(BaseSettings):
     # lengthens that wait (bench 8).
     max_concurrent_snapshots: Annotated[int, Field(ge=1, le=128), Setting(
         SECTION_INDEX, "snapshot recoveries (request, reply, decode, index build) running at "
-        "once across all streams; the others queue, first come first served (see \"Recovery, "
-        "in short\")")] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
+        "once across all streams; the others queue, first come first served (docs/recovery.md)")] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
     load_balance_policy: Annotated[str, Setting(
         SECTION_ROUTING, "`CAR` (cache-aware, §11), `RR` (round robin, xllm-service's "
         "default), `SLO_AWARE` (xllm-service's SLO policy, §12) or `TTFT` (lowest predicted "
-        "time to first token, §12); see \"Routing\"",
+        "time to first token, §12); see docs/routing.md",
         choices=POLICY_NAMES, flag_checks_choices=False)] = PolicyName.CAR.value
     car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                   Setting(SECTION_ROUTING,
@@ -239,7 +248,7 @@ class ServiceSettings(BaseSettings):
         SECTION_ROUTING, "an instance is a candidate only while its last load report (a "
         "heartbeat, or an `XLLM:LOADMETRICS` value read from etcd) is at most this old; keep "
         "it above the engines' heartbeat period and the master's 3 s `XLLM:LOADMETRICS` "
-        "period (see \"Routing\")", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
+        "period (docs/routing.md)", unit="s")] = DEFAULT_MAX_LOAD_AGE_S
     dp_rank_routing: Annotated[bool, Setting(
         SECTION_ROUTING, "CAR and TTFT score each (instance, DP rank) pair of a backend that "
         "honours a rank (`vllm`, `sglang`) with that rank's own hits and load, and send the "
@@ -340,6 +349,12 @@ class ServiceSettings(BaseSettings):
             problem = _token_problem(self.internal_api_token.get_secret_value())
             if problem:
                 raise ValueError(f"internal_api_token: {problem}")
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            raise ValueError("api_key: empty; unset it to run without a key")
+        if self.api_key is not None:
+            problem = _token_problem(self.api_key.get_secret_value())
+            if problem:
+                raise ValueError(f"api_key: {problem}")
         return self
 
     def token(self) -> Optional[str]:

@@ -30,12 +30,18 @@ Rules of the plan (§9):
   ``tcp://host:(port + event_port_offset + r)`` and ``tcp://host:(port + replay_port_offset + r)``.
 - A port above 65535 excludes that instance. An endpoint used twice (event or replay, across
   every stream of every eligible instance, the instance's own included) excludes every instance
-  involved; events are never mixed between instances.
+  involved; events are never mixed between instances (D26 in docs/decisions.md).
 - ``max_streams``: instances in name order; an instance whose ranks do not all fit is skipped
   whole (later, smaller ones may still fit), exactly like static streams (§8).
 - Identity: the registration's ``incarnation_id``, else its ``register_ts_ms``
   (:func:`~kvsvc.cluster.model.instance_identity`); the router compares it with a stream's
   to apply §11.
+- Approximate indexes (§14): an instance whose backend is in ``discovery.approximate_backends``
+  gets one approximate index per DP rank instead of streams (no endpoints, so no port or
+  collision rule), under the same eligibility, SUSPECT and ``max_streams`` rules (an
+  approximate index counts as a stream there: it costs as much memory). It follows the
+  instance's lifecycle like a stream: a new incarnation or DP size replaces it (empty again),
+  SUSPECT or removal drops it. Each kvsvc replica fills its own from its own routing only.
 
 Errors: :class:`~kvsvc.errors.LifecycleError` from ``start()`` (already started, not running
 in time) and ``close()`` (the thread, e.g. waiting on a stream's start or stop, did not stop in
@@ -105,6 +111,22 @@ class PlannedStream:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedApproximate:
+    """One approximate index the plan wants (§14).
+
+    :param stream_id: its (instance, DP rank).
+    :param identity: its instance's :func:`instance_identity`.
+    :param dp_size: its instance's DP size.
+    :param backend: its instance's backend type.
+    """
+
+    stream_id: StreamId
+    identity: str
+    dp_size: int
+    backend: Backend
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """The outcome of :func:`plan_streams`.
 
@@ -115,12 +137,16 @@ class Plan:
         backends, MIX acting as decode, SUSPECT) are not listed.
     :param other_backends: instance name -> its ``backend_type`` as registered, for the
         instances that act as prefill and are not SUSPECT but whose backend is not in
-        ``discovery.backends`` (or not one kvsvc can index), read-only, sorted by name.
+        ``discovery.backends`` nor ``discovery.approximate_backends`` (or not one kvsvc can
+        index), read-only, sorted by name.
+    :param approximate: stream id -> planned approximate index (§14), read-only.
     """
 
     streams: Mapping[StreamId, PlannedStream]
     excluded: Mapping[str, str]
     other_backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    approximate: Mapping[StreamId, PlannedApproximate] = field(
+        default_factory=lambda: MappingProxyType({}))
 
     def instance_names(self) -> list[str]:
         """Names of the instances with streams, sorted."""
@@ -161,13 +187,16 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
     identities: dict[str, tuple[str, int]] = {}
     backends: dict[str, Backend] = {}
     other_backends: dict[str, str] = {}
+    # name -> its planned approximate indexes (§14), before the max_streams cut.
+    approximate: dict[str, list[PlannedApproximate]] = {}
     listed = frozenset(discovery.backends)
+    listed_approximate = frozenset(discovery.approximate_backends)
     for name in sorted(snapshot.instances):
         inst = snapshot.instances[name]
         if inst.state == InstanceState.SUSPECT or not _acts_as_prefill(inst):
             continue
         backend = backend_named(inst.backend_type)
-        if backend is None or backend not in listed:
+        if backend is None or (backend not in listed and backend not in listed_approximate):
             other_backends[name] = inst.backend_type
             continue
         try:
@@ -179,6 +208,11 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
             continue
         host, port = addr.host, addr.port
         dp_size = inst.dp_size if inst.dp_size and inst.dp_size > 0 else 1
+        if backend in listed_approximate:
+            identity = instance_identity(inst)
+            approximate[name] = [PlannedApproximate(StreamId(name, r), identity, dp_size,
+                                                    backend) for r in range(dp_size)]
+            continue
         top = port + max(discovery.event_port_offset, discovery.replay_port_offset) + dp_size - 1
         if top > MAX_PORT:
             excluded[name] = (f"port overflow: rank {dp_size - 1} would use port {top} "
@@ -223,20 +257,25 @@ def plan_streams(snapshot: RegistrySnapshot, discovery: DiscoveryConfig,
     excluded.update(collided)
 
     streams: dict[StreamId, PlannedStream] = {}
-    for name in sorted(candidates):
+    planned_approximate: dict[StreamId, PlannedApproximate] = {}
+    for name in sorted({*candidates, *approximate}):
         if name in collided:
             continue
-        configs = candidates[name]
-        if len(streams) + len(configs) > limits.max_streams:
-            excluded[name] = (f"max_streams={limits.max_streams} reached: {len(configs)} "
+        size = len(candidates[name]) if name in candidates else len(approximate[name])
+        if len(streams) + len(planned_approximate) + size > limits.max_streams:
+            excluded[name] = (f"max_streams={limits.max_streams} reached: {size} "
                               f"streams skipped")
             continue
+        if name in approximate:
+            for pa in approximate[name]:
+                planned_approximate[pa.stream_id] = pa
+            continue
         identity, dp_size = identities[name]
-        for cfg in configs:
+        for cfg in candidates[name]:
             streams[StreamId(name, cfg.dp_rank)] = PlannedStream(cfg, identity, dp_size,
                                                                  backends[name])
     return Plan(MappingProxyType(streams), MappingProxyType(dict(sorted(excluded.items()))),
-                MappingProxyType(other_backends))
+                MappingProxyType(other_backends), MappingProxyType(planned_approximate))
 
 
 #: Labels of discovery's metrics (kvsvc.http.metrics): fixed sets.
@@ -303,6 +342,7 @@ class Discovery(BackgroundThread):
         self._stream_timeout_s = stream_timeout_s
         # Discovery thread only (and refresh() callers while the thread is not running).
         self._applied: dict[StreamId, PlannedStream] = {}
+        self._applied_approximate: dict[StreamId, PlannedApproximate] = {}
         self._excluded: Mapping[str, str] = MappingProxyType({})
         # The last plan's instances skipped for their backend (name -> backend_type).
         self._other_backends: Mapping[str, str] = MappingProxyType({})
@@ -445,8 +485,50 @@ class Discovery(BackgroundThread):
                          "replay_mode %s, endpoints %s|%s)", sid, ps.identity, ps.dp_size,
                          ps.backend.value, ps.config.replay_mode.value, ps.config.endpoint,
                          ps.config.replay_endpoint)
-        return ApplyResult(tuple(added), tuple(s for s in sorted(replaced) if s in applied),
-                           tuple(sorted(removed)), kept, tuple(failed))
+        a_added, a_replaced, a_removed, a_kept = self._apply_approximate(plan)
+        return ApplyResult(tuple(sorted((*added, *a_added))),
+                           tuple(sorted((*(s for s in replaced if s in applied), *a_replaced))),
+                           tuple(sorted((*removed, *a_removed))), kept + a_kept, tuple(failed))
+
+    def _apply_approximate(self, plan: Plan) -> tuple[list[StreamId], list[StreamId],
+                                                      list[StreamId], int]:
+        """The approximate indexes' part of :meth:`_apply` (§14): (added, replaced, removed,
+        kept). A replaced one starts empty: a new incarnation has an empty cache."""
+        applied = self._applied_approximate
+        removed = sorted(sid for sid in applied if sid not in plan.approximate)
+        replaced = sorted(sid for sid, pa in plan.approximate.items()
+                          if sid in applied and applied[sid] != pa)
+        kept = sum(1 for sid, pa in plan.approximate.items() if applied.get(sid) == pa)
+        for sid in removed:
+            old = applied.pop(sid)
+            self._directory.remove_stream(sid)
+            log.info("discovery: approximate index %s removed (instance %s gone, suspect or no "
+                     "longer eligible; identity %s)", sid, sid.instance_name, old.identity)
+        for sid in replaced:
+            old = applied.pop(sid)
+            self._directory.remove_stream(sid)
+            log.info("discovery: approximate index %s replaced: identity %s -> %s, dp_size %d "
+                     "-> %d (empty again)", sid, old.identity, plan.approximate[sid].identity,
+                     old.dp_size, plan.approximate[sid].dp_size)
+        added: list[StreamId] = []
+        for sid in sorted(plan.approximate):
+            if sid in applied:
+                continue
+            pa = plan.approximate[sid]
+            try:
+                self._directory.add_approximate(sid, block_size=self._cfg.block_size,
+                                                hash_seed=self._cfg.hash_seed,
+                                                identity=pa.identity, backend=pa.backend.value)
+            except ConfigError as exc:   # its stream is still there: next refresh
+                log.error("discovery: approximate index %s could not be added (%s); retrying "
+                          "next refresh", sid, exc)
+                continue
+            applied[sid] = pa
+            if sid not in replaced:
+                added.append(sid)
+                log.info("discovery: approximate index %s added (identity %s, dp_size %d, "
+                         "backend %s, §14)", sid, pa.identity, pa.dp_size, pa.backend.value)
+        return added, replaced, removed, kept
 
     def _remove(self, sid: StreamId) -> None:
         try:
@@ -486,8 +568,9 @@ class Discovery(BackgroundThread):
             else:
                 log.warning("discovery: instance %s not subscribed: backend_type %r is not "
                             "in discovery.backends [%s]; add \"%s\" to discovery.backends in "
-                            "the kv_events_config_file to index it (replay mode %s, §9); "
-                            "until then routing counts it with 0 cache hits", name,
+                            "the kv_events_config_file to index it (replay mode %s, §9), "
+                            "or to discovery.approximate_backends if it publishes no KV "
+                            "events (§14); until then routing counts it with 0 cache hits", name,
                             backend_type, listed, known.value,
                             self._cfg.replay_mode(known).value)
         for name in before:
@@ -499,4 +582,8 @@ class Discovery(BackgroundThread):
 def describe_backends(discovery: DiscoveryConfig) -> str:
     """``"xllm (snapshot), vllm (history)"``: the §8 ``discovery.backends`` with each one's
     replay mode, in the configured order (logs and ``kvsvc check-config``)."""
-    return ", ".join(f"{b.value} ({discovery.replay_mode(b).value})" for b in discovery.backends)
+    text = ", ".join(f"{b.value} ({discovery.replay_mode(b).value})" for b in discovery.backends)
+    if discovery.approximate_backends:
+        approx = ", ".join(b.value for b in discovery.approximate_backends)
+        text = f"{text or 'none'}; approximate index (§14): {approx}"
+    return text

@@ -13,7 +13,8 @@ While master, the same thread writes ``XLLM:LOADMETRICS:<name>`` →
 ``{"waiting_requests_num": int, "gpu_cache_usage_perc": float}`` every ``loadmetrics_interval_s``
 for each instance whose load changed since the last write (xllm-service's
 ``upload_load_metrics``), with two rules of kvsvc's so that no process ever inherits a stale
-value (§11; xllm-service writes without a lease and keeps every value):
+value (§11, D23 in docs/decisions.md; xllm-service writes without a lease and keeps every
+value):
 
 - the keys are written under the **master's lease**: they disappear with the master (at once on
   a graceful close, which revokes the lease; one TTL after a crash), so a replica or master

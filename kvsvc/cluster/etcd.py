@@ -16,7 +16,7 @@ Error messages are short: ``etcd <addr> <request>: <kind>`` with the kind of fai
 module never retry inside urllib3 (``max_retries=0`` mounted on each of them, not globally),
 so urllib3 has no retry warning to log: callers retry on their own schedule.
 
-Reachability (one outage, few lines): the clients of one process share an
+Reachability (one outage, few lines; D25 in docs/decisions.md): the clients of one process share an
 :class:`EtcdReachability` (the registry builds it and hands it to its etcd thread and to the
 election). Each request reports to it; it logs one WARNING when etcd becomes unreachable
 (address and kind), at most one summary line per :data:`OUTAGE_SUMMARY_INTERVAL_S` while the

@@ -400,7 +400,8 @@ def check_load(waiting: object, usage: object, field_prefix: str = "") -> Checke
     """The one check of a load report (§9), for ``XLLM:LOADMETRICS`` values and heartbeats.
 
     Usage above 1 is clamped, not refused: xllm-service's ``vllm_sidecar`` sums the per-engine
-    values of a multi-engine vLLM (1.3 for two engines at 65 %), and xllm-service accepts it.
+    values of a multi-engine vLLM (1.3 for two engines at 65 %), and xllm-service accepts it
+    (D24 in docs/decisions.md).
     Refusing it would leave the instance with no current load (not a candidate) although it
     reports every few seconds that it is busy; as 1.0 it is "full" for the D score and still
     routable. The caller counts and logs clamped reports (:attr:`CheckedLoad.clamped`).

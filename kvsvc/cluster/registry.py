@@ -28,8 +28,10 @@ all three owned by :class:`Registry`, started by ``start()`` and stopped by ``cl
 - the election thread ``kvsvc-election`` of :class:`kvsvc.cluster.election.MasterElection`
   (master key, and the ``LOADMETRICS`` writes while master).
 
-Loads (§9, §11): an instance's load is the last accepted heartbeat or, on a replica that is
-not master, the last new ``XLLM:LOADMETRICS`` revision, dated when this process received it
+Loads (§9, §11, §15): an instance's load is the last accepted heartbeat, the last
+``/metrics`` scrape (:meth:`Registry.scraped_load`, fed by
+:class:`~kvsvc.cluster.load_scrape.LoadScraper`) or, on a replica that is not master, the last
+new ``XLLM:LOADMETRICS`` revision, dated when this process received it
 (``LoadMetrics.received_at``); the routing policies take it only while it is current
 (``max_load_age_s``). A refused heartbeat changes nothing, so a load the instance keeps
 contradicting ages out. When this replica becomes master it drops every load it read from etcd
@@ -82,10 +84,12 @@ from kvsvc.cluster.model import (
     InstanceState,
     InstanceType,
     LoadMetrics,
+    RankLoad,
     Registration,
     RegistrySettings,
     RegistrySnapshot,
     check_load,
+    instance_identity,
     parse_load,
     parse_registration,
 )
@@ -133,6 +137,7 @@ _TYPES_BY_NAME = {t.name: t for t in InstanceType}
 #: Where a load report came from (the ``source`` of :meth:`Registry.load_clamped_counts`).
 SOURCE_HEARTBEAT = "heartbeat"
 SOURCE_ETCD = "etcd"
+SOURCE_SCRAPE = "scrape"
 
 
 class Registry:
@@ -298,10 +303,45 @@ class Registry:
                 raise StaleIncarnation(name, incarnation_id, registered)
             self._count_clamped(name, SOURCE_HEARTBEAT, checked)
             rec.load = LoadMetrics(checked.waiting_requests_num, checked.gpu_cache_usage_perc,
-                                   now)
+                                   now, (), SOURCE_HEARTBEAT)
             rec.load_from_etcd = False
             rec.last_heartbeat = now
             self._publish()
+
+    def scraped_load(self, name: str, identity: Optional[str], waiting_requests_num: int,
+                     gpu_cache_usage_perc: float, ranks: tuple[RankLoad, ...] = ()) -> bool:
+        """Record the load a ``/metrics`` scrape read (§15): a load report like a heartbeat's
+        (dated now, current for ``max_load_age_s``, and, like a heartbeat, keeping a
+        ``LEASE_LOST`` instance from becoming ``SUSPECT``: the engine answered).
+
+        :param name: instance ``host:port``.
+        :param identity: :func:`~kvsvc.cluster.model.instance_identity` of the instance as
+            the scraper saw it; a record of another identity (replaced meanwhile) is left
+            alone: the scrape may have reached the old process.
+        :param waiting_requests_num: queued requests, checked as a heartbeat's.
+        :param gpu_cache_usage_perc: KV usage, checked (and clamped above 1) as a heartbeat's.
+        :param ranks: per-rank values (:class:`~kvsvc.cluster.model.RankLoad`), rank order.
+        :returns: True when recorded; False for an unknown or replaced instance or values
+            :func:`~kvsvc.cluster.model.check_load` refuses (nothing changes then).
+        """
+        try:
+            checked = check_load(waiting_requests_num, gpu_cache_usage_perc)
+        except MalformedRegistration:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            rec = self._records.get(name)
+            if rec is None:
+                return False
+            if identity is not None and identity != instance_identity(rec.reg):
+                return False
+            self._count_clamped(name, SOURCE_SCRAPE, checked)
+            rec.load = LoadMetrics(checked.waiting_requests_num, checked.gpu_cache_usage_perc,
+                                   now, tuple(ranks), SOURCE_SCRAPE)
+            rec.load_from_etcd = False
+            rec.last_heartbeat = now
+            self._publish()
+        return True
 
     def load_clamped_counts(self) -> dict[tuple[str, str], int]:
         """Load reports whose ``gpu_cache_usage_perc`` was above 1 and is used as 1.0
@@ -491,7 +531,8 @@ class Registry:
         try:
             checked = parse_load(kv.value)
             load: Optional[LoadMetrics] = LoadMetrics(
-                checked.waiting_requests_num, checked.gpu_cache_usage_perc, now)
+                checked.waiting_requests_num, checked.gpu_cache_usage_perc, now, (),
+                SOURCE_ETCD)
         except MalformedRegistration as exc:
             log.error("registry: malformed load %s (revision %d) ignored: %s", kv.key,
                       kv.mod_revision, exc)

@@ -11,7 +11,9 @@ What it serves, one module per concern:
 
 - :mod:`kvsvc.http.internal`: ``/v1/internal/kv-cache/query``, ``/v1/internal/heartbeat``,
   ``/v1/internal/route``, behind the internal token (:mod:`kvsvc.http.auth`);
-- :mod:`kvsvc.http.openai`: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``;
+- :mod:`kvsvc.http.openai`: ``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/embeddings``, ``/v1/models``, behind ``--api_key`` and the in-flight limit, each
+  answer tagged with its request id (:mod:`kvsvc.http.admission`);
 - :mod:`kvsvc.http.health`: ``/health``, ``/ready``;
 - :mod:`kvsvc.http.metrics`: ``/metrics``.
 
@@ -30,10 +32,15 @@ import flask
 
 from kvsvc.config import KvEventsConfig
 from kvsvc.settings import ServiceSettings
-from kvsvc.http import errors, health, internal, metrics, openai
+from kvsvc.http import admission, errors, health, internal, metrics, openai
 from kvsvc.http.auth import check_internal_token
 from kvsvc.http.body import max_content_length
-from kvsvc.http.extensions import EXTENSION, METRICS_EXTENSION, ROUTING_EXTENSION
+from kvsvc.http.extensions import (
+    ADMISSION_EXTENSION,
+    EXTENSION,
+    METRICS_EXTENSION,
+    ROUTING_EXTENSION,
+)
 from kvsvc.service import Service
 
 
@@ -56,6 +63,10 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app.extensions[ROUTING_EXTENSION] = svc.router
     app.extensions[METRICS_EXTENSION] = metrics.Metrics(svc)
     app.before_request(check_internal_token)
+    limit = admission.InFlightLimit(settings.max_in_flight_requests)
+    app.extensions[ADMISSION_EXTENSION] = limit
+    admission.install(app, settings.api_key.get_secret_value()
+                      if settings.api_key is not None else None, limit)
     errors.register(app)
     app.register_blueprint(internal.blueprint())
     app.register_blueprint(health.blueprint())

@@ -9,8 +9,10 @@ the path (:func:`is_openai_path`):
 
 - under ``/v1/`` except ``/v1/internal/*`` (the OpenAI-compatible API, §11): OpenAI's
   ``{"error": {"message", "type", "param", "code"}}`` (:func:`openai_error`), for every status
-  (400, 404 unknown model or URL, 405, 413 naming the limit and ``--max_request_bytes``, 500,
-  502, 503, 504), so an OpenAI client library can read every refusal;
+  (400, 401 API key, 404 unknown model or URL, 405, 413 naming the limit and
+  ``--max_request_bytes``, 429 in-flight limit, 500, 502, 503, 504), so an OpenAI client
+  library can read every refusal;
+- every 429 and 503 answer carries ``Retry-After`` (:data:`RETRY_AFTER_S` seconds);
 - everywhere else (``/v1/internal/*``, ``/health``, ``/ready``, ``/metrics``): kvsvc's own
   ``{"error": "..."}``.
 """
@@ -31,12 +33,16 @@ from kvsvc.errors import (
     BadRequest,
     ClientGone,
     HeartbeatRejected,
+    InvalidApiKey,
     InvalidHeartbeat,
     NoCandidate,
     NoRegistry,
     PayloadTooLarge,
     RequestError,
+    RpcTimeout,
+    RpcUnreachable,
     StaleIncarnation,
+    TooManyRequests,
     Unauthorized,
     UnknownInstance,
     UnknownModel,
@@ -52,7 +58,9 @@ STATUS: dict[type[Exception], int] = {
     BadRequest: 400,
     InvalidHeartbeat: 400,
     Unauthorized: 401,
+    InvalidApiKey: 401,
     UnknownModel: 404,
+    TooManyRequests: 429,
     UnknownInstance: 409,
     StaleIncarnation: 409,
     PayloadTooLarge: 413,
@@ -60,6 +68,9 @@ STATUS: dict[type[Exception], int] = {
     NoRegistry: 503,
     NoCandidate: 503,
     UpstreamTimeout: 504,
+    # A real xLLM engine's baidu_std channel (§13): the same answers as HTTP upstreams.
+    RpcUnreachable: 502,
+    RpcTimeout: 504,
     # nginx's "client closed request": written to nobody, counted as ``client_closed``.
     ClientGone: 499,
     # Bases, for a kind added without an entry of its own.
@@ -73,14 +84,21 @@ STATUS: dict[type[Exception], int] = {
 #: status without an entry is ``invalid_request_error`` below 500, ``server_error`` from 500).
 OPENAI_ERRORS: dict[int, tuple[str, Optional[str]]] = {
     400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", None),
     502: ("upstream_error", None),
     503: ("service_unavailable", None),
     504: ("upstream_timeout", None),
 }
+#: ``Retry-After`` of every 429 and 503 answer, seconds (a routing decision or a freed slot is
+#: that close; a client that backs off longer loses nothing).
+RETRY_AFTER_S = 1
+#: Statuses whose answers carry ``Retry-After``.
+RETRY_STATUSES = frozenset({429, 503})
 #: werkzeug's 404 for a path no route serves: OpenAI's ``code`` for it.
 UNKNOWN_URL_CODE = "unknown_url"
 #: The prefix of kvsvc's internal API, answered in kvsvc's own error shape.
@@ -141,6 +159,13 @@ def register(app: flask.Flask) -> None:
 
 
 def _kvsvc_error(exc: RequestError | UpstreamError | ClientGone) -> flask.Response:
+    response = _kvsvc_answer(exc)
+    if response.status_code in RETRY_STATUSES:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def _kvsvc_answer(exc: RequestError | UpstreamError | ClientGone) -> flask.Response:
     status = status_of(exc)
     if not is_openai_path(request.path):
         response = flask.jsonify(error=exc.message)

@@ -20,6 +20,8 @@ EXTENSION = "kvsvc"
 ROUTING_EXTENSION = "kvsvc.routing"
 #: ``app.extensions`` key of the app's :class:`~kvsvc.http.metrics.Metrics`.
 METRICS_EXTENSION = "kvsvc.metrics"
+#: ``app.extensions`` key of the app's :class:`~kvsvc.http.admission.InFlightLimit`.
+ADMISSION_EXTENSION = "kvsvc.admission"
 
 
 def service() -> Service:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import logging
 import platform
+import threading
 import time
 from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -63,6 +64,7 @@ from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kin
 from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
 from kvsvc.routing.cache_audit import DIFF_BUCKETS_TOKENS, UNAUDITED_REASONS
+from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import UPSTREAM_ERROR_KINDS, RelayEnd
 from kvsvc.routing.router import Router
@@ -94,12 +96,21 @@ LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 #: a cached short prompt to a long generation on a queued engine).
 PROXY_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
                            60.0, 120.0)
+#: Buckets of the inter-token latency of streamed answers, seconds (1 ms .. 2.5 s).
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                         0.3, 0.5, 1.0, 2.5)
+#: Buckets of prompt and completion token counts (1 .. 128 Ki tokens).
+TOKEN_COUNT_BUCKETS = tuple(float(1 << i) for i in range(0, 18))
 #: Buckets of the chosen P's predicted hit ratio, a fraction in [0, 1].
 HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 
 _STREAM_LABELS = ("instance", "dp_rank")
 #: The ``completeness`` label values of ``kvsvc_stream_completeness`` (§7h, §10).
-COMPLETENESS_VALUES = tuple(c.value for c in Completeness)
+#: The stream completeness values (approximate indexes are not streams: they have their own
+#: ``kvsvc_overlay_*`` families).
+COMPLETENESS_VALUES = tuple(c.value for c in Completeness if c is not Completeness.APPROXIMATE)
+#: ``event`` labels of ``kvsvc_overlay_block_events_total`` (:class:`~kvsvc.index.overlay.OverlayStats`).
+OVERLAY_EVENTS = ("added", "refreshed", "evicted", "expired", "settled")
 
 
 class Metrics:
@@ -160,7 +171,20 @@ class Metrics:
             "Streamed OpenAI answers, request start to the first SSE data event relayed, by "
             "endpoint and instance.",
             ["endpoint", "instance"], buckets=PROXY_LATENCY_BUCKETS_S, registry=reg)
+        self.inter_token_seconds = Histogram(
+            "kvsvc_proxy_inter_token_latency_seconds",
+            "Streamed answers: time between two token events relayed, by model.",
+            ["model"], buckets=INTER_TOKEN_BUCKETS_S, registry=reg)
+        self.prompt_tokens = Histogram(
+            "kvsvc_proxy_prompt_tokens",
+            "Prompt tokens of answered requests (the engine's usage), by model.",
+            ["model"], buckets=TOKEN_COUNT_BUCKETS, registry=reg)
+        self.completion_tokens = Histogram(
+            "kvsvc_proxy_completion_tokens",
+            "Generated tokens of answered requests (the engine's usage), by model.",
+            ["model"], buckets=TOKEN_COUNT_BUCKETS, registry=reg)
         reg.register(ServiceCollector(service))
+        service.router.proxy.add_observer(TokenMetrics(self))
 
     def decide(self, router: Router, token_ids: Optional[Sequence[int]]) -> Decision:
         """``router.decide(token_ids)``, recorded (:meth:`routed`) with the time it took.
@@ -210,6 +234,59 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition of every metric (what ``GET /metrics`` answers)."""
         return generate_latest(self.registry)
+
+
+class TokenMetrics:
+    """A request observer (:class:`~kvsvc.routing.observer.RequestObserver`) feeding the
+    per-model token instruments of :class:`Metrics`: the time between token events of each
+    streamed attempt, and the prompt and completion token counts of every answer that ended
+    with a ``usage`` object. The ``model`` label is the request's ``model`` of answers an
+    engine served (status < 400), so its values are bounded by the models the engines serve.
+
+    :param instruments: where to observe.
+    """
+
+    def __init__(self, instruments: Metrics) -> None:
+        self._m = instruments
+        self._lock = threading.Lock()
+        self._last: dict[int, float] = {}
+
+    def on_dispatch(self, info: RequestInfo) -> None:
+        """Nothing to observe yet."""
+
+    def on_first_token(self, info: RequestInfo) -> None:
+        """Start timing the attempt's token gaps."""
+        with self._lock:
+            self._last[info.attempt_id] = time.monotonic()
+
+    def on_token(self, info: RequestInfo) -> None:
+        """One gap since the attempt's previous token."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(info.attempt_id)
+            self._last[info.attempt_id] = now
+        if last is not None:
+            self._m.inter_token_seconds.labels(info.model or "unknown").observe(now - last)
+
+    def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
+        """The token counts of the answer's ``usage``."""
+        self._forget(info)
+        if not isinstance(usage, dict):
+            return
+        model = info.model or "unknown"
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt) is int and prompt >= 0:
+            self._m.prompt_tokens.labels(model).observe(prompt)
+        if type(completion) is int and completion >= 0:
+            self._m.completion_tokens.labels(model).observe(completion)
+
+    def on_cancel(self, info: RequestInfo, reason: str) -> None:
+        """Forget the attempt."""
+        self._forget(info)
+
+    def _forget(self, info: RequestInfo) -> None:
+        with self._lock:
+            self._last.pop(info.attempt_id, None)
 
 
 def metrics() -> Metrics:
@@ -280,6 +357,7 @@ class ServiceCollector(Collector):
             "head (the upstream connection closed, §15).", svc.router.proxy.client_gone())
         yield self._upstream_errors(svc)
         yield from self._cache_audit(svc)
+        yield from self._overlays(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.
@@ -348,7 +426,49 @@ class ServiceCollector(Collector):
             "e.g. RR; no_usage: the answer carried no cached_tokens).", labels=("reason",))
         for reason in UNAUDITED_REASONS:
             unaudited.add_metric((reason,), float(snap.unaudited.get(reason, 0)))
-        return hist, abs_error, outcomes, exact, causes, unaudited
+        by_backend = CounterMetricFamily(
+            "kvsvc_cache_predictions_by_backend",
+            "Audited answers by the prefill's backend_type, by what the prediction came from "
+            "(exact, subset, approximate: the §14 approximate index; none: a rank counted 0) "
+            "and by outcome.", labels=("backend", "completeness", "outcome"))
+        for key, count in sorted(snap.by_backend.items()):
+            by_backend.add_metric(key, float(count))
+        backend_abs = CounterMetricFamily(
+            "kvsvc_cache_prediction_abs_error_by_backend_tokens",
+            "Sum of |engine cached_tokens - predicted| by backend_type and completeness, "
+            "tokens (divided by the matching kvsvc_cache_predictions_by_backend: the mean "
+            "absolute error of, e.g., the approximate index).",
+            labels=("backend", "completeness"))
+        for key2, total in sorted(snap.backend_abs_error.items()):
+            backend_abs.add_metric(key2, float(total))
+        return hist, abs_error, outcomes, exact, causes, unaudited, by_backend, backend_abs
+
+    @staticmethod
+    def _overlays(svc: Service) -> Iterable[Metric]:
+        """The approximate indexes (§14) and pending blocks (§16) of every (instance, rank)."""
+        labels = ("instance", "dp_rank", "kind")
+        held = GaugeMetricFamily(
+            "kvsvc_overlay_blocks",
+            "Blocks held by an overlay (kind approximate: the §14 approximate index of an "
+            "instance without KV events; pending: §16 blocks routed to an exact stream whose "
+            "events have not arrived), expired ones not yet swept included.", labels=labels)
+        touches = CounterMetricFamily(
+            "kvsvc_overlay_dispatches",
+            "Dispatches recorded in an overlay (each routed request's prompt).", labels=labels)
+        events = CounterMetricFamily(
+            "kvsvc_overlay_block_events",
+            "Blocks by what happened to them: added, refreshed (touched again), evicted (the "
+            "LRU bound), expired (the TTL), settled (pending: stored, removed or cleared by "
+            "the stream's events).", labels=(*labels, "event"))
+        directory = svc.directory
+        stats = directory.overlay_stats() if directory is not None else {}
+        for sid, (kind, st) in stats.items():
+            key = (sid.instance_name, str(sid.dp_rank), kind)
+            held.add_metric(key, float(st.blocks))
+            touches.add_metric(key, float(st.touches))
+            for event in OVERLAY_EVENTS:
+                events.add_metric((*key, event), float(getattr(st, event)))
+        return held, touches, events
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@
   so a chunked HTTP/1.1 client sees an incomplete body, not a clean end. The proxy logs it once
   (WARNING); it counts as status ``upstream_broken``. A non-streamed body that breaks is read
   before anything is sent: 502 (504 for a timeout).
+- ``POST /v1/embeddings``: ``model`` and ``input`` checked, then routed with no prompt tokens
+  (no cache hit to route on) to an instance serving the model and relayed as it is.
+- Every proxied request goes up with its ``X-Request-Id`` (:mod:`kvsvc.http.admission`).
 - ``GET /v1/models``: with ``--model`` set, those names (comma-separated flag) as an OpenAI model
   list. With ``--model`` empty every model name is accepted, and the list is the union of the
   backends' own lists (``GET /v1/models`` of every registered schedulable instance, fetched in
@@ -49,12 +52,13 @@ import errno
 import json
 import logging
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import flask
 from flask import request
 
-from kvsvc.errors import UpstreamError
+from kvsvc.errors import BadRequest, UpstreamError
+from kvsvc.http.admission import REQUEST_ID_HEADER, hand_over_slot, request_id
 from kvsvc.http.body import (
     check_model_and_stream,
     json_object,
@@ -73,6 +77,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 MODELS_PATH = "/v1/models"
 PREFILL_HEADER = "x-kvsvc-prefill"
 DECODE_HEADER = "x-kvsvc-decode"
@@ -82,7 +87,8 @@ PREDICTED_HEADER = "x-kvsvc-predicted-cached-tokens"
 PREDICTED_TTFT_HEADER = "x-kvsvc-predicted-ttft-ms"
 
 #: Endpoint label of ``kvsvc_proxy_requests_total`` per proxied path.
-_PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions"}
+_PROXIED = {COMPLETIONS_PATH: "completions", CHAT_PATH: "chat_completions",
+            EMBEDDINGS_PATH: "embeddings"}
 #: ``code`` of the SSE error event of a broken stream, and its status label in
 #: ``kvsvc_proxy_requests_total``.
 UPSTREAM_BROKEN = "upstream_broken"
@@ -110,6 +116,7 @@ def blueprint() -> flask.Blueprint:
     bp.before_request(_limit_body)
     bp.add_url_rule(COMPLETIONS_PATH, "completions", _completions, methods=["POST"])
     bp.add_url_rule(CHAT_PATH, "chat_completions", _chat_completions, methods=["POST"])
+    bp.add_url_rule(EMBEDDINGS_PATH, "embeddings", _embeddings, methods=["POST"])
     bp.add_url_rule(MODELS_PATH, "models", _models, methods=["GET"])
     # Errors are answered in OpenAI's shape by the app-wide handlers (kvsvc.http.errors),
     # which choose the shape by path: a 405 never reaches a blueprint's handler.
@@ -168,11 +175,15 @@ class StreamRelay:
 
     :param body: the upstream body (released, and its relay end reported, by its close).
     :param event_stream: the answer is ``text/event-stream``.
+    :param on_close: called once after the body's close (the request's in-flight slot,
+        :func:`~kvsvc.http.admission.hand_over_slot`); ``None``: nothing.
     """
 
-    def __init__(self, body: UpstreamBody, event_stream: bool) -> None:
+    def __init__(self, body: UpstreamBody, event_stream: bool,
+                 on_close: Optional[Callable[[], None]] = None) -> None:
         self._body = body
         self._event_stream = event_stream
+        self._on_close = on_close
 
     def __iter__(self) -> Iterator[bytes]:
         try:
@@ -184,8 +195,13 @@ class StreamRelay:
                                        f"broke the stream ({exc.message})") from exc
 
     def close(self) -> None:
-        """Close the upstream body. Idempotent."""
-        self._body.close()
+        """Close the upstream body, then call ``on_close`` (once). Idempotent."""
+        try:
+            self._body.close()
+        finally:
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None:
+                on_close()
 
 
 def _completions() -> flask.Response:
@@ -204,6 +220,27 @@ def _chat_completions() -> flask.Response:
     return _forward(CHAT_PATH, body, doc, router().tokens.chat_tokens(prompt))
 
 
+def _embeddings() -> flask.Response:
+    body = read_body()
+    doc = json_object(body)
+    if "input" not in doc:
+        raise BadRequest("input: missing")
+    check_model_and_stream(doc, router().models)
+    # Passed through by model; no prompt tokens: an embedding reuses no KV cache to route on.
+    return _forward(EMBEDDINGS_PATH, body, doc, None)
+
+
+def _client_headers() -> list[tuple[str, str]]:
+    """The client's headers, its ``X-Request-Id`` replaced by the request's id
+    (:mod:`kvsvc.http.admission`: the client's own when valid, else a new one)."""
+    rid = request_id()
+    headers = [(k, v) for k, v in request.headers.items()
+               if rid is None or k.lower() != "x-request-id"]
+    if rid is not None:
+        headers.append((REQUEST_ID_HEADER, rid))
+    return headers
+
+
 def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int]]
              ) -> flask.Response:
     """Route and proxy one validated request; relay the upstream's answer."""
@@ -214,7 +251,7 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
     decision = instruments.decide(routing, token_ids)
     query = request.query_string.decode("latin-1")
     routed = routing.forward(decision, path + ("?" + query if query else ""), body, doc,
-                             list(request.headers.items()), client_watch(), token_ids)
+                             _client_headers(), client_watch(), token_ids)
     reply = routed.reply
     try:
         headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
@@ -234,7 +271,8 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
             reply.body.when_closed(lambda end: instruments.relayed(
                 endpoint, UPSTREAM_BROKEN if end.broken
                 else status if end.complete else CLIENT_CLOSED, started, end))
-            response = flask.Response(StreamRelay(reply.body, reply.is_event_stream),
+            response = flask.Response(StreamRelay(reply.body, reply.is_event_stream,
+                                                  hand_over_slot()),
                                       status=reply.status, headers=headers,
                                       direct_passthrough=True)
             flask.g.setdefault(_COUNTED_AT_END, True)

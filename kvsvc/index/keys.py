@@ -68,7 +68,7 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Pack token ids as 32-bit little-endian unsigned integers (§4).
 
     ``bool`` values are accepted as 0/1: ``bool`` is an ``int`` subclass and rejecting it would
-    need a Python-level type check of every token, which costs more than the packing itself.
+    need a Python-level type check of every token, which costs more than the packing itself (D20).
     Callers that parse JSON (where ``true`` is not a number) must reject booleans themselves.
 
     :param token_ids: token ids, each an ``int`` in ``[0, 2**31 - 1]``; any length.

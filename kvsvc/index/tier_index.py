@@ -17,7 +17,7 @@ engine map keeps alive:
   (§3: LoRA, extra keys, non-full-attention specs, and their children) and ``ORPHAN`` (snapshot
   blocks whose parent is unknown, and their children, §5). Markers keep tier flags like blocks,
   so a ``BlockRemoved`` deletes a marker once no flag is left; without that, markers of evicted
-  blocks would leak until the stream hit its capacity.
+  blocks would leak until the stream hit its capacity (D16 in docs/decisions.md).
 * ``_alias``: only for content keys reached from more than one engine hash (see below).
 
 §5 lists a "parent key" per block; it is omitted. The content key already encodes the whole
@@ -26,7 +26,8 @@ prefix, so answers never need it, and dropping it saves a slot per block.
 Aliases. Two engine hashes may carry the same content (same tokens and prefix) if an engine
 hashes something kvsvc does not. Flags are per engine hash (what the engine reports) and a
 content key's flags are the OR over its hashes, so removing one alias from a tier never clears a
-block still resident through the other, and deleting one alias never leaves the other dangling.
+block still resident through the other, and deleting one alias never leaves the other dangling
+(D17).
 To stay within the memory budget there is no reverse map ``key -> hashes``; instead an aliased
 key has an entry ``_alias[key] = {hash: flags, ..., None: flags}`` where ``None`` stands for the
 key's first engine hash (the single hash mapping to the key that is not listed). When only one
@@ -68,6 +69,7 @@ from kvsvc.events import (
     Event,
 )
 from kvsvc.index.keys import chain_keys, pack_tokens
+from kvsvc.index.changes import IndexChanges
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ class TierIndex:
 
     __slots__ = ("block_size", "hash_seed", "max_entries", "stats", "_flags", "_emap",
                  "_markers", "_alias", "_n_device", "_n_host", "_prefix_closed",
-                 "_device_closed")
+                 "_device_closed", "_changes")
 
     def __init__(self, block_size: int, hash_seed: int, max_entries: int) -> None:
         if block_size < 1:
@@ -134,6 +136,8 @@ class TierIndex:
         # See "Prefix closure" in the module docstring: while True, match() bisects.
         self._prefix_closed = True
         self._device_closed = True
+        # The collector of the apply() in progress (§16 pending overlay), None otherwise.
+        self._changes: Optional[IndexChanges] = None
 
     # ------------------------------------------------------------------ read side
 
@@ -224,12 +228,17 @@ class TierIndex:
 
     # ------------------------------------------------------------------ write side
 
-    def apply(self, events: Sequence[Event], *, snapshot: bool = False) -> None:
+    def apply(self, events: Sequence[Event], *, snapshot: bool = False,
+              changes: Optional[IndexChanges] = None) -> None:
         """Apply the events of one batch, strictly in order (§5).
 
         :param events: decoded events (:mod:`kvsvc.events`).
         :param snapshot: True inside a snapshot (§7): a ``BlockStored`` whose parent is unknown
             makes its blocks ORPHAN markers instead of raising.
+        :param changes: when given, collects the content keys the batch stored (tokenless
+            Device replicas of known blocks included) or removed, and whether it cleared
+            Device: what settles the stream's pending blocks (§16,
+            :meth:`kvsvc.index.overlay.BlockOverlay.settle`). Markers are not collected.
         :raises DecodeError: a ``BlockStored`` with tokens whose ``block_size`` differs from the
             configured one, whose ``len(token_ids) != block_size * len(block_hashes)``, or with
             a token id outside ``[0, 2**31 - 1]``.
@@ -241,6 +250,13 @@ class TierIndex:
 
         After any of these the index content is undefined: the caller discards the index.
         """
+        self._changes = changes
+        try:
+            self._apply(events, snapshot)
+        finally:
+            self._changes = None
+
+    def _apply(self, events: Sequence[Event], snapshot: bool) -> None:
         for event in events:
             kind = type(event)
             # (`type(x) is C` is the fast dispatch; mypy narrows only isinstance.)
@@ -306,6 +322,8 @@ class TierIndex:
             except ValueError as exc:
                 raise DecodeError(f"BlockStored {exc}") from exc
         keys = chain_keys(packed, block_size, self.hash_seed, parent_key)
+        if self._changes is not None:
+            self._changes.keys.extend(keys)
 
         flags_map, emap, markers = self._flags, self._emap, self._markers
         added = 0
@@ -343,6 +361,8 @@ class TierIndex:
             if key is not None:
                 if tier == DEVICE and not self._flags[key] & DEVICE:
                     self._device_closed = False  # its parent's tiers are not known here
+                if self._changes is not None:
+                    self._changes.keys.append(key)
                 self._set_flag(h, key, tier)
             elif h in markers:
                 markers[h] |= tier
@@ -410,8 +430,11 @@ class TierIndex:
         flags_map, emap, markers, alias = self._flags, self._emap, self._markers, self._alias
         n_device, n_host = self._n_device, self._n_host
         resident_before = len(flags_map)
+        changed = self._changes.keys if self._changes is not None else None
         for h in event.block_hashes:
             key = emap.get(h)
+            if changed is not None and key is not None:
+                changed.append(key)
             if key is None:
                 marker = markers.get(h)
                 if marker is None:
@@ -472,6 +495,8 @@ class TierIndex:
 
     def _cleared(self, tier: Optional[int]) -> None:
         """``AllBlocksCleared`` (§5): drop everything, or only ``tier``'s flags."""
+        if self._changes is not None:
+            self._changes.note_cleared(tier)
         if tier is None:
             self._flags = {}
             self._emap = {}

@@ -30,6 +30,11 @@ The rule (:func:`audit`, no I/O, tested without sockets):
   ``stored between query and prefill``: the engine reports more on synchronized exact streams
   (an earlier request with the same prefix was prefilled, or its events applied, after the
   query). On an exact stream nothing else can explain a miss: the bench counts these.
+  ``approximate index``: a rank's hits came from an approximate index (§14: what this replica
+  routed there, not what the engine holds), so either direction is the approximation's error.
+- Every audited answer is also counted per backend (the P's ``backend_type``, §9) and by the
+  completeness of its prediction (``exact``, ``subset``, ``approximate``, or ``none`` when a
+  rank counted 0 for a reason): §14's measure of the approximate index's quality per backend.
 
 :class:`CacheAudit` applies the rule to every answer it hears through the proxy's request
 observer seam (:class:`~kvsvc.routing.observer.RequestObserver`, ``on_end(usage)``; the other
@@ -48,7 +53,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from kvsvc.config import KvEventsConfig
@@ -70,9 +75,18 @@ CAUSE_SUBSET = "stream subset"
 CAUSE_EVICTED = "evicted between query and prefill"
 CAUSE_OTHER_RANK = "other DP rank"
 CAUSE_STORED = "stored between query and prefill"
+CAUSE_APPROXIMATE = "approximate index"
 #: Every cause of a miss beyond one block, in the order they are tried.
 CAUSES = (CAUSE_NOT_TOKENIZED, CAUSE_INDEX_DISABLED, CAUSE_TOKENIZER, CAUSE_UNSYNCHRONIZED,
-          CAUSE_SUBSET, CAUSE_EVICTED, CAUSE_OTHER_RANK, CAUSE_STORED)
+          CAUSE_SUBSET, CAUSE_APPROXIMATE, CAUSE_EVICTED, CAUSE_OTHER_RANK, CAUSE_STORED)
+
+#: The ``completeness`` label of the per-backend counts: what the prediction came from.
+COMPLETENESS_EXACT = "exact"
+COMPLETENESS_SUBSET = "subset"
+COMPLETENESS_APPROXIMATE = "approximate"
+COMPLETENESS_NONE = "none"
+COMPLETENESS_LABELS = (COMPLETENESS_EXACT, COMPLETENESS_SUBSET, COMPLETENESS_APPROXIMATE,
+                       COMPLETENESS_NONE)
 
 OUTCOME_WITHIN = "within_block"
 OUTCOME_OVER = "over"
@@ -106,6 +120,7 @@ class Prediction:
     :ivar input_tokens: the router's token count of the prompt (0: not tokenized).
     :ivar rank_reasons: each rank's reason for counting 0 (``None``: counted), rank order.
     :ivar subset: a rank's stream answered ``subset`` (§7h).
+    :ivar approximate: a rank's hits came from an approximate index (§14).
     """
 
     instance: str
@@ -114,12 +129,24 @@ class Prediction:
     input_tokens: int
     rank_reasons: tuple[Optional[str], ...]
     subset: bool
+    approximate: bool = False
 
     @property
     def exact(self) -> bool:
         """Every rank synchronized, exact, of the current incarnation and with tokens: the
         streams the target "within one block for >= 99%" is about."""
-        return not self.subset and all(r is None for r in self.rank_reasons)
+        return (not self.subset and not self.approximate
+                and all(r is None for r in self.rank_reasons))
+
+    @property
+    def completeness(self) -> str:
+        """The per-backend label (:data:`COMPLETENESS_LABELS`): ``none`` when a rank counted
+        0 for a reason, else ``approximate``, ``subset`` or ``exact``."""
+        if not all(r is None for r in self.rank_reasons):
+            return COMPLETENESS_NONE
+        if self.approximate:
+            return COMPLETENESS_APPROXIMATE
+        return COMPLETENESS_SUBSET if self.subset else COMPLETENESS_EXACT
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +164,8 @@ class PredictionRecord:
     :ivar engine_prompt_tokens: the engine's ``prompt_tokens`` (``None`` when absent).
     :ivar policy: the deciding policy.
     :ivar at: ``time.time()`` of the answer's end, seconds.
+    :ivar completeness: what the prediction came from (:attr:`Prediction.completeness`).
+    :ivar backend: the P's ``backend_type`` (§9), ``""`` when unknown.
     """
 
     instance: str
@@ -150,12 +179,15 @@ class PredictionRecord:
     engine_prompt_tokens: Optional[int]
     policy: str
     at: float
+    completeness: str = COMPLETENESS_EXACT
+    backend: str = ""
 
     def to_json(self) -> dict:
         """One entry of ``recent_cache_predictions``."""
         return {"instance": self.instance, "predicted": self.predicted, "actual": self.actual,
                 "diff": self.diff, "outcome": self.outcome, "cause": self.cause,
-                "exact": self.exact, "input_tokens": self.input_tokens,
+                "exact": self.exact, "completeness": self.completeness,
+                "backend": self.backend, "input_tokens": self.input_tokens,
                 "engine_prompt_tokens": self.engine_prompt_tokens, "policy": self.policy,
                 "at": round(self.at, 3)}
 
@@ -170,10 +202,9 @@ def prediction(decision: Optional[Decision], instance: str) -> Optional[Predicti
         return None
     ranks: Sequence[RankHit] = cand.ranks
     tokens = [r.device_hit_tokens + r.host_only_hit_tokens for r in ranks]
+    kinds = {str(getattr(r, "completeness", None) or "") for r in ranks}
     return Prediction(instance, min(tokens), max(tokens), decision.input_tokens,
-                      tuple(r.reason for r in ranks),
-                      any(str(getattr(r, "completeness", None) or "") == "subset"
-                          for r in ranks))
+                      tuple(r.reason for r in ranks), "subset" in kinds, "approximate" in kinds)
 
 
 def _int(value: Any) -> Optional[int]:
@@ -191,7 +222,8 @@ def usage_tokens(usage: Optional[Mapping[str, Any]]) -> tuple[Optional[int], Opt
 
 
 def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[int],
-          block_size: int, policy: str = "", at: Optional[float] = None) -> PredictionRecord:
+          block_size: int, policy: str = "", at: Optional[float] = None,
+          backend: str = "") -> PredictionRecord:
     """Compare one prediction with the engine's answer (the rule of the module docstring).
 
     :param pred: the prediction for the P that answered.
@@ -200,6 +232,7 @@ def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[i
     :param block_size: tokens per block of the P's streams (>= 1): the tolerance.
     :param policy: the deciding policy (recorded).
     :param at: ``time.time()`` of the answer (now when ``None``).
+    :param backend: the P's ``backend_type`` (recorded, counted per backend).
     """
     diff = cached_tokens - pred.predicted_tokens
     cause: Optional[str] = None
@@ -218,6 +251,8 @@ def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[i
             cause = CAUSE_UNSYNCHRONIZED
         elif pred.subset:
             cause = CAUSE_SUBSET
+        elif pred.approximate:
+            cause = CAUSE_APPROXIMATE
         elif diff < 0:
             cause = CAUSE_EVICTED
         elif cached_tokens <= pred.best_rank_tokens + block_size \
@@ -227,7 +262,7 @@ def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[i
             cause = CAUSE_STORED
     return PredictionRecord(pred.instance, pred.predicted_tokens, cached_tokens, diff, outcome,
                             cause, pred.exact, pred.input_tokens, engine_prompt_tokens, policy,
-                            time.time() if at is None else at)
+                            time.time() if at is None else at, pred.completeness, backend)
 
 
 def block_sizes(kv_config: Optional[KvEventsConfig]) -> Callable[[str], int]:
@@ -250,6 +285,9 @@ class AuditSnapshot:
     :ivar outcomes: ``(instance, outcome)`` -> answers audited.
     :ivar exact_outcomes: the same for the answers predicted from synchronized exact streams.
     :ivar causes: ``(instance, cause)`` -> misses beyond one block.
+    :ivar by_backend: ``(backend, completeness, outcome)`` -> answers audited (§14: the
+        approximate index's quality per backend).
+    :ivar backend_abs_error: ``(backend, completeness)`` -> sum of ``|diff|``, tokens.
     :ivar unaudited: reason -> answers not audited (:data:`UNAUDITED_REASONS`).
     :ivar bucket_counts: per :data:`DIFF_BUCKETS_TOKENS` bound then +Inf, non-cumulative.
     :ivar diff_sum: sum of ``diff`` over audited answers, tokens.
@@ -265,6 +303,8 @@ class AuditSnapshot:
     diff_sum: float
     abs_error_sum: int
     recent: tuple[PredictionRecord, ...]
+    by_backend: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    backend_abs_error: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def audited(self) -> int:
@@ -288,11 +328,17 @@ class CacheAudit:
 
     :param block_size_of: ``instance -> tokens per block`` (:func:`block_sizes`).
     :param recent: records kept for :meth:`snapshot` (>= 0).
+    :param backend_of: ``instance -> backend_type`` (§9; the service reads the registry's
+        snapshot), ``""`` when unknown.
     """
 
     def __init__(self, block_size_of: Callable[[str], int] = lambda name: DEFAULT_BLOCK_SIZE,
-                 recent: int = DEFAULT_RECENT) -> None:
+                 recent: int = DEFAULT_RECENT,
+                 backend_of: Callable[[str], str] = lambda name: "") -> None:
         self._block_size_of = block_size_of
+        self._backend_of = backend_of
+        self._by_backend: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._backend_abs: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lock = threading.Lock()
         self._outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._exact_outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -327,7 +373,7 @@ class CacheAudit:
                                 else UNAUDITED_NO_USAGE] += 1
             return
         self.record(audit(pred, cached, prompt, self._block_size_of(info.prefill),
-                          info.policy))
+                          info.policy, backend=self._backend_of(info.prefill)))
 
     def record(self, rec: PredictionRecord) -> None:
         """Count one audited answer (:meth:`on_end` calls it)."""
@@ -340,6 +386,8 @@ class CacheAudit:
             self._abs_sum += abs(rec.diff)
             if rec.exact:
                 self._exact_outcomes[(rec.instance, rec.outcome)] += 1
+            self._by_backend[(rec.backend, rec.completeness, rec.outcome)] += 1
+            self._backend_abs[(rec.backend, rec.completeness)] += abs(rec.diff)
             self._recent.append(rec)
         if rec.cause is not None:
             (log.info if rec.exact else log.debug)(
@@ -352,4 +400,5 @@ class CacheAudit:
             return AuditSnapshot(dict(self._outcomes), dict(self._exact_outcomes),
                                  dict(self._causes), dict(self._unaudited),
                                  tuple(self._buckets), self._diff_sum, self._abs_sum,
-                                 tuple(self._recent))
+                                 tuple(self._recent), dict(self._by_backend),
+                                 dict(self._backend_abs))

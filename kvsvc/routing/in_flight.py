@@ -1,4 +1,4 @@
-"""The router's own load (README "Where the spec is silent"): requests this worker has sent
+"""The router's own load (D22 in docs/decisions.md): requests this worker has sent
 upstream and not yet finished, and CAR's ``waiting`` estimate built from them (§11).
 
 §11's ``waiting`` only moves when an instance reports load (heartbeats, about once a second), so
@@ -94,7 +94,7 @@ class Dispatch:
 
 class InFlight:
     """Requests this worker has dispatched upstream and not yet finished, per instance
-    (README "Where the spec is silent": CAR's waiting estimate). One per service, built by
+    (D22 in docs/decisions.md: CAR's waiting estimate). One per service, built by
     :class:`kvsvc.service.Service` and shared by its proxy and router; the proxy calls :meth:`begin` when it sends a
     request and releases the :class:`Dispatch` exactly once when the response has been
     relayed, failed, or the client went away; the policy reads a :meth:`snapshot` on the
@@ -162,7 +162,7 @@ class InFlight:
 
 
 def waiting_estimate(inst: Instance, in_flight: InFlightSnapshot) -> int:
-    """CAR's ``waiting`` of a candidate (README "Where the spec is silent"): its reported
+    """CAR's ``waiting`` of a candidate (D22): its reported
     ``waiting_requests_num`` plus the requests this worker dispatched to it after that report
     was received and that are still in flight, less one when the report showed an empty queue.
 

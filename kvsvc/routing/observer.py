@@ -69,6 +69,7 @@ class RequestInfo:
         heard when it is relayed; otherwise only the end is heard.
     :ivar dp_rank: the DP rank the attempt was sent to (``X-data-parallel-rank``, §15),
         ``None`` when it carried none.
+    :ivar model: the request's ``model`` (``""`` when unknown).
     """
 
     attempt_id: int
@@ -81,6 +82,7 @@ class RequestInfo:
     decision: Any = None
     streamed: bool = True
     dp_rank: Optional[int] = None
+    model: str = ""
 
 
 class RequestObserver(Protocol):

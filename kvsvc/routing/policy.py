@@ -53,6 +53,7 @@ from kvsvc.cluster.model import (
     instance_identity,
 )
 from kvsvc.errors import ConfigError
+from kvsvc.index.overlay import PromptKeys
 from kvsvc.settings import (
     CAR_WEIGHT_RANGE,
     DEFAULT_MAX_LOAD_AGE_S,
@@ -210,6 +211,10 @@ class Decision:
         (its best-scored pair, §15), for the instances scored per (instance, rank) pair; the
         request is sent with ``X-data-parallel-rank`` set to it. Instances absent here get
         no rank header (the engine picks the rank).
+    :ivar prompt: the prompt's content keys as the directory's query computed them
+        (:meth:`kvsvc.directory.Directory.query_prompt`), set by the router: what the dispatch
+        records in the chosen stream's approximate index or pending blocks (§14, §16);
+        ``None`` without an index or tokens.
     """
 
     policy: str
@@ -223,6 +228,7 @@ class Decision:
     prefill_estimates_ms: Mapping[str, float] = field(
         default_factory=lambda: MappingProxyType({}))
     prefill_ranks: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    prompt: Optional[PromptKeys] = None
 
     @property
     def prefill_rank(self) -> Optional[int]:

@@ -79,6 +79,7 @@ from kvsvc.routing.observer import (
     CANCEL_CLIENT_GONE,
     CANCEL_UPSTREAM_FAILED,
     InfoFor,
+    ObserverChain,
     RelayTracker,
     RequestObserver,
     notify,
@@ -485,6 +486,12 @@ class Proxy:
         self._errors: dict[tuple[str, str], int] = {}
         self._retries = 0
         self._client_gone = 0
+
+    def add_observer(self, observer: RequestObserver) -> None:
+        """Hear every attempt with ``observer`` too, after the ones given so far (e.g. the HTTP
+        layer's token metrics). Call before serving."""
+        self.observer = (observer if self.observer is None
+                         else ObserverChain([self.observer, observer]))
 
     def client_gone(self) -> int:
         """Attempts cancelled because their client went away before the response head."""

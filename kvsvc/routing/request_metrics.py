@@ -24,7 +24,7 @@ FINISH_DECODE   (FINISH_PREFILL first if still in prefill)        requests -1, t
 CANCEL          undone if still in prefill                        requests -1, tokens - added
 ==============  ===============================================  ===========================
 
-Two deliberate differences from the source (README "Routing"): (1) every end subtracts
+Two deliberate differences from the source (docs/routing.md): (1) every end subtracts
 exactly what this request added (the source subtracts ``prompt + generated``, the same total
 when nothing is lost), and a CANCEL after the first token does not undo the prefill part a
 second time (the source's CANCEL subtracts the P's request, tokens and time again after

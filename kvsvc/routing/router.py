@@ -20,16 +20,18 @@ proxy. Nothing here knows HTTP statuses or Flask.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate
+from kvsvc.index.overlay import PromptKeys
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision, Policy, candidate_pools
@@ -67,6 +69,10 @@ class DirectoryView(Protocol):
 
     def query(self, token_ids: Sequence[int]) -> list[StreamMatch]:
         """One match per stream for the prompt (§10)."""
+        ...
+
+    def query_prompt(self, token_ids: Sequence[int]) -> tuple[list[StreamMatch], PromptKeys]:
+        """:meth:`query` and the prompt's content keys (§14, §16: recorded at dispatch)."""
         ...
 
 
@@ -115,6 +121,10 @@ class Router:
         #: Native dispatch to xLLM engines (§13, ``--xllm_dispatch native``), set by the
         #: service; ``None``: every instance is relayed over HTTP.
         self.xllm: Optional["XllmDispatcher"] = None
+        #: Instances that are no candidate besides the policy's own rules -> why (the P/D
+        #: instances whose link failed, §13, :class:`~kvsvc.cluster.pd_links.PdLinks`); set by
+        #: the service, ``None``: none.
+        self.excluded: Optional[Callable[[], Mapping[str, str]]] = None
 
     def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
         """Route one prompt with in-process state only (§11); sends nothing.
@@ -128,15 +138,30 @@ class Router:
         :returns: the decision; ``prefill`` is ``None`` (with ``reason``) when no instance can
             serve.
         """
-        snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
+        snapshot = self._view()
         in_flight = self.in_flight.snapshot()
         now = time.monotonic()   # load ages are judged at this instant (§11)
         directory = self._directory
         if directory is None:
             return self.policy.choose(token_ids, snapshot, None, None, in_flight, now=now)
         identities = {sid: directory.identity(sid) for sid in directory.stream_ids()}
-        matches = directory.query(token_ids if token_ids is not None else [])
-        return self.policy.choose(token_ids, snapshot, matches, identities, in_flight, now=now)
+        matches, prompt = directory.query_prompt(token_ids if token_ids is not None else [])
+        decision = self.policy.choose(token_ids, snapshot, matches, identities, in_flight,
+                                      now=now)
+        if not token_ids or decision.prefill is None:
+            return decision
+        # The keys travel with the decision to the dispatch (§14, §16): hashed once.
+        return dataclasses.replace(decision, prompt=prompt)
+
+    def _view(self) -> RegistrySnapshot:
+        """The registry's snapshot without the instances :attr:`excluded` names (the same
+        object when it names none)."""
+        snapshot = self._registry.snapshot() if self._registry is not None else EMPTY_SNAPSHOT
+        excluded = self.excluded() if self.excluded is not None else None
+        if not excluded:
+            return snapshot
+        return dataclasses.replace(snapshot, instances=MappingProxyType(
+            {n: i for n, i in snapshot.instances.items() if n not in excluded}))
 
     def not_candidates(self) -> dict[str, str]:
         """Every registered instance that is not a candidate now -> why (§11), by the rule
@@ -144,8 +169,11 @@ class Router:
         registry."""
         if self._registry is None:
             return {}
-        return dict(candidate_pools(self._registry.snapshot(), time.monotonic(),
-                                    self.policy.max_load_age_s).excluded)
+        out = dict(candidate_pools(self._view(), time.monotonic(),
+                                   self.policy.max_load_age_s).excluded)
+        if self.excluded is not None:
+            out.update(self.excluded())
+        return out
 
     def forward(self, decision: Decision, path: str, body: bytes, doc: dict[str, Any],
                 client_headers: Sequence[tuple[str, str]],
@@ -191,12 +219,15 @@ class Router:
             return json.dumps({**doc, "routing": {"prefill_name": target,
                                                   "decode_name": decode}}).encode()
 
+        given = doc.get("model")
+        model = given if isinstance(given, str) else ""
+
         def info_for(target: str) -> RequestInfo:
             return RequestInfo(next(self._attempt_ids), target, decode, decision.input_tokens,
                                decision.prefill_estimates_ms.get(target, 0.0),
                                decision.policy, decision=decision,
                                streamed=doc.get("stream") is True,
-                               dp_rank=decision.prefill_ranks.get(target))
+                               dp_rank=decision.prefill_ranks.get(target), model=model)
 
         reply = self.proxy.forward([i.name for i in decision.prefill_ranking], path, body_for,
                                    upstream_headers(client_headers),

@@ -46,7 +46,7 @@ The indexes: the source appends an instance at registration; here an instance is
 (in name order) when it becomes a candidate of that side (§11 candidates: schedulable with a
 current load report) and swapped out when it stops being one. Requests routed with no D
 (DEFAULT serving alone, where the source's ``select_instance_pair_on_slo`` fails with "No
-decode instance found!") take ``min_p`` and no redirect or flip (README "Routing").
+decode instance found!") take ``min_p`` and no redirect or flip (docs/routing.md).
 
 The choice never does network I/O; it reads the ledger's snapshot and mutates only this
 policy's indexes (like the source's select, an audit decision through

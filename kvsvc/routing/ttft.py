@@ -13,7 +13,7 @@ no lambda to tune.
 (:mod:`kvsvc.routing.predictor`, clamped at 0) when its ``ttft_profiling_data`` gives a fit,
 else ``n / default_prefill_tokens_per_s`` seconds (``--default_prefill_tokens_per_s``).
 
-``queued_ms(P)``, the prefill work ahead of the request (README "Routing"), in ms: the
+``queued_ms(P)``, the prefill work ahead of the request (docs/routing.md), in ms: the
 router's own requests still in prefill on P (dispatched, no first token relayed yet: the
 request-metrics ledger, :mod:`kvsvc.routing.request_metrics`), each with the prefill time
 predicted when it was dispatched, plus the requests of other senders that P's last load report

@@ -21,13 +21,14 @@ from typing import Mapping, Optional, Sequence
 from kvsvc.events import AllBlocksCleared, Event
 
 #: Digests of the last applied batches kept (seq -> digest) to tell a duplicate from a
-#: restarted engine's batch with the same seq.
+#: restarted engine's batch with the same seq (D9 in docs/decisions.md).
 RECENT_DIGESTS = 1024
 
 
 def starts_cleared(events: Sequence[Event]) -> bool:
     """The batch starts with an untargeted ``AllBlocksCleared``: a complete state by itself
-    (§6: an unsynchronized stream may synchronize from it; §7h: a subset becomes exact)."""
+    (§6: an unsynchronized stream may synchronize from it; §7h: a subset becomes exact). Only an
+    untargeted clear: a clear of one tier does not describe the other (D15 in docs/decisions.md)."""
     return bool(events) and type(events[0]) is AllBlocksCleared and events[0].tier is None
 
 

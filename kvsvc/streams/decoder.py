@@ -11,7 +11,7 @@ Accepted forms (§2):
   unknown map keys).
 
 Required fields (in both forms): ``BlockStored`` needs ``block_hashes``, ``parent_block_hash``
-(nil for a root; an absent parent is not taken for a root, which could forge a false prefix),
+(nil for a root; an absent parent is not taken for a root, which could forge a false prefix; D18),
 ``token_ids`` and ``block_size``; ``BlockRemoved`` needs ``block_hashes``; ``AllBlocksCleared``
 needs nothing, and its ``medium`` restricts it to one tier (absent or nil: every tier).
 

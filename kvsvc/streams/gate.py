@@ -3,7 +3,8 @@
 A directory shares one :class:`SnapshotGate` (``max_concurrent_snapshots`` permits) among its
 streams. Decoding and indexing a snapshot is pure CPU under the GIL; with the gate, streams that
 recover at once take turns instead of all competing with the request threads. Permits are
-handed out first come, first served, recoveries (``urgent``) before periodic resyncs.
+handed out first come, first served, recoveries (``urgent``) before periodic resyncs (D3 in
+docs/decisions.md).
 
 A stream asks for a :class:`GateTicket` once its ``DEALER`` is connected
 (:class:`~kvsvc.streams.snapshot_client.SnapshotAttempt`); a ticket that had to queue carries a

@@ -20,35 +20,37 @@ or a rebuild from 0).
 One state machine: the stream is in one :class:`~kvsvc.streams.recovery.Mode` (``REBUILDING``,
 ``HELD``, ``SERVING``, ``LIVE_ONLY_WAITING``, ``LIVE_ONLY``, ``SILENT``), and :data:`MODE_TABLE`
 maps each (mode, :class:`Input`) to its handler; :func:`render_mode_table` writes that table as
-markdown (docs/recovery.md, checked by a unit test). The rules of each cell (§7h; docs
-"Recovery"):
+markdown (docs/recovery.md, checked by a unit test). The rules of each cell (§7h;
+docs/recovery.md, and the decisions D6-D14 of docs/decisions.md):
 
 - **Anchor** (:class:`~kvsvc.streams.anchor.Anchor`): the working index's ``L`` and ``D`` and
   the digests of its last batches judge each batch once: contiguous (applied), duplicate
-  (dropped), restarted (the engine restarted: discard, rebuild, ``sequence_backwards``), gap.
+  (dropped), restarted (the engine restarted: discard, rebuild, ``sequence_backwards``), gap
+  (D9).
 - **Gap or disconnect while serving**: the index is kept (``HELD``, 0 hits) and catches up
   from ``L`` once the live ``SUB`` is connected; a kept index takes no live batch before the
   catch-up proved the anchor (an engine that restarted may have reached exactly the expected
-  seq): live batches are buffered and merged at the end
+  seq, D11): live batches are buffered and merged at the end
   (:func:`~kvsvc.streams.history_reply.merge_catch_up`). A reply with a hole (``truncated``)
-  keeps what it applied and asks again from there; one that proves no continuity discards the
-  index and rebuilds (``history_mismatch``). Every ``resync_interval_ms`` a serving stream
+  keeps what it applied and asks again from there (D7); one that proves no continuity discards
+  the index and rebuilds (``history_mismatch``). Every ``resync_interval_ms`` a serving stream
   catches up the same way while it serves; batches live never brought are counted as a resync
-  difference (in batches), and if no live message at all arrived meanwhile a silent-channel
-  check runs (``SILENT`` when it fails).
+  difference (in batches, D14), and if no live message at all arrived meanwhile a
+  silent-channel check runs (``SILENT`` when it fails, D13).
 - **Rebuild** from 0 into a private index, merged with the buffered live batches
   (:func:`~kvsvc.streams.history_reply.merge_rebuild`) and swapped in: ``exact`` from seq 0,
   ``subset`` (orphans for unknown parents) from ``F > 0``, empty: the first live batch decides.
-  A subset's deltas apply with the orphan rule too; it becomes exact on a batch starting with
+  A subset's deltas apply with the orphan rule too (D6); it becomes exact on a batch starting with
   an untargeted ``AllBlocksCleared`` (:func:`~kvsvc.streams.anchor.starts_cleared`), which also
   synchronizes a stream that serves nothing.
 - **No replay answer** (a rebuild unanswered within ``replay_timeout_ms``): a live-only subset
   serves, from the first live batch received (or empty at once when none was), while the
   rebuild is retried with the §6 backoff. A gap, a disconnect or a refused batch discards it;
-  the next live batch starts a new one.
+  the next live batch starts a new one (D10).
 - **Bad input** (a malformed reply, seqs not contiguous, a message over the limit, a stall past
   the per-message timeout, a buffer overflow): the attempt fails, is retried with the backoff;
-  a serving stream keeps serving.
+  a serving stream keeps serving. A live message that fails decoding discards the index: the
+  batch is lost to it and its replayed copy would fail alike (D12).
 
 Not thread-safe: owned by the stream thread; :meth:`HistoryRecovery.view` is a racy copy.
 """
@@ -322,8 +324,8 @@ class HistoryIndex(AttemptRules[RequestHistory, Buffered, tuple[float, int]]):
         self._keep_for_rebuild(seq, batch, digest, wire_bytes, now)
 
     def _start_empty_live_only(self, reason: str, delay: float) -> None:
-        """No replay answer and no live batch received (§7h "No replay answer"; docs "Where
-        the spec is silent"): serve an EMPTY live-only index, ``subset``, with the expected seq
+        """No replay answer and no live batch received (§7h "No replay answer"; D10 in
+        docs/decisions.md): serve an EMPTY live-only index, ``subset``, with the expected seq
         unknown. It holds no block, so it is a valid subset of any residency (0 hits, never a
         false one). The first live batch then decides as after an empty rebuild reply. The
         rebuild keeps its §6 backoff retry schedule (``delay`` seconds, already set)."""
@@ -755,8 +757,8 @@ class HistoryRecovery(HistoryIndex):
 
     def _failed_rebuilding(self, exc: StreamError, request: Optional[RequestHistory],
                            buffered: list[Buffered], delay: float, now: float) -> None:
-        """unanswered: a live-only subset from the batches received, or empty when none
-        (→ LIVE_ONLY); retried after the backoff"""
+        """no answer at all: a live-only subset from the batches received, or empty when none
+        (→ LIVE_ONLY); else unsynchronized with the reason; retried after the backoff"""
         reason = str(exc)
         if not (isinstance(exc, ReplayUnanswered) and request is not None
                 and not request.catch_up):
@@ -778,11 +780,11 @@ class HistoryRecovery(HistoryIndex):
     # ------------------------------------------------------------------ timer
 
     def _tick_serving(self, now: float) -> None:
-        """the periodic catch-up (a live-only stream: the rebuild retry) when due"""
+        """the periodic catch-up (live-only: the rebuild retry) when due"""
         self._start_due(now, held_back=False, may_note=False)
 
     def _tick_recovering(self, now: float) -> None:
-        """the due attempt once the live channel is up (``error`` says it waits)"""
+        """the due attempt, once the live channel is up (the error says it waits)"""
         self._start_due(now, held_back=False, may_note=True)
 
     def _tick_silent(self, now: float) -> None:
@@ -840,8 +842,8 @@ class HistoryRecovery(HistoryIndex):
                           "never arrived live (lost events); applied", self._name, caught_up)
                 if silent and self._silence is None:
                     # Not one live message since the last check while the engine published:
-                    # in flight still, or a dead live channel (docs "Where the spec is
-                    # silent"); a live message must arrive within the grace period.
+                    # in flight still, or a dead live channel (D13 in docs/decisions.md);
+                    # a live message must arrive within the grace period.
                     self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
             else:
                 self._log(log, DEBUG, "stream %s: periodic catch-up matched (seq %d)",

@@ -9,14 +9,14 @@ Per data message ``(seq, digest)``:
   an engine's buffer is contiguous, but its ``ROUTER`` silently drops messages at its send
   high-water mark (libzmq's default, 1000) when it sends a long reply faster than its I/O
   thread writes it; what arrived before the hole is complete, and the recovery rules catch up
-  from its last seq instead of starting over.
+  from its last seq instead of starting over (D7 in docs/decisions.md).
 - **Catch-up** (:class:`CatchUpCheck`, from ``start_seq = L`` with anchor digest ``D``): the
   first message must be seq ``L`` with digest ``D`` (:data:`PROVEN`); otherwise (another seq,
   another digest, an empty reply) the reply ends at once, not continuous. Each later message is
   a :data:`BATCH` for the recovery rules, applied like a live delta.
 - **Rebuild** (:class:`RebuildCheck`, from 0): every message is built into the private index.
   The index is ``exact`` when the reply started at seq 0, or a batch starting with an untargeted
-  ``AllBlocksCleared`` made it complete, and no block became an orphan after that point; the
+  ``AllBlocksCleared`` made it complete, and no block became an orphan after that point (D8); the
   digests of the last :data:`DIGESTS_KEPT` batches are kept to check the buffered live batches
   the reply covers.
 

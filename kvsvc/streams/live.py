@@ -41,7 +41,7 @@ LIVE_RECONNECT_IVL_MS = 10
 LIVE_RECONNECT_IVL_MAX_MS = 500
 #: A live connection that ends sooner than this (seconds) after its handshake, or before one,
 #: failed: the next reopen of the ``SUB`` waits, from ``LIVE_REOPEN_MIN_S`` doubling to
-#: ``LIVE_REOPEN_MAX_S``.
+#: ``LIVE_REOPEN_MAX_S`` (D2 in docs/decisions.md).
 LIVE_STABLE_S = 1.0
 LIVE_REOPEN_MIN_S = 0.01
 LIVE_REOPEN_MAX_S = 5.0

@@ -58,22 +58,22 @@ States (§6)::
 
     RECOVERING / UNSYNCHRONIZED --live batch starting with AllBlocksCleared--> SYNCHRONIZED
 
-Rules (each one fixes a failure the soak test found; README "Where the spec is silent"):
+Rules (each one fixes a failure the soak test found; the decisions D1-D5 of docs/decisions.md):
 
 - Snapshots are requested only while the live ``SUB`` is connected (``on_live_up`` since the
   last ``on_live_opened``/``on_live_down``): a ``PUB`` drops every batch published before a
   subscription reaches it without a trace, so a snapshot taken before that moment can be
   followed by batches this stream never receives; with a restarted counter the gap is
-  invisible. A due attempt waiting for the connection says so in ``error``.
+  invisible. A due attempt waiting for the connection says so in ``error`` (D2).
 - ``expected``: the next live seq the serving index needs; ``None`` after an empty snapshot
-  (watermark unknown): the first live batch is then applied whatever its seq (§7).
+  (watermark unknown): the first live batch is then applied whatever its seq (§7, D5).
 - ``max_seen``: the highest live seq this ``SUB`` connection has received (forgotten on a
   disconnect and when a backward jump starts a new epoch). After a swap at watermark W, a
   batch with seq <= W that is above ``max_seen`` was published before the snapshot but
   received after it: a duplicate already covered, dropped silently. With nothing seen on the
   connection, an old seq may be a publisher whose counter restarted after the snapshot: that
   recovers. Any other seq than ``expected`` (a repeat, a backward jump, a gap) is a sequence
-  error.
+  error (D4).
 - Buffer accounting during an attempt (§6): each batch costs its wire bytes plus
   :data:`BUFFER_EVENT_OVERHEAD` per event, :data:`BUFFER_HASH_OVERHEAD` per block hash and
   :data:`BUFFER_TOKEN_OVERHEAD` per token id; above ``max_buffered_bytes`` the attempt fails
@@ -84,11 +84,11 @@ Rules (each one fixes a failure the soak test found; README "Where the spec is s
   after a recovery from a snapshot with a watermark while nothing has arrived on the live
   connection, the first resync comes after :data:`PROBE_RESYNC_S`.
 - A resync whose watermark is behind the applied seq means the engine's counter restarted
-  unseen: the serving index goes, not just the attempt.
+  unseen: the serving index goes, not just the attempt (D4).
 - Silent channel: a resync showing batches that never arrived (watermark >= expected) while
   no live message arrived since the previous swap arms a check; no live message within
   :data:`LIVE_SILENCE_GRACE_S` unsynchronizes the stream, and no snapshot is requested until a
-  live message arrives (then it recovers).
+  live message arrives (then it recovers) (D1).
 
 The history rule set (§7h) has its own meaning of a reply and of the tail merge, its own
 duplicate rule (by digest, not by ``max_seen``) and one more input, ``on_history_batch``;
@@ -151,12 +151,12 @@ BACKOFF_MAX_S = 5.0
 #: After a periodic resync shows live batches that never arrived (watermark above the applied
 #: seq) while nothing at all arrived on the live channel since the previous swap, a live batch
 #: must arrive within this many seconds (those batches may still be in flight), or the live
-#: channel is taken for dead (README "Where the spec is silent").
+#: channel is taken for dead (D1 in docs/decisions.md).
 LIVE_SILENCE_GRACE_S = 2.0
 #: After a recovery from a snapshot with a watermark while nothing at all has arrived on the
 #: live connection, the first resync comes this soon (seconds) instead of after
 #: ``resync_interval_ms``: a dead live channel (a wrong topic) is then found within seconds,
-#: not after a whole resync interval of a snapshot index going stale.
+#: not after a whole resync interval of a snapshot index going stale (D1).
 PROBE_RESYNC_S = 2.0
 #: Buffer record overheads (bytes) added to a buffered batch's wire size (§6).
 BUFFER_EVENT_OVERHEAD = 128
@@ -581,7 +581,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         """A live message with ``seq`` arrived (its payload may not have decoded)."""
 
     def _silence_failed(self, live_messages: int, deadline: float, now: float) -> bool:
-        """Judge the running silent-channel check (README "Where the spec is silent"), armed
+        """Judge the running silent-channel check (D1 in docs/decisions.md), armed
         when ``live_messages`` live messages had arrived, due at ``deadline`` (monotonic s):
         passed (ended, False) once any live message arrived since it was armed or the stream
         no longer serves; running (False) before ``deadline``; else failed (True): ended and

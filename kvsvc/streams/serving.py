@@ -29,6 +29,8 @@ import threading
 from typing import Container, Optional, Sequence
 
 from kvsvc.errors import StreamError
+from kvsvc.index.changes import IndexChanges
+from kvsvc.index.overlay import BlockOverlay
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import (
     DECODE_ERROR_REASONS,
@@ -141,6 +143,10 @@ class ServingState:
         # stats minus what its snapshot had counted when it was swapped in (_stats_base).
         self._not_indexed_retired = [0] * len(NOT_INDEXED)
         self._stats_base: tuple[int, ...] = _ZERO_STATS
+        # §16: the stream's pending blocks (set once by the directory before the thread
+        # starts), settled by every live batch applied; the collector is reused per batch.
+        self.pending: Optional[BlockOverlay] = None
+        self._changes = IndexChanges()
 
     # ------------------------------------------------------------------ request threads
 
@@ -280,15 +286,26 @@ class ServingState:
             <error>"``); the rules' ``on_apply_failed`` says what follows.
         """
         events = action.events
+        pending = self.pending
+        # Collected only while blocks are pending (§16): otherwise nothing is settled.
+        changes = self._changes if pending is not None and len(pending) else None
         with self._lock:
             try:
-                self._index.apply(events, snapshot=action.orphans)  # type: ignore[union-attr, arg-type]
+                if changes is None:
+                    self._index.apply(events, snapshot=action.orphans)  # type: ignore[union-attr, arg-type]
+                else:
+                    self._index.apply(events, snapshot=action.orphans,  # type: ignore[union-attr, arg-type]
+                                      changes=changes)
             except StreamError as exc:
                 self._invalidate_locked(f"seq {action.seq}: {exc}")
                 return exc
             self._sequence = action.seq
             self._count_events_locked(events)
             self._publish_locked()
+        if changes is not None:
+            # After the index holds them, so a query sees each block exact or pending.
+            pending.settle(changes)  # type: ignore[union-attr]
+            changes.reset()
         return None
 
     def perform(self, action: ServingAction) -> None:

@@ -88,7 +88,7 @@ def check_single_object(payload: bytes) -> None:
     batch). ``ormsgpack.unpackb`` decodes the first object and ignores the rest, so a snapshot
     message holding a batch plus anything (a second batch with removals, say) would otherwise
     be taken for that batch alone. Costs a ``msgpack`` skip (~0.6 us per kB): paid on snapshot
-    messages, not on live ones (README "Where the spec is silent").
+    messages, not on live ones (D19 in docs/decisions.md).
 
     :param payload: a payload ``ormsgpack`` decoded without error.
     :raises DecodeError: naming how many bytes follow the batch.

@@ -23,12 +23,14 @@ class StreamState(str, enum.Enum):
 
 
 class Completeness(enum.StrEnum):
-    """What a synchronized stream's index holds (§7h, §10): ``exact`` (the engine's whole
-    residency) or ``subset`` (history was lost: every block in it is resident, some resident
-    blocks may be missing). Snapshot-mode streams are always exact when synchronized."""
+    """What a synchronized stream's index holds (§7h, §10, §14): ``exact`` (the engine's whole
+    residency), ``subset`` (history was lost: every block in it is resident, some resident
+    blocks may be missing), or ``approximate`` (no events: what this replica routed there,
+    :mod:`kvsvc.index.overlay`). Snapshot-mode streams are always exact when synchronized."""
 
     EXACT = "exact"
     SUBSET = "subset"
+    APPROXIMATE = "approximate"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -57,7 +59,11 @@ class StreamMatch:
     :param device_blocks: resident Device blocks of the stream (whole index).
     :param host_blocks: resident Host blocks (a block on both tiers counts in both).
     :param error: ``None`` or why the stream is not synchronized.
-    :param completeness: ``exact`` or ``subset`` when synchronized, ``None`` otherwise (§7h).
+    :param completeness: ``exact``, ``subset`` (§7h) or ``approximate`` (§14) when
+        synchronized, ``None`` otherwise.
+    :param pending_hit_tokens: tokens of the blocks right after the reusable prefix that this
+        replica routed to the stream and whose events have not arrived yet (§16, pending),
+        apart from and never inside ``device_hit_tokens``; 0 for approximate streams.
     """
 
     instance_name: str
@@ -70,6 +76,7 @@ class StreamMatch:
     host_blocks: int
     error: Optional[str]
     completeness: Optional[Completeness] = None
+    pending_hit_tokens: int = 0
 
     @property
     def reusable_prefix_tokens(self) -> int:
@@ -90,6 +97,7 @@ class StreamMatch:
             "host_blocks": self.host_blocks,
             "error": self.error,
             "completeness": self.completeness,
+            "pending_hit_tokens": self.pending_hit_tokens,
         }
 
 

@@ -23,7 +23,7 @@ on the :class:`~kvsvc.streams.serving.ServingState` through
 sleeps until the next deadline (attempt timeout, the machine's ``wakeup_at``, a delayed
 ``SUB`` reopen; at most :data:`POLL_INTERVAL_MS`), so an idle stream costs no CPU. A bug-class
 exception in a turn is logged and handed to the machine (``on_internal_error``), which
-discards the index and recovers: input must never kill the stream.
+discards the index and recovers: input must never kill the stream (D21 in docs/decisions.md).
 
 Request threads only call :meth:`StreamSubscriber.match`, :meth:`StreamSubscriber.status` and
 :meth:`StreamSubscriber.counters`, which read the :class:`~kvsvc.streams.serving.ServingState`
@@ -49,6 +49,7 @@ from xxhash import xxh3_64_intdigest
 from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
 from kvsvc.errors import DecodeError, SnapshotError, StreamError
 from kvsvc.events import Event
+from kvsvc.index.overlay import BlockOverlay
 from kvsvc.lifecycle import DEFAULT_TIMEOUT_S, BackgroundThread
 from kvsvc.streams.counters import DecodeErrorReason, StreamCounters
 from kvsvc.streams.decoder import decode_batch
@@ -104,10 +105,13 @@ class StreamSubscriber(BackgroundThread):
         (or, for a resync, still serving) and sends its request when the permit comes.
     :param live_turns: a lock shared by the streams of one directory, held while a stream
         thread drains its live socket (one turn); ``None``: a lock of this stream's own.
+    :param pending: the stream's pending blocks (§16, :mod:`kvsvc.index.overlay`), settled by
+        every live batch applied; ``None``: none.
 
     :ivar stream_id: the stream's (instance, DP rank).
     :ivar block_size: tokens per block; callers compute query keys with it.
     :ivar hash_seed: the §4 seed; callers compute query keys with it.
+    :ivar pending: the ``pending`` overlay given (the directory records dispatches in it).
     :ivar match: this stream's answer to a prefix query (§10):
         :meth:`kvsvc.streams.serving.ServingState.match` (lock-free for a prompt whose first
         block the stream does not hold).
@@ -121,7 +125,8 @@ class StreamSubscriber(BackgroundThread):
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,
                  gate: Optional[SnapshotGate] = None,
-                 live_turns: Optional[threading.Lock] = None) -> None:
+                 live_turns: Optional[threading.Lock] = None,
+                 pending: Optional[BlockOverlay] = None) -> None:
         self.stream = stream
         self.limits = limits
         self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
@@ -134,6 +139,8 @@ class StreamSubscriber(BackgroundThread):
         self._live_turns = live_turns if live_turns is not None else threading.Lock()
         self._topic = stream.topic.encode("utf-8")
         self._serving = ServingState(self.stream_id, stream.block_size, stream.topic)
+        self.pending = pending
+        self._serving.pending = pending
         self.match = self._serving.match
         # The §7 rules (snapshot mode), or the §7h rules of a history-mode stream, whose live
         # batches also carry their payload digest (the catch-up anchor) and whose byte hashes

@@ -498,8 +498,10 @@ def _load(engine: SimEngine) -> Load:
 def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[EtcdRegistration]:
     regs = []
     for eng in engines:
+        # vLLM and SGLang send no heartbeats (§15): the service scrapes their /metrics.
         reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
-                               token=token, backend_type=eng.flavor.backend_type)
+                               token=token, backend_type=eng.flavor.backend_type,
+                               heartbeats=eng.flavor.value == "xllm")
         regs.append(reg)
         reg.start()
     for reg in regs:

@@ -1,7 +1,8 @@
-"""Every shell block of README.md runs, so the walkthrough cannot drift from the code.
+"""Every shell block of README.md and of docs/*.md runs, so the docs cannot drift from the code.
 
-The fenced blocks in ``sh``, ``bash``, ``console`` or ``shell`` are extracted in order. An HTML
-comment on the line before a block (blank lines between allowed) marks it:
+The fenced blocks in ``sh``, ``bash``, ``console`` or ``shell`` are extracted in order: the
+README's first, then each ``docs/*.md`` in name order. An HTML comment on the line before a
+block (blank lines between allowed) marks it:
 
 - none, or ``<!-- readme-test: run -->``: run.
 - ``<!-- readme-test: try -->``: run, and again at the end of the "Running the service" session
@@ -16,7 +17,8 @@ checkout (``config/`` and ``.venv/`` linked), its own process group, curl failin
 errors (``--fail-with-body`` from a ``.curlrc``), ``KVSVC_PORT`` a free port and no other
 ``KVSVC_*`` variable: "Running the service" (with an etcd of the test's in ``KVSVC_ETCD_ADDR``)
 (after the Quick start's ``. .venv/bin/activate``, which it assumes) and every other section
-(against its own ``kvsvc up``). Afterwards the session's processes get
+of the README and of the docs (against the Quick start's ``kvsvc up``, so a docs block may use
+the Quick start's ``$URL``, ``$AUTH`` and ``$PROMPT``). Afterwards the session's processes get
 SIGTERM; every one of them and of their children must be gone within a bound, and the
 temporary directories ``kvsvc up`` named must be removed.
 """
@@ -40,6 +42,7 @@ from kvsvc.testbed.ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 SHELL_LANGS = {"sh", "bash", "console", "shell"}
 MARKER = re.compile(r"^<!-- readme-test: (.*) -->\s*$")
 MANUAL_SECTION = "## Running the service"
@@ -50,8 +53,10 @@ PROMPT = list(range(1, 1025))  # the README's $(seq -s, 1 1024)
 
 @dataclass(frozen=True)
 class Block:
-    """One shell block: README line of its fence, section (``## `` heading), mode, text."""
+    """One shell block: its file (relative to the checkout), the line of its fence, section
+    (``## `` heading), mode, text."""
 
+    file: str
     line: int
     section: str
     mode: str          # run, try, skip, background
@@ -59,8 +64,8 @@ class Block:
     text: str
 
 
-def parse_readme(text: str) -> list[Block]:
-    """The shell blocks of ``text`` with their markers.
+def parse_readme(text: str, name: str = "README.md") -> list[Block]:
+    """The shell blocks of ``text`` (the file ``name``) with their markers.
 
     :raises AssertionError: an unknown marker, a skip without a reason, a marker not followed
         by a shell block, an unterminated fence.
@@ -76,29 +81,29 @@ def parse_readme(text: str) -> list[Block]:
             section = line.strip()
         m = MARKER.match(line)
         if m:
-            assert marker is None, f"README line {marker[0]}: marker not followed by a block"
+            assert marker is None, f"{name} line {marker[0]}: marker not followed by a block"
             marker = (i + 1, m.group(1).strip())
         elif line.startswith("```"):
             lang = line[3:].strip()
             end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
-            assert end is not None, f"README line {i + 1}: unterminated fence"
+            assert end is not None, f"{name} line {i + 1}: unterminated fence"
             if lang in SHELL_LANGS:
                 mode, _, arg = (marker[1] if marker else "run").partition(" ")
                 assert mode in ("run", "try", "skip", "background"), \
-                    f"README line {i + 1}: unknown readme-test mode {mode!r}"
+                    f"{name} line {i + 1}: unknown readme-test mode {mode!r}"
                 if mode == "skip":
-                    assert arg.strip(), f"README line {i + 1}: skip needs a reason"
+                    assert arg.strip(), f"{name} line {i + 1}: skip needs a reason"
                 if mode == "background":
                     assert re.match(r"until(-output)? \S", arg), \
-                        f"README line {i + 1}: background needs 'until-output TEXT' or 'until CMD'"
-                blocks.append(Block(i + 1, section, mode, arg.strip(),
+                        f"{name} line {i + 1}: background needs 'until-output TEXT' or 'until CMD'"
+                blocks.append(Block(name, i + 1, section, mode, arg.strip(),
                                     "\n".join(lines[i + 1:end])))
             else:
-                assert marker is None, f"README line {marker[0]}: marker before a {lang!r} block"
+                assert marker is None, f"{name} line {marker[0]}: marker before a {lang!r} block"
             marker = None
             i = end
         elif line.strip() and marker is not None:
-            raise AssertionError(f"README line {marker[0]}: marker not followed by a block")
+            raise AssertionError(f"{name} line {marker[0]}: marker not followed by a block")
         i += 1
     return blocks
 
@@ -111,7 +116,7 @@ def session_script(blocks: list[Block]) -> str:
     """One bash script running ``blocks`` in order (see the module docstring)."""
     out = ["set -e -o pipefail"]
     for n, b in enumerate(blocks):
-        out.append(f"echo {_q(f'### README line {b.line} ({b.mode})')}")
+        out.append(f"echo {_q(f'### {b.file} line {b.line} ({b.mode})')}")
         if b.mode != "background":
             out.append(b.text)
             continue
@@ -229,8 +234,21 @@ class Session:
         raise AssertionError(f"processes left {STOP_TIMEOUT_S:.0f} s after SIGTERM: {sorted(pids)}")
 
 
+def _docs() -> list[Path]:
+    """README.md, then every docs/*.md in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
 def _blocks() -> list[Block]:
-    return parse_readme(README.read_text(encoding="utf-8"))
+    blocks: list[Block] = []
+    for path in _docs():
+        blocks += parse_readme(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    return blocks
+
+
+def _manual(b: Block) -> bool:
+    """The block belongs to the README's "Running the service" session."""
+    return b.file == "README.md" and b.section == MANUAL_SECTION
 
 
 def _assert_prompt_hits(url: str, token: str) -> None:
@@ -247,6 +265,7 @@ def _assert_prompt_hits(url: str, token: str) -> None:
 
 
 def test_every_shell_block_is_run_or_marked_with_a_reason():
+    assert len(_docs()) >= 8, _docs()  # the README and the docs it maps
     blocks = _blocks()
     assert len(blocks) >= 15
     assert all(b.mode != "skip" or len(b.arg) > 10 for b in blocks)
@@ -268,7 +287,7 @@ def test_every_shell_block_is_run_or_marked_with_a_reason():
 
 @pytest.mark.etcd  # kvsvc up starts its own etcd
 def test_quick_start_and_the_other_sections_run_against_kvsvc_up(tmp_path):
-    blocks = [b for b in _blocks() if b.section != MANUAL_SECTION and b.mode != "skip"]
+    blocks = [b for b in _blocks() if not _manual(b) and b.mode != "skip"]
     assert any(b.mode == "background" and b.text.strip() == "kvsvc up" for b in blocks)
     session = Session(tmp_path, {})
     try:
@@ -288,7 +307,7 @@ def test_quick_start_and_the_other_sections_run_against_kvsvc_up(tmp_path):
 @pytest.mark.etcd
 def test_running_the_service_by_hand(tmp_path):
     all_blocks = _blocks()
-    manual = [b for b in all_blocks if b.section == MANUAL_SECTION and b.mode != "skip"]
+    manual = [b for b in all_blocks if _manual(b) and b.mode != "skip"]
     assert any("kvsvc sim --serve" in b.text for b in manual)
     tries = [b for b in all_blocks if b.mode == "try"]
     assert len(tries) >= 3

@@ -238,8 +238,8 @@ def test_live_channel_survives_arbitrary_input(schedule, initial_blocks):
         converge(a_engine, a)
         converge(b_engine, b)
         # A live batch the snapshot already covered may still arrive after the swap, before
-        # anything else was seen on the connection; that recovers (README, "Where the spec is
-        # silent"). Let the control stream receive everything published so far before taking
+        # anything else was seen on the connection; that recovers (D4 in
+        # docs/decisions.md). Let the control stream receive everything published so far before taking
         # its recovery count as the baseline.
         wait_for(lambda: b.live_messages == b_engine.pub.next_seq, timeout_s=5,
                  what="control stream received every live batch")

@@ -256,10 +256,11 @@ def test_every_refusal_kind_has_its_http_status_in_the_one_table():
     assert set(kinds) <= set(STATUS)
     assert {cls.__name__: status_of(cls.__new__(cls)) for cls in kinds} == {
         "BadRequest": 400, "InvalidHeartbeat": 400, "HeartbeatRejected": 400,
-        "RequestError": 400, "Unauthorized": 401, "UnknownModel": 404, "UnknownInstance": 409,
+        "RequestError": 400, "Unauthorized": 401, "InvalidApiKey": 401, "UnknownModel": 404,
+        "TooManyRequests": 429, "UnknownInstance": 409,
         "StaleIncarnation": 409, "PayloadTooLarge": 413, "UpstreamError": 502,
         "UpstreamUnreachable": 502, "NoRegistry": 503, "NoCandidate": 503,
-        "UpstreamTimeout": 504}
+        "UpstreamTimeout": 504, "RpcUnreachable": 502, "RpcTimeout": 504}
     assert status_of(RuntimeError("x")) == 500
     # No error class carries a status of its own.
     assert not [cls for cls in kinds if "status" in vars(cls)]

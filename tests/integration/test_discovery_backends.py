@@ -146,8 +146,9 @@ def test_discovery_hands_history_mode_configs_to_the_directory_and_logs_skips_on
     assert warnings == [
         "discovery: instance h:8200 not subscribed: backend_type 'sglang' is not in "
         "discovery.backends [xllm, vllm]; add \"sglang\" to discovery.backends in the "
-        "kv_events_config_file to index it (replay mode history, §9); until then routing "
-        "counts it with 0 cache hits",
+        "kv_events_config_file to index it (replay mode history, §9), or to "
+        "discovery.approximate_backends if it publishes no KV events (§14); until then "
+        "routing counts it with 0 cache hits",
         "discovery: instance h:8300 not subscribed: kvsvc cannot index backend_type 'trtllm' "
         "(it indexes xllm, vllm, sglang); routing counts it with 0 cache hits",
     ]
@@ -162,8 +163,9 @@ def test_discovery_hands_history_mode_configs_to_the_directory_and_logs_skips_on
     assert [r.getMessage() for r in caplog.records] == [
         "discovery: instance h:8200 not subscribed: backend_type 'SGLang' is not in "
         "discovery.backends [xllm, vllm]; add \"sglang\" to discovery.backends in the "
-        "kv_events_config_file to index it (replay mode history, §9); until then routing "
-        "counts it with 0 cache hits",
+        "kv_events_config_file to index it (replay mode history, §9), or to "
+        "discovery.approximate_backends if it publishes no KV events (§14); until then "
+        "routing counts it with 0 cache hits",
         "discovery: instance h:8300 no longer skipped for its backend",
     ]
 

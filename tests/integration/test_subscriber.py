@@ -138,7 +138,8 @@ def test_sequence_gap_recovers_exactly(h):
         "instance_name": "10.0.0.1:8000", "dp_rank": 0, "synchronized": False,
         "sequence": None, "device_hit_tokens": 0, "host_only_hit_tokens": 0,
         "reusable_prefix_tokens": 0, "device_blocks": 0, "host_blocks": 0,
-        "error": "sequence gap: expected seq 1, got 2", "completeness": None}
+        "error": "sequence gap: expected seq 1, got 2", "completeness": None,
+        "pending_hit_tokens": 0}
     pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS),
                       stored([3], 1, blk(3), BS)], watermark=2)
     pub.release_replies()

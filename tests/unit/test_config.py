@@ -39,7 +39,7 @@ def test_defaults_and_valid_static_config():
 
 def test_shipped_loopback_config_matches_the_sim_port_rule():
     """config/kv_events_sim_loopback.json follows `kvsvc sim --port 8000 --dp 2 --topic
-    xllm-kv` (README): events on port + 10000 + r, snapshots on port + 30000 + r."""
+    xllm-kv` (docs/testbed.md): events on port + 10000 + r, snapshots on port + 30000 + r."""
     path = Path(__file__).resolve().parents[2] / "config" / "kv_events_sim_loopback.json"
     cfg = load_kv_events_config(path)
     assert [(s.instance_name, s.dp_rank, s.topic, s.endpoint, s.replay_endpoint)
@@ -350,7 +350,26 @@ def test_discovery_replay_modes_override_one_key_and_keep_the_others():
      "Input should be 'xllm', 'vllm' or 'sglang', got 0"),
     ({"backends": "vllm"}, "discovery.backends", "Input should be a valid list, got 'vllm'"),
     ({"backends": []}, "discovery.backends",
-     "must list at least one backend type ('xllm', 'vllm', 'sglang'), got []"),
+     "must list at least one backend type ('xllm', 'vllm', 'sglang'), got [] (or list the "
+     "backends without KV events in approximate_backends, §14)"),
+    ({"backends": ["xllm"], "approximate_backends": ["vllm", "xllm"]},
+     "discovery.approximate_backends[1]",
+     "'xllm' is also in discovery.backends (a backend has KV event streams or an approximate "
+     "index, not both), got 'xllm'"),
+    ({"backends": [], "approximate_backends": ["xllm", "xllm"]},
+     "discovery.approximate_backends", "'xllm' listed twice, got ['xllm', 'xllm']"),
+    ({"approximate_backends": ["trtllm"]}, "discovery.approximate_backends[0]",
+     "Input should be 'xllm', 'vllm' or 'sglang', got 'trtllm'"),
+    ({"approximate_ttl_s": 0}, "discovery.approximate_ttl_s",
+     "Input should be greater than or equal to 1, got 0"),
+    ({"approximate_ttl_s": 86401}, "discovery.approximate_ttl_s",
+     "Input should be less than or equal to 86400, got 86401"),
+    ({"approximate_ttl_s": 1.5}, "discovery.approximate_ttl_s",
+     "Input should be a valid integer, got 1.5"),
+    ({"approximate_blocks": 0}, "discovery.approximate_blocks",
+     "Input should be greater than or equal to 1, got 0"),
+    ({"approximate_blocks": 262145}, "discovery.approximate_blocks",
+     "must be at most max_blocks_per_stream (262144), got 262145"),
     ({"backends": ["vllm", "xllm", "vllm"]}, "discovery.backends",
      "'vllm' listed twice, got ['vllm', 'xllm', 'vllm']"),
     ({"replay_modes": {"trtllm": "history"}}, "discovery.replay_modes.trtllm",
@@ -367,6 +386,24 @@ def test_bad_backends_and_replay_modes_are_named(discovery, field, message):
     assert (err.field, err.message) == (field, message)
 
 
+def test_approximate_backends_defaults_and_an_xllm_cluster_of_today():
+    d = parse_kv_events_config({"discovery": {}}).discovery
+    assert (d.approximate_backends, d.approximate_ttl_s, d.approximate_blocks) == ([], 120, 65536)
+    # §14: today's xLLM engines publish no events: no streams, approximate indexes instead.
+    d = parse_kv_events_config({"discovery": {"backends": [], "approximate_backends": ["xllm"],
+                                              "approximate_ttl_s": 30,
+                                              "approximate_blocks": 1000}}).discovery
+    assert (d.backends, d.approximate_backends, d.approximate_ttl_s,
+            d.approximate_blocks) == ([], [Backend.XLLM], 30, 1000)
+    # The upper bound follows max_blocks_per_stream.
+    cfg = parse_kv_events_config({"max_blocks_per_stream": 10,
+                                  "discovery": {"approximate_blocks": 10}})
+    assert cfg.discovery.approximate_blocks == 10
+    err = config_error({"max_blocks_per_stream": 10, "discovery": {"approximate_blocks": 11}})
+    assert (err.field, err.message) == ("discovery.approximate_blocks",
+                                        "must be at most max_blocks_per_stream (10), got 11")
+
+
 def test_vllm_example_configs_are_valid():
     root = Path(__file__).resolve().parents[2] / "config"
     static = load_kv_events_config(root / "kv_events_vllm_static_example.json")
@@ -381,6 +418,9 @@ def test_vllm_example_configs_are_valid():
         16, [Backend.VLLM, Backend.SGLANG], ReplayMode.HISTORY, ReplayMode.HISTORY)
     d = load_kv_events_config(root / "kv_events_discovery_config.json").discovery
     assert (d.backends, d.replay_mode(Backend.XLLM)) == ([Backend.XLLM], ReplayMode.SNAPSHOT)
+    d = load_kv_events_config(root / "kv_events_xllm_approximate.json").discovery
+    assert (d.backends, d.approximate_backends, d.approximate_ttl_s, d.approximate_blocks,
+            d.block_size) == ([], [Backend.XLLM], 120, 65536, 128)
 
 
 def test_check_config_prints_each_static_streams_replay_mode(clean_env, capsys):

@@ -1,4 +1,4 @@
-"""CAR with the router's own load (kvsvc.routing.in_flight.InFlight, README "Where the spec is silent"):
+"""CAR with the router's own load (kvsvc.routing.in_flight.InFlight, D22 in docs/decisions.md):
 waiting = reported waiting + requests in flight dispatched after the load report (the first of
 them admitted, not queued, after a report of an empty queue). Exact counts and exact picks; the
 clock is a test counter so "after the report" is exact."""

@@ -34,8 +34,8 @@ from kvsvc.settings import (
     replace_readme_table,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-REGENERATE = "python -m kvsvc.settings --update-readme README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+REGENERATE = "python -m kvsvc.settings --update-readme docs/configuration.md"
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -43,10 +43,10 @@ REGENERATE = "python -m kvsvc.settings --update-readme README.md"
 def test_readme_settings_table_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
     assert README_BEGIN in text and README_END in text, (
-        f"README.md lost its settings-table markers; put them back and run `{REGENERATE}`")
+        f"docs/configuration.md lost its settings-table markers; put them back and run `{REGENERATE}`")
     current = text[text.index(README_BEGIN) + len(README_BEGIN):text.index(README_END)]
     assert current.strip("\n") == markdown_table().strip("\n"), (
-        f"README.md's settings table differs from kvsvc/settings.py: run `{REGENERATE}`")
+        f"docs/configuration.md's settings table differs from kvsvc/settings.py: run `{REGENERATE}`")
 
 
 def test_every_setting_has_flag_env_help_and_section():
@@ -129,6 +129,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "upstream_connect_timeout_s": 0.5, "upstream_read_timeout_s": 30.0,
         "max_request_bytes": 4096, "worker_threads": 16, "dp_rank_routing": False,
         "load_scrape_backends": "vllm", "load_scrape_interval_ms": 250,
+        "api_key": "client-key-1", "max_in_flight_requests": 12,
         "xllm_dispatch": "native",
     }
     names = {row.name for row in SETTINGS}

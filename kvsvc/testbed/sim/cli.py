@@ -11,7 +11,10 @@ Rank ``r`` publishes on ``port + event_port_offset + r`` and serves snapshots on
 it). With ``--etcd HOST:PORT`` (also ``--etcd_addr``, ``serve``'s name) it also serves ``GET /health`` on ``--host:--port`` and registers
 itself in the instance registry as ``XLLM:<TYPE>:<host:port>`` under a 3 s lease, heartbeating
 its load to the master service (§9, :mod:`kvsvc.testbed.sim.registration`); the internal token of the
-heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. On a clean
+heartbeat comes from ``KVSVC_INTERNAL_API_TOKEN`` or ``--internal-api-token-file``. A vLLM or
+SGLang instance sends no heartbeats unless ``--heartbeats on`` (``--heartbeats auto``, the
+default: an xLLM instance does, the others do not), as the real engines: the router reads their
+load from ``GET /metrics`` (§15). On a clean
 stop the lease is revoked. With ``--serve`` the same HTTP port also serves OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` with the latency model of
 :mod:`kvsvc.testbed.sim.serving` (``--prefill-base-us``, ``--prefill-us-per-token``,
@@ -130,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "KVSVC_INTERNAL_API_TOKEN)")
     add_flag(parser, "--heartbeat-interval-s", type=float, default=1.0,
              help="heartbeat period, seconds")
+    add_flag(parser, "--heartbeats", default="auto", choices=("auto", "on", "off"),
+             help="send load heartbeats: auto = xllm only (real vLLM and SGLang send none; "
+                  "their load is scraped from /metrics, §15)")
     d = ServingConfig()
     add_flag(parser, "--serve", action="store_true",
              help="serve OpenAI completions on --port (kvsvc.testbed.sim.serving)")
@@ -155,6 +161,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--master-refresh-s", type=float, default=0.0,
              help="re-read the master's address after this long (0: every heartbeat)")
     add_log_level(parser, "info")
+
+
+def sends_heartbeats(mode: str, flavor: str) -> bool:
+    """``--heartbeats`` for an engine of ``flavor``: ``on``, ``off``, or ``auto`` (only xLLM
+    heartbeats; vLLM and SGLang publish their load in ``/metrics`` instead, §15)."""
+    if mode == "auto":
+        return flavor == "xllm"
+    return mode == "on"
 
 
 def ephemeral_hint(port: int, dp_size: int, event_port_offset: int,
@@ -266,7 +280,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 master_refresh_s=args.master_refresh_s,
                 backend_type=engine.flavor.backend_type,
                 profiling=(profiling_data(serving)
-                           if serving is not None and not args.no_profiling_data else None))
+                           if serving is not None and not args.no_profiling_data else None),
+                heartbeats=sends_heartbeats(args.heartbeats, engine.flavor.value))
             if engine.serving is not None:
                 engine.serving.add_load_listener(registration.load_changed)
             registration.start()

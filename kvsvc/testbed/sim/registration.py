@@ -128,9 +128,16 @@ class EtcdRegistration(BackgroundThread):
     :param backend_type: the registration's ``backend_type`` (§9): ``"xllm"``, or ``"vllm"``
         as xllm-service's ``vllm_sidecar`` registers a vLLM instance (with ``type`` 0,
         DEFAULT), or ``"sglang"``.
+    :param heartbeat: sends one heartbeat itself, ``heartbeat(master address, body)`` -> the
+        HTTP-like status (200 accepted, 409 refused, ``None`` not delivered): the native mode's
+        baidu_std ``Heartbeat`` (:func:`kvsvc.testbed.sim.native.rpc_heartbeat`); ``None``:
+        ``POST /v1/internal/heartbeat``.
     :param profiling: extra registration fields, the §12 profiling data
         (``ttft_profiling_data``, ``tpot_profiling_data``:
         :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
+    :param heartbeats: send load heartbeats (§9); off, the instance only keeps its
+        registration and its lease, as a real vLLM or SGLang engine (their load is read from
+        ``/metrics``, §15).
     :raises ConfigError: ``etcd_addr`` is not ``host:port``.
     :raises ValueError: ``lease_ttl_s`` < 1.
     """
@@ -142,7 +149,9 @@ class EtcdRegistration(BackgroundThread):
                  etcd_timeout_s: float = 1.0, http_timeout_s: float = 1.0,
                  min_heartbeat_gap_s: Optional[float] = None,
                  master_refresh_s: float = 0.0, backend_type: str = "xllm",
-                 profiling: Optional[Mapping[str, Any]] = None) -> None:
+                 profiling: Optional[Mapping[str, Any]] = None,
+                 heartbeats: bool = True,
+                 heartbeat: Optional[Callable[[str, dict], Optional[int]]] = None) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -162,6 +171,8 @@ class EtcdRegistration(BackgroundThread):
         self._min_gap_s = min_heartbeat_gap_s
         self._master_refresh_s = master_refresh_s
         self._profiling = dict(profiling or {})
+        self.heartbeats = heartbeats
+        self._send_heartbeat = heartbeat
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -284,6 +295,8 @@ class EtcdRegistration(BackgroundThread):
         assert client is not None and http is not None
         etcd_ok: Optional[bool] = None
         next_keepalive = next_heartbeat = time.monotonic()
+        if not self.heartbeats:
+            next_heartbeat = float("inf")
         last_heartbeat = float("-inf")
         while not self.stopping:
             now = time.monotonic()
@@ -301,7 +314,8 @@ class EtcdRegistration(BackgroundThread):
                 etcd_ok = False
             if now >= next_keepalive:
                 next_keepalive = now + self._keepalive_interval_s
-            early = (self._load_dirty.is_set() and self._min_gap_s is not None
+            early = (self.heartbeats and self._load_dirty.is_set()
+                     and self._min_gap_s is not None
                      and now >= last_heartbeat + self._min_gap_s)
             if now >= next_heartbeat or early:
                 self._load_dirty.clear()
@@ -309,7 +323,7 @@ class EtcdRegistration(BackgroundThread):
                 next_heartbeat = now + self._heartbeat_interval_s
                 self._heartbeat(client, http)
             due = min(next_keepalive, next_heartbeat)
-            if self._load_dirty.is_set() and self._min_gap_s is not None:
+            if self.heartbeats and self._load_dirty.is_set() and self._min_gap_s is not None:
                 due = min(due, last_heartbeat + self._min_gap_s)
             self._tick.wait(max(0.0, due - time.monotonic()))
             self._tick.clear()
@@ -368,11 +382,14 @@ class EtcdRegistration(BackgroundThread):
                     "load_metrics": {"waiting_requests_num": load.waiting_requests_num,
                                      "gpu_cache_usage_perc": load.gpu_cache_usage_perc},
                     "latency_metrics": {}}
-            try:
-                status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
-                                   timeout=self._http_timeout_s).status_code
-            except requests.RequestException:
-                status = None
+            if self._send_heartbeat is not None:
+                status = self._send_heartbeat(address, body)
+            else:
+                try:
+                    status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
+                                       timeout=self._http_timeout_s).status_code
+                except requests.RequestException:
+                    status = None
             if status != 200:
                 self._master = None  # the master may have changed: read it again next time
         with self._lock:
@@ -384,6 +401,11 @@ class EtcdRegistration(BackgroundThread):
             log.info("sim %s: heartbeat answered %s", self.name,
                      status if status is not None else "nothing (no master or unreachable)")
 
+
+    def master(self) -> Optional[str]:
+        """The master's address as last read from etcd, ``None`` when none is known."""
+        master = self._master
+        return master[0] if master is not None else None
 
     def _master_address(self, client: EtcdClient) -> Optional[str]:
         """The master's address, read from etcd at most every ``master_refresh_s``; ``None``

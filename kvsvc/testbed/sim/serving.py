@@ -664,7 +664,7 @@ class Serving:
                 loads.append(len(q.waiting) + q.running)
         return loads.index(min(loads))
 
-    def _wait(self, seconds: float, conn: socket.socket) -> None:
+    def _wait(self, seconds: float, conn: "Peer") -> None:
         """Sleep ``seconds`` of wall time unless the client goes away or close() is called.
 
         :raises SimClientDisconnected: the client closed its connection.
@@ -686,7 +686,7 @@ class Serving:
                 # close() instead so that this does not spin.
                 self._closing.wait(step)
 
-    def _prefill(self, req: SimRequest, conn: socket.socket,
+    def _prefill(self, req: SimRequest, conn: "Peer",
                  rank: Optional[int] = None) -> tuple[Prefilled, int]:
         """Queue on ``rank`` (``None``: the least busy), then prefill (executing the prompt on
         the rank). Returns the prefill outcome and the rank whose slot the caller must release
@@ -750,7 +750,7 @@ class Serving:
                 q.prefilling = False
             q.cond.notify_all()
 
-    def _decode(self, rank: int, context: int, tokens: int, conn: socket.socket,
+    def _decode(self, rank: int, context: int, tokens: int, conn: "Peer",
                 emit: Optional[Callable[[int, int], None]] = None) -> float:
         """Decode ``tokens`` further output tokens (after the first) on ``rank`` for a request
         of ``context`` tokens so far, one modeled step each (:meth:`ServingConfig.tpot_us` of
@@ -799,6 +799,61 @@ class Serving:
             with q.cond:
                 q.context_sum -= q.decoding.pop(ticket)
         return total_us / 1000.0
+
+    # ---- native mode (xLLM's service routing, kvsvc.testbed.sim.native) ------------------
+
+    def generate(self, req: SimRequest, cancel: "CancelFlag",
+                 first: Callable[[Prefilled], None],
+                 emit: Callable[[int, int], None], rank: Optional[int] = None,
+                 decode: bool = True) -> tuple[Prefilled, float]:
+        """Serve one request of the native mode: queue and prefill (the first output token is
+        then produced: ``first(prefilled)``), then, with ``decode``, the further tokens
+        (``emit(first, last)`` after output tokens ``first..last``, 1-based after the first),
+        on the caller's thread. Counted like an HTTP request.
+
+        :param cancel: set when the service answered an entry ``ok: false`` (the client went
+            away): the request stops at its next step.
+        :param decode: False: only the prefill and the first token (P/D: a D decodes the rest,
+            :meth:`decode_only`).
+        :returns: the prefill outcome and the TPOT (simulated ms, 0 without decode).
+        :raises SimClientDisconnected: cancelled (counted ``cancelled``).
+        :raises SimServingClosed: the engine is closing.
+        """
+        self._count(requests=1, pd_requests=1 if req.decode_name else 0)
+        try:
+            pre, slot = self._prefill(req, cancel, rank)
+            try:
+                first(pre)
+                decode_ms = (self._decode(slot, len(req.token_ids) + 1, req.max_tokens - 1,
+                                          cancel, emit=emit) if decode else 0.0)
+            finally:
+                self._release_slot(slot)
+        except SimClientDisconnected:
+            self._count(cancelled=1)
+            raise
+        except SimServingClosed:
+            self._count(rejected=1)
+            raise
+        self._count(completed=1)
+        return pre, (self._finished(req, decode_ms) if decode else 0.0)
+
+    def decode_only(self, req: SimRequest, cancel: "CancelFlag",
+                    emit: Callable[[int, int], None]) -> float:
+        """P/D's D side of the native mode: decode ``req.max_tokens - 1`` further tokens
+        after the first (produced on P) on the least busy rank; see :meth:`generate`.
+        Returns the TPOT, simulated ms."""
+        self._count(requests=1, pd_requests=1)
+        try:
+            decode_ms = self._decode(self._pick_rank(), len(req.token_ids) + 1,
+                                     req.max_tokens - 1, cancel, emit=emit)
+        except SimClientDisconnected:
+            self._count(cancelled=1)
+            raise
+        except SimServingClosed:
+            self._count(rejected=1)
+            raise
+        self._count(completed=1)
+        return self._finished(req, decode_ms)
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
                      start_response: Callable, write: Callable,
@@ -973,10 +1028,37 @@ def _send_json(start_response: Callable, write: Callable, status: int, doc: dict
     write(body)
 
 
-def _peer_closed(conn: socket.socket, timeout_s: float) -> bool:
+class CancelFlag:
+    """The "client" of a native-mode request (:meth:`Serving.generate`): set when the service
+    answered one of its entries ``ok: false``; waited on where an HTTP request polls its
+    socket."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        """Cancel the request."""
+        self._event.set()
+
+    def is_set(self) -> bool:
+        """True once cancelled."""
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds; True when cancelled."""
+        return self._event.wait(max(0.0, timeout_s))
+
+
+#: What a request waits on: its HTTP client's socket, or a native request's cancel flag.
+Peer = Any
+
+
+def _peer_closed(conn: Peer, timeout_s: float) -> bool:
     """True when the client has closed (readable with EOF or reset) within ``timeout_s``.
     The request body was read whole, so the client sends nothing more: readability means
-    the connection ended."""
+    the connection ended. A :class:`CancelFlag`: True when it is set within ``timeout_s``."""
+    if isinstance(conn, CancelFlag):
+        return conn.wait(timeout_s)
     try:
         readable, _, _ = select.select([conn], [], [], max(0.0, timeout_s))
         if not readable:

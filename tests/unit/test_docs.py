@@ -1,0 +1,88 @@
+"""The docs stay tied to the code: every decision of docs/decisions.md (D1, D2, ...) is cited
+from the code that implements it and names tests that exist; the code cites no decision that
+is not there; every relative link of README.md and docs/*.md points to a file that exists
+(docs announced in the README's map but not written yet excepted)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DECISIONS = ROOT / "docs" / "decisions.md"
+#: Docs the README's map announces for other work in progress.
+ANNOUNCED = {"docs/xllm.md", "docs/real-clusters.md", "docs/clients.md"}
+
+
+def _decisions() -> dict[int, str]:
+    """D-number -> its section's text."""
+    text = DECISIONS.read_text(encoding="utf-8")
+    parts = re.split(r"^### D(\d+)\. ", text, flags=re.M)
+    return {int(n): body for n, body in zip(parts[1::2], parts[2::2])}
+
+
+def _code_citations() -> dict[int, list[str]]:
+    cited: dict[int, list[str]] = {}
+    for path in sorted((ROOT / "kvsvc").rglob("*.py")):
+        for n in re.findall(r"\bD(\d+)\b", path.read_text(encoding="utf-8")):
+            cited.setdefault(int(n), []).append(str(path.relative_to(ROOT)))
+    return cited
+
+
+def test_decisions_are_numbered_in_order_and_each_names_its_tests():
+    decisions = _decisions()
+    assert list(decisions) == list(range(1, len(decisions) + 1))
+    for n, body in decisions.items():
+        for field in ("**Case.**", "**Choice.**", "**Why exact.**", "**Tests.**"):
+            assert field in body, f"D{n} has no {field}"
+
+
+def test_every_test_a_decision_names_exists():
+    for n, body in _decisions().items():
+        tests_part = body[body.index("**Tests.**"):]
+        current = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(test_\w+))?`", tests_part):
+            if path:
+                current = ROOT / path
+                assert current.is_file(), f"D{n}: {path} does not exist"
+            if name:
+                assert current is not None, f"D{n}: {name} without a file"
+                assert f"def {name}(" in current.read_text(encoding="utf-8"), (
+                    f"D{n}: {current.relative_to(ROOT)} has no {name}")
+
+
+def test_every_decision_is_cited_from_the_code_and_every_citation_exists():
+    decisions, cited = _decisions(), _code_citations()
+    assert not set(decisions) - set(cited), (
+        f"decisions no code cites: {sorted(set(decisions) - set(cited))}")
+    assert not set(cited) - set(decisions), (
+        f"code cites decisions docs/decisions.md lacks: "
+        f"{ {n: cited[n] for n in sorted(set(cited) - set(decisions))} }")
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file (lower case, punctuation dropped, spaces to
+    hyphens), fenced blocks skipped."""
+    anchors, fenced = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_relative_links_of_the_docs_point_to_files_and_headings():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text(encoding="utf-8"))
+        for target, anchor in links:
+            if "://" in target:
+                continue
+            path = (doc.parent / target).resolve() if target else doc
+            rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+            if rel in ANNOUNCED and not path.exists():
+                continue
+            assert path.exists(), f"{doc.relative_to(ROOT)}: link to {target}"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{doc.relative_to(ROOT)}: no #{anchor} in {rel}"
