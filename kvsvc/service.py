@@ -146,15 +146,19 @@ def startup_warnings(settings: ServiceSettings,
     :param settings: validated settings.
     :param kv_config: the §8 config, ``None`` with the index disabled.
     """
-    if kv_config is not None:
-        return []
-    line = ("kv_events_config_file is empty: KV index disabled, every query answers no "
-            "matches (hit ratio 0)")
-    if settings.load_balance_policy == "CAR":
-        line += "; routing policy CAR routes on queue costs only"
-    elif settings.load_balance_policy == "TTFT":
-        line += "; routing policy TTFT predicts every prompt uncached"
-    return [line]
+    lines: list[str] = []
+    if kv_config is None:
+        line = ("kv_events_config_file is empty: KV index disabled, every query answers no "
+                "matches (hit ratio 0)")
+        if settings.load_balance_policy == "CAR":
+            line += "; routing policy CAR routes on queue costs only"
+        elif settings.load_balance_policy == "TTFT":
+            line += "; routing policy TTFT predicts every prompt uncached"
+        lines.append(line)
+    if not settings.etcd_addr:
+        lines.append("etcd_addr is empty: no instance registry, so no routing candidate: "
+                     "every OpenAI request is answered 503")
+    return lines
 
 
 class Service:

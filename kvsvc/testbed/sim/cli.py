@@ -151,7 +151,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="time compression factor (1: real time)")
     add_flag(parser, "--max-connections", type=int, default=d.max_connections,
              help="HTTP connections served at once")
-    add_flag(parser, "--model", default=d.model, help="model name of the answers")
+    add_flag(parser, "--model", default=d.model,
+             help="the model served: answers name it, a request for another one gets 404")
+    add_flag(parser, "--max-model-len", type=int, default=d.max_model_len,
+             help="context, tokens: a prompt plus max_tokens beyond it gets 400 (vLLM's "
+                  "--max-model-len)")
     add_flag(parser, "--tokenizer-path", default="",
              help="tokenizer.json (or its directory) for text prompts; empty: one token per "
                   "UTF-8 byte")
@@ -250,7 +254,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 prefill_us_per_token_sq=args.prefill_us_per_token_sq,
                 decode_us_per_seq=args.decode_us_per_seq,
                 decode_us_per_context_token=args.decode_us_per_context_token,
-                stream_coalesce_ms=args.stream_coalesce_ms)
+                stream_coalesce_ms=args.stream_coalesce_ms,
+                max_model_len=args.max_model_len)
             if args.tokenizer_path:
                 from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
 
