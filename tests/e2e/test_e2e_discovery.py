@@ -146,6 +146,7 @@ def test_join_refresh_keeps_index_replacement_starts_empty(etcd_server):
         assert directory.stream_ids() == [s0, s1]
 
 
+@pytest.mark.etcd_fresh
 def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_server):
     """Issue 13: an etcd outage no longer drains the replica (main answered 503 here): /ready
     stays 200 routing on the last snapshot and says so; streams go on serving."""

@@ -945,8 +945,9 @@ class Serving:
             pre, slot = self._prefill(req, cancel, rank)
             try:
                 first(pre)
-                decode_ms = (self._decode(slot, len(req.token_ids) + 1, req.max_tokens - 1,
-                                          cancel, emit=emit) if decode else 0.0)
+                decode_ms = (self._decode(slot, len(req.token_ids) + 1,
+                                          req.generation().tokens - 1, cancel, emit=emit)
+                             if decode else 0.0)
             finally:
                 self._release_slot(slot)
         except SimClientDisconnected:
@@ -956,7 +957,7 @@ class Serving:
             self._count(rejected=1)
             raise
         self._count(completed=1)
-        return pre, (self._finished(req, decode_ms) if decode else 0.0)
+        return pre, (self._finished(req.generation(), decode_ms) if decode else 0.0)
 
     def decode_only(self, req: SimRequest, cancel: "CancelFlag",
                     emit: Callable[[int, int], None]) -> float:
@@ -966,7 +967,7 @@ class Serving:
         self._count(requests=1, pd_requests=1)
         try:
             decode_ms = self._decode(self._pick_rank(), len(req.token_ids) + 1,
-                                     req.max_tokens - 1, cancel, emit=emit)
+                                     req.generation().tokens - 1, cancel, emit=emit)
         except SimClientDisconnected:
             self._count(cancelled=1)
             raise
@@ -974,7 +975,7 @@ class Serving:
             self._count(rejected=1)
             raise
         self._count(completed=1)
-        return self._finished(req, decode_ms)
+        return self._finished(req.generation(), decode_ms)
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
                      start_response: Callable, write: Callable,
