@@ -65,9 +65,13 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """Settings come only from what each test passes, never from the outer environment."""
+    """Settings come only from what each test passes, never from the outer environment.
+    One exception: ``KVSVC_RPC_PORT=0``, so that no kvsvc a test starts (in process or as a
+    child, which inherits it) binds the fixed baidu_std port 8889 (§13) beside another; the
+    tests of that port pass ``rpc_port`` themselves."""
     for key in [k for k in os.environ if k.startswith("KVSVC_")]:
         monkeypatch.delenv(key)
+    monkeypatch.setenv("KVSVC_RPC_PORT", "0")
     return monkeypatch
 
 

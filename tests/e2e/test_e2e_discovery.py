@@ -277,6 +277,7 @@ def serve_process(etcd_addr: str, port: int, cfg: Path, log_path: Path) -> subpr
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
     env["KVSVC_INTERNAL_API_TOKEN"] = TOKEN
     env["KVSVC_LOG_LEVEL"] = "info"
+    env["KVSVC_RPC_PORT"] = "0"   # replicas side by side: no fixed baidu_std port
     with open(log_path, "w", encoding="utf-8") as out:
         # Its own process group, so the test can kill arbiter and worker at once (a crash).
         return subprocess.Popen(

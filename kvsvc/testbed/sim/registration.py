@@ -14,7 +14,8 @@ an xLLM engine does it, so the service discovers it with no address list.
   refresh: the service keeps the streams);
 - every ``heartbeat_interval_s`` posts ``POST /v1/internal/heartbeat`` with the engine's
   waiting-queue length and Device usage to the master, whose address it reads from
-  ``XLLM:SERVICE:MASTER`` (re-read every ``master_refresh_s``, by default before every
+  ``KVSVC:SERVICE:MASTER:HTTP`` (a kvsvc master's HTTP address; not in the native mode, whose
+  baidu_std heartbeats go to the master key), else ``XLLM:SERVICE:MASTER`` (re-read every ``master_refresh_s``, by default before every
   heartbeat, and after a failed one);
 - with ``min_heartbeat_gap_s`` set, :meth:`EtcdRegistration.load_changed` asks for an early
   heartbeat (an engine pushing its load when its queue changes), at most one per
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PATH = "/v1/internal/heartbeat"
 TOKEN_HEADER = "X-Internal-Token"
 MASTER_KEY = "XLLM:SERVICE:MASTER"
+#: Where a kvsvc master keeps its HTTP address (the master key names its baidu_std port when
+#: it serves one, §13); read first, the master key is the fallback (other services).
+MASTER_HTTP_KEY = "KVSVC:SERVICE:MASTER:HTTP"
 
 _START_TIMEOUT_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
@@ -414,7 +418,12 @@ class EtcdRegistration(BackgroundThread):
         if self._master is not None and now - self._master[1] < self._master_refresh_s:
             return self._master[0]
         try:
-            master = client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
+            # HTTP heartbeats go to a kvsvc master's HTTP address (its master key names its
+            # baidu_std port, §13); the native mode's baidu_std heartbeats to the master key.
+            master = None
+            if self._send_heartbeat is None:
+                master = client.get(f"{key_prefix(self.namespace)}{MASTER_HTTP_KEY}")
+            master = master or client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
         except EtcdError:
             master = None
         self._master = (master_address(master.value), now) if master is not None else None
