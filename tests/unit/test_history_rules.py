@@ -780,3 +780,18 @@ def test_merge_rebuild_drops_covered_batches_applies_the_tail_and_decides_exactn
     empty = RebuildReply(TierIndex(BS, SEED, 1000), None, None, None, True, {}, 0, 10)
     first = merge_rebuild(empty, [(9, Batch(0.0, [put(1)], 0), 7_009)])
     assert (first.sequence, first.completeness) == (9, SUBSET)
+
+
+def test_merge_catch_up_keeps_the_contiguous_tail_and_stops_at_a_restart_or_a_hole():
+    from kvsvc.streams.anchor import Anchor
+    from kvsvc.streams.history_reply import merge_catch_up
+    b = Batch(0.0, [drop(99)], 0)
+    anchor = Anchor.at(5, 7_005, {4: 7_004})
+    merged = merge_catch_up(anchor, [(4, b, 7_004), (5, b, 1), (6, b, 7_006), (7, b, 7_007)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([], 5, None)
+    merged = merge_catch_up(anchor, [(2, b, 1), (6, b, 7_006), (6, b, 7_006), (7, b, 7_007),
+                                     (9, b, 7_009)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([6, 7], None, 9)
+    assert anchor.last == (5, 7_005)                  # judged on a copy: the anchor is unchanged
+    merged = merge_catch_up(anchor, [(6, b, 7_006), (6, b, 8)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted) == ([6], 6)
