@@ -12,6 +12,11 @@ process, which then stops them in order):
    ``P + 10000 + r`` / ``P + 30000 + r``, registers in etcd and heartbeats its load to the
    master. ``P`` is picked so that all of its ports are free and outside the ephemeral range
    (:func:`~kvsvc.testbed.ports.free_instance_port`), unless ``--engine-port`` says.
+Engines and router share one tokenizer, written once into the temporary directory
+(:func:`~kvsvc.testbed.tokenizer.write_tokenizer`: a byte-level BPE built in code, ChatML chat
+template), so text prompts (OpenAI SDK, aiperf, guidellm) tokenize alike on both sides and are
+routed on their cache hits.
+
 3. The router: ``kvsvc serve`` on ``127.0.0.1:--port`` (default ``$KVSVC_PORT``, else 8888)
    with a §8 *discovery* config (:func:`~kvsvc.testbed.demo.discovery_config`) on that etcd
    and the internal token of ``--token-file`` (:class:`~kvsvc.testbed.demo.ServiceProcess`).
@@ -55,7 +60,7 @@ from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config
 from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.ports import free_instance_port, instance_ports
-from kvsvc.testbed.tokenizer import write_tokenizer_dir
+from kvsvc.testbed.tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +156,13 @@ class SimProcess:
     :param etcd_addr: the registry.
     :param token: the router's internal token (heartbeats), passed in the environment.
     :param extra_args: more ``kvsvc sim`` flags (``--native``, ``--kv-events off``).
+    :param tokenizer_path: the shared tokenizer's directory (:mod:`kvsvc.testbed.tokenizer`),
+        ``None``: the sim's byte scheme.
     """
 
     def __init__(self, port: int, dp: int, etcd_addr: str, token: str, log_path: Path,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (),
+                 tokenizer_path: Optional[Path] = None) -> None:
         self.port = port
         self.dp = dp
         self.name = f"127.0.0.1:{port}"
@@ -162,6 +170,8 @@ class SimProcess:
         self._argv = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
                       "--port", str(port), "--dp", str(dp), "--etcd", etcd_addr,
                       "--model", MODEL, "--log-level", "warning", *extra_args]
+        if tokenizer_path is not None:
+            self._argv += ["--tokenizer-path", str(tokenizer_path)]
         self._env = dict(os.environ, KVSVC_INTERNAL_API_TOKEN=token)
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._log: Optional[TextIO] = None
@@ -281,9 +291,12 @@ class LocalCluster:
         deadline = time.monotonic() + o.ready_timeout_s
         sim_args: tuple[str, ...] = (("--native",) if o.xllm == "native" else ()) + (
             () if o.kv_events else ("--kv-events", "off"))
+        # One tokenizer for the engines and the router: text prompts hit (issue 20 item 5);
+        # a native xLLM engine takes the router's token ids.
+        tokenizer = write_tokenizer(self.tmp / "tokenizer")
         for i, port in enumerate(ports):
             eng = SimProcess(port, o.dp, self.etcd_addr, token, self.tmp / f"engine-{i}.log",
-                             sim_args)
+                             sim_args, tokenizer)
             self.engines.append(eng)
             eng.start()
         with requests.Session() as http:
@@ -298,12 +311,11 @@ class LocalCluster:
             doc["discovery"]["approximate_backends"] = ["xllm"]
         cfg = self.tmp / "kv_events.json"
         cfg.write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        router_args = ["--log_format", "text"]
+        router_args = ["--log_format", "text", "--tokenizer_path", str(tokenizer)]
         if o.xllm == "native":
             self.rpc_port = free_instance_port(1, 1, 2, avoid={o.port, *ports})
             router_args += ["--xllm_dispatch", "native", "--rpc_port", str(self.rpc_port),
-                            "--rpc_host", "127.0.0.1", "--tokenizer_path",
-                            str(write_tokenizer_dir(self.tmp / "tokenizer"))]
+                            "--rpc_host", "127.0.0.1"]
         self.service = ServiceProcess(cfg, o.port, token, self.tmp / "router.log",
                                       etcd_addr=self.etcd_addr, extra_args=router_args)
         self.service.session.trust_env = False
