@@ -130,7 +130,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "max_request_bytes": 4096, "worker_threads": 16, "dp_rank_routing": False,
         "load_scrape_backends": "vllm", "load_scrape_interval_ms": 250,
         "api_key": "client-key-1", "max_in_flight_requests": 12,
-        "xllm_dispatch": "native",
+        "xllm_dispatch": "native", "pending_ttl_ms": 0, "pending_blocks": 100,
     }
     names = {row.name for row in SETTINGS}
     assert set(values) | {"internal_api_token"} == names, "give every new setting a value here"
