@@ -142,3 +142,62 @@ def endpoint_key(value: str) -> tuple[str, int]:
     """``(host, port)`` of a validated ``tcp://`` endpoint, normalised for duplicate checks."""
     parts = urlsplit(value)
     return check_connect_host(parts.hostname or ""), int(parts.port or 0)
+
+
+def check_ipv4(host: str, what: str = "host") -> str:
+    """An IPv4 address in dotted form (``0.0.0.0`` included): the only form of a baidu_std
+    address an xLLM engine accepts (§13: ``ip:port`` with exactly one ``:``).
+
+    :raises ValueError: naming ``what`` and the value.
+    """
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"{what} must be an IPv4 address, got {host!r}") from None
+    return host
+
+
+def is_master_address(value: str) -> bool:
+    """True for the form an xLLM engine accepts in ``XLLM:SERVICE:MASTER`` and
+    ``XLLM:SERVICE:<ip:port>`` (§13): an IPv4 address that is not ``0.0.0.0``, exactly one
+    ``:``, a port in 1-65535."""
+    host, sep, port = value.partition(":")
+    if not sep or ":" in port or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+        return False
+    try:
+        return not ipaddress.IPv4Address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def advertised_ipv4(bind_host: str, advertise_host: str, self_host: str,
+                    hostname_ipv4s: "list[str]") -> str:
+    """The IPv4 address a baidu_std server tells engines to reach it at (§13), first of:
+    ``advertise_host``; ``bind_host`` unless it is ``0.0.0.0``; ``self_host`` (the host of
+    ``--self_address``) when it is an IPv4 address other than ``0.0.0.0``; the first
+    non-loopback address the machine's host name resolves to, else its first loopback one.
+
+    :param bind_host: the IPv4 the server binds (``0.0.0.0`` for every interface).
+    :param advertise_host: the configured address, ``""`` when none.
+    :param self_host: the host of ``--self_address``, ``""`` when none.
+    :param hostname_ipv4s: the IPv4 addresses the host name resolves to (the caller resolves:
+        no I/O here).
+    :raises ValueError: no IPv4 address can be advertised (the message says what to set).
+    """
+    if advertise_host:
+        return check_ipv4(advertise_host, "the advertised address")
+    if not ipaddress.IPv4Address(check_ipv4(bind_host, "the bind address")).is_unspecified:
+        return bind_host
+    try:
+        if self_host and not ipaddress.IPv4Address(self_host).is_unspecified:
+            return self_host
+    except ValueError:
+        pass
+    usable = [a for a in hostname_ipv4s if not ipaddress.IPv4Address(a).is_unspecified]
+    for addr in usable:
+        if not ipaddress.IPv4Address(addr).is_loopback:
+            return addr
+    if usable:
+        return usable[0]
+    raise ValueError("no IPv4 address to advertise: the bind address is 0.0.0.0 and this "
+                     "machine's host name resolves to no IPv4 address")

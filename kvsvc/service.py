@@ -17,9 +17,13 @@ before gunicorn forks, STYLE 8):
   :class:`~kvsvc.cluster.load_scrape.LoadScraper` thread that reads vLLM's and SGLang's load
   from their ``/metrics`` (§15);
 - with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
-  thread that keeps the instances' own model lists for ``GET /v1/models`` (§11).
+  thread that keeps the instances' own model lists for ``GET /v1/models`` (§11);
+- with ``--etcd_addr`` and ``--rpc_port`` not 0 the baidu_std
+  :class:`~kvsvc.rpc.server.RpcServer` of real xLLM engines (§13): heartbeats through the
+  same intake as HTTP's, Generations into :attr:`Service.generations`.
 
-:meth:`Service.start` starts registry, load scraper, directory, discovery and the model lister, in that order
+:meth:`Service.start` starts the baidu_std server, registry, load scraper, directory, discovery and
+the model lister, in that order
 (the router has no thread); :meth:`Service.close` closes them in the reverse order, then the
 router's upstream connections, every one of them even when an earlier one fails.
 
@@ -37,6 +41,7 @@ from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
 from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
 from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
@@ -55,6 +60,7 @@ from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
 from kvsvc.routing.xllm_dispatch import HttpJsonCaller, XllmDispatcher
+from kvsvc.rpc.server import RpcServer, XllmRpcHandler
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +76,20 @@ class _Component(Protocol):
 def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
     """The registry's settings from the service's (§9), ``None`` without ``etcd_addr``.
 
-    :raises ConfigError: a value the registry refuses.
+    :raises ConfigError: a value the registry refuses, or a baidu_std port without an IPv4
+        address to advertise (:meth:`~kvsvc.settings.ServiceSettings.rpc_address`).
     """
     if not settings.etcd_addr:
         return None
+    # With a baidu_std port the master key holds its ip:port, the only form an xLLM engine
+    # accepts (§13), and the replica keeps XLLM:SERVICE:<ip:port>; else the HTTP address.
+    rpc = settings.rpc_address()
     return RegistrySettings(
         etcd_addr=settings.etcd_addr, namespace=settings.etcd_namespace,
         suspect_removal_s=settings.detect_disconnected_instance_interval,
-        self_address=settings.advertised_address(), max_load_age_s=settings.max_load_age_s)
+        self_address=rpc or settings.advertised_address(), service_address=rpc or "",
+        http_address=settings.advertised_address(),
+        max_load_age_s=settings.max_load_age_s)
 
 
 def build_router(settings: ServiceSettings, registry: Optional[Registry],
@@ -154,15 +166,19 @@ def startup_warnings(settings: ServiceSettings,
     :param settings: validated settings.
     :param kv_config: the §8 config, ``None`` with the index disabled.
     """
-    if kv_config is not None:
-        return []
-    line = ("kv_events_config_file is empty: KV index disabled, every query answers no "
-            "matches (hit ratio 0)")
-    if settings.load_balance_policy == "CAR":
-        line += "; routing policy CAR routes on queue costs only"
-    elif settings.load_balance_policy == "TTFT":
-        line += "; routing policy TTFT predicts every prompt uncached"
-    return [line]
+    lines: list[str] = []
+    if kv_config is None:
+        line = ("kv_events_config_file is empty: KV index disabled, every query answers no "
+                "matches (hit ratio 0)")
+        if settings.load_balance_policy == "CAR":
+            line += "; routing policy CAR routes on queue costs only"
+        elif settings.load_balance_policy == "TTFT":
+            line += "; routing policy TTFT predicts every prompt uncached"
+        lines.append(line)
+    if not settings.etcd_addr:
+        lines.append("etcd_addr is empty: no instance registry, so no routing candidate: "
+                     "every OpenAI request is answered 503")
+    return lines
 
 
 class Service:
@@ -188,12 +204,18 @@ class Service:
     :ivar load_scraper: reads the load of the ``--load_scrape_backends`` instances from their
         ``/metrics`` (§15), ``None`` without a registry or with no backend listed.
     :ivar static_streams: the §8 config lists streams.
-    :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the HTTP
-        layer, shown in ``/ready`` and ``/v1/internal/route``.
+    :ivar heartbeat_rejections: the ledger of refused heartbeats (§9, §10), fed by the
+        heartbeat intake, shown in ``/ready`` and ``/v1/internal/route``.
+    :ivar heartbeats: the one heartbeat intake of the HTTP and baidu_std heartbeats (§9, §13).
     :ivar generations: the requests waiting for xLLM engines' ``Generations`` (§13), where the
-        baidu_std server delivers every entry (empty unless ``--xllm_dispatch native``).
+        baidu_std server delivers every entry.
+    :ivar rpc_address: this replica's baidu_std ``ip:port`` as engines reach it (the master
+        key's value, ``source_xservice_addr``), ``None`` without a baidu_std port
+        (``--rpc_port`` 0 or no ``--etcd_addr``).
+    :ivar rpc_server: the ``XllmRpcService`` server (:mod:`kvsvc.rpc.server`), ``None``
+        without a baidu_std port.
     :ivar rpc_source_address: this replica's baidu_std ``ip:port`` sent to engines as
-        ``source_xservice_addr`` (§13); ``""`` until the baidu_std server has one.
+        ``source_xservice_addr`` (§13): :attr:`rpc_address`, ``""`` without one.
     :ivar pd_links: the P/D links of the xLLM instances (§13), with ``--xllm_dispatch native``
         and a registry; ``None`` otherwise. An instance whose link failed is no candidate.
     """
@@ -228,7 +250,11 @@ class Service:
                 backends=backends, interval_s=settings.load_scrape_interval_ms / 1000.0))
             if self.registry is not None and backends else None)
         self.generations = PendingRequests()
-        self.rpc_source_address = ""
+        # The baidu_std port of real xLLM engines (§13): only with a registry, where engines
+        # find it (XLLM:SERVICE:MASTER).
+        self.rpc_address: Optional[str] = (reg_settings.service_address or None
+                                           if reg_settings is not None else None)
+        self.rpc_source_address = self.rpc_address or ""
         if settings.xllm_dispatch == "native":
             registry = self.registry
             self.router.xllm = XllmDispatcher(
@@ -246,9 +272,24 @@ class Service:
             ModelLister(self.registry) if self.registry is not None and not self.router.models
             else None)
         self.static_streams = bool(kv_config is not None and kv_config.streams)
-        self.heartbeat_rejections = HeartbeatRejections()
+        self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
+                                          settings.etcd_namespace)
+        self.rpc_server: Optional[RpcServer] = (
+            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations),
+                      settings.rpc_host, settings.rpc_port)
+            if self.rpc_address is not None else None)
         self._lock = threading.Lock()
         self._running = False
+
+    @property
+    def heartbeat_rejections(self) -> HeartbeatRejections:
+        """The ledger of refused heartbeats, the intake's (replaceable, e.g. by a test with
+        its own clock)."""
+        return self.heartbeats.rejections
+
+    @heartbeat_rejections.setter
+    def heartbeat_rejections(self, ledger: HeartbeatRejections) -> None:
+        self.heartbeats.rejections = ledger
 
     @property
     def running(self) -> bool:
@@ -258,8 +299,11 @@ class Service:
 
     def _threads(self) -> list[_Component]:
         """The components with threads, in start order."""
-        parts: list[Optional[_Component]] = [self.registry, self.load_scraper, self.directory,
-                                             self.discovery, self.models, self.pd_links]
+        # The baidu_std server first: the master key the registry's election writes points
+        # at it, so it listens before the key can exist.
+        parts: list[Optional[_Component]] = [self.rpc_server, self.registry, self.load_scraper,
+                                             self.directory, self.discovery, self.models,
+                                             self.pd_links]
         return [p for p in parts if p is not None]
 
     def start(self, timeout_s: float = 5.0) -> None:
@@ -290,10 +334,13 @@ class Service:
             raise
         with self._lock:
             self._running = True
-        log.info("service started (%d streams, registry %s, discovery %s, token %s)",
+        log.info("service started (%d streams, registry %s, discovery %s, token %s, "
+                 "baidu_std %s)",
                  len(self.directory) if self.directory is not None else 0,
                  self.settings.etcd_addr or "off", "on" if self.discovery else "off",
-                 "required" if self.token else "not required")
+                 "required" if self.token else "not required",
+                 f"{self.settings.rpc_host}:{self.rpc_server.port} as {self.rpc_address}"
+                 if self.rpc_server is not None else "off")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close discovery, the directory's threads, the registry and the router's upstream

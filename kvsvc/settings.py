@@ -49,7 +49,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvsvc.address import check_bind_host, format_host_port, parse_host_port, parse_http_host_port
+from kvsvc.address import (advertised_ipv4, check_bind_host, check_ipv4, format_host_port,
+                           parse_host_port, parse_http_host_port)
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
     KvEventsConfig,
@@ -117,8 +118,12 @@ SECTION_REGISTRY = "Instance registry (§9)"
 SECTION_ROUTING = "Routing (§11)"
 SECTION_LOGS = "Logs"
 SECTION_WORKER = "gunicorn worker"
-SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_LOGS,
-            SECTION_WORKER)
+SECTION_RPC = "xLLM engines: baidu_std (§13)"
+SECTIONS = (SECTION_HTTP, SECTION_INDEX, SECTION_REGISTRY, SECTION_ROUTING, SECTION_RPC,
+            SECTION_LOGS, SECTION_WORKER)
+
+#: xllm-service's baidu_std port (``--rpc_server_port``), kvsvc's ``--rpc_port`` default.
+DEFAULT_RPC_PORT = 8889
 
 #: Marker lines around the generated table in docs/configuration.md.
 README_BEGIN = ("<!-- settings-table:begin (generated: python -m kvsvc.settings --update-readme "
@@ -214,9 +219,23 @@ class ServiceSettings(BaseSettings):
         SECTION_REGISTRY, "time a `SUSPECT` instance is kept before removal",
         unit="s")] = 15.0
     self_address: Annotated[str, Setting(
-        SECTION_REGISTRY, "`host:port` engines reach this replica at, written to "
-        "`XLLM:SERVICE:MASTER` while it is master; empty: `--host`:`--port`, a wildcard host "
+        SECTION_REGISTRY, "HTTP `host:port` engines reach this replica at; written to "
+        "`XLLM:SERVICE:MASTER` while it is master when `--rpc_port` is 0 (else the master key "
+        "holds the baidu_std `ip:port`, §13); empty: `--host`:`--port`, a wildcard host "
         "replaced by the machine's host name")] = ""
+    rpc_port: Annotated[int, Field(ge=0, le=65535), Setting(
+        SECTION_RPC, "baidu_std port of `xllm_service.proto.XllmRpcService` (Heartbeat, "
+        "Generations, GetInstanceInfo... from real xLLM engines, §13); served only with "
+        "`--etcd_addr`; **unauthenticated** (engines send no credential): bind it to the "
+        "engines' network only; 0 disables it")] = DEFAULT_RPC_PORT
+    rpc_host: Annotated[str, Setting(
+        SECTION_RPC, "IPv4 address the baidu_std port binds (`0.0.0.0`: every interface)")] = (
+        "0.0.0.0")
+    rpc_advertise_host: Annotated[str, Setting(
+        SECTION_RPC, "IPv4 engines reach the baidu_std port at, written as `ip:port` to "
+        "`XLLM:SERVICE:MASTER` (while master) and `XLLM:SERVICE:<ip:port>`; empty: "
+        "`--rpc_host`, or for `0.0.0.0` the host of `--self_address` when it is an IPv4, else "
+        "the machine's host name's IPv4 (start-up is refused when there is none)")] = ""
     # One at a time: an index build is CPU work under the GIL, so a request thread then waits
     # at most one build slice while many streams recover; more speeds up recovery and
     # lengthens that wait (bench 8).
@@ -350,11 +369,31 @@ class ServiceSettings(BaseSettings):
             parse_host_port(value)
         return value
 
+    @field_validator("rpc_host")
+    @classmethod
+    def _rpc_host(cls, value: str) -> str:
+        # xLLM engines accept only ip:port (IPv4) as the service's address.
+        return check_ipv4(value, "rpc_host")
+
+    @field_validator("rpc_advertise_host")
+    @classmethod
+    def _rpc_advertise_host(cls, value: str) -> str:
+        if value and check_ipv4(value, "rpc_advertise_host") == "0.0.0.0":
+            raise ValueError("must be an address engines can reach, not 0.0.0.0")
+        return value
+
     @field_validator("host")
     @classmethod
     def _bind_host(cls, value: str) -> str:
         # A bind address: an IP (0.0.0.0 / :: allowed here, unlike connect addresses) or a name.
         return check_bind_host(value)
+
+    @model_validator(mode="after")
+    def _rpc_port_apart(self) -> "ServiceSettings":
+        if self.rpc_port and self.rpc_port == self.port:
+            raise ValueError(f"rpc_port: {self.rpc_port} is also --port; the baidu_std port "
+                             "needs its own (0 disables it)")
+        return self
 
     @model_validator(mode="after")
     def _token_sources(self) -> "ServiceSettings":
@@ -414,6 +453,34 @@ class ServiceSettings(BaseSettings):
         config = load_kv_events_config(self.kv_events_config_file)
         check_discovery_needs_etcd(config, self.etcd_addr)
         return config
+
+    def rpc_address(self) -> Optional[str]:
+        """This replica's baidu_std ``ip:port`` as engines must reach it (§13; the master
+        key's value and ``source_xservice_addr``), ``None`` when ``--rpc_port`` is 0 or there
+        is no registry (no engine can find the port then). A wildcard ``--rpc_host`` is
+        resolved as ``--rpc_advertise_host`` says (the machine's host name is resolved here).
+
+        :raises ConfigError: no IPv4 address can be advertised (``field`` is
+            ``rpc_advertise_host``).
+        """
+        if not self.rpc_port or not self.etcd_addr:
+            return None
+        self_host = ""
+        if self.self_address:
+            self_host = parse_host_port(self.self_address).host
+        ipv4s: list[str] = []
+        if not self.rpc_advertise_host and self.rpc_host == "0.0.0.0" and not self_host:
+            try:
+                ipv4s = [str(info[4][0]) for info in socket.getaddrinfo(
+                    socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)]
+            except OSError:
+                ipv4s = []
+        try:
+            host = advertised_ipv4(self.rpc_host, self.rpc_advertise_host, self_host, ipv4s)
+        except ValueError as exc:
+            raise ConfigError("rpc_advertise_host", f"{exc}; set --rpc_advertise_host to the "
+                              "IPv4 engines reach this machine at, or bind --rpc_host to it")
+        return f"{host}:{self.rpc_port}"
 
     def advertised_address(self) -> str:
         """``host:port`` written as master address (§9): ``self_address``, else ``host:port``

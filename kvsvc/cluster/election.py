@@ -1,6 +1,6 @@
 """Master election among kvsvc replicas and the master's ``XLLM:LOADMETRICS`` writes (§9).
 
-The master holds ``XLLM:SERVICE:MASTER`` (value: its ``host:port``) under a lease of
+The master holds ``XLLM:SERVICE:MASTER`` under a lease of
 ``master_lease_ttl_s``. Every refresh period (``ttl / 3``) the election thread either keeps the
 lease alive (master) or tries a put-if-absent of the key under its own lease (candidate). When
 the master dies, etcd deletes the key when its lease expires (at most one TTL after the last
@@ -8,6 +8,17 @@ keep-alive) and a candidate creates it at its next attempt: failover takes at mo
 one refresh period. A master that has had no successful keep-alive for a whole TTL stops
 claiming mastership (another replica may hold the key by then). ``close()`` revokes the lease
 on the election thread, so a graceful hand-over takes one refresh.
+
+The key's value is ``self_address``: the replica's baidu_std ``ip:port`` when it serves
+``XllmRpcService`` (§13: an xLLM engine heartbeats and pushes Generations there, and exits on
+any other form), else its HTTP ``host:port`` (HTTP heartbeats, §9). With a baidu_std address
+(``service_address``) every replica, master or not, also keeps ``XLLM:SERVICE:<ip:port>`` →
+``ip:port`` under the same lease, as xllm-service does: engines connect to every replica, so
+Generations reach the one that dispatched the request. It is put again whenever the lease is
+new and disappears with it. The master also writes its HTTP ``host:port`` (``http_address``)
+to kvsvc's own ``KVSVC:SERVICE:MASTER:HTTP`` under the master lease: the address of ``POST
+/v1/internal/heartbeat`` for senders that find the master in etcd (the simulated engine; the
+master key names the baidu_std port then).
 
 While master, the same thread writes ``XLLM:LOADMETRICS:<name>`` →
 ``{"waiting_requests_num": int, "gpu_cache_usage_perc": float}`` every ``loadmetrics_interval_s``
@@ -54,6 +65,11 @@ from kvsvc.lifecycle import BackgroundThread
 log = logging.getLogger(__name__)
 
 MASTER_KEY = "XLLM:SERVICE:MASTER"
+#: Prefix of every replica's own key, ``XLLM:SERVICE:<ip:port>`` (§13).
+SERVICE_PREFIX = "XLLM:SERVICE:"
+#: The master's HTTP ``host:port`` for HTTP heartbeat senders (kvsvc's own key, outside the
+#: ``XLLM:SERVICE:`` prefix that engines connect to).
+MASTER_HTTP_KEY = "KVSVC:SERVICE:MASTER:HTTP"
 LOADMETRICS_PREFIX = "XLLM:LOADMETRICS:"
 
 
@@ -88,6 +104,7 @@ class MasterElection(BackgroundThread):
         # Election thread only: its etcd client and the lease state.
         self._client: Optional[EtcdClient] = None
         self._lease_id: Optional[int] = None
+        self._service_key_lease: Optional[int] = None  # lease XLLM:SERVICE:<addr> was put under
         self._last_keepalive = 0.0
         # name -> received_at of the load last written; names whose key exists in etcd.
         self._written: dict[str, float] = {}
@@ -194,7 +211,11 @@ class MasterElection(BackgroundThread):
         if self._lease_id is None:
             self._lease_id = client.grant_lease(self._settings.master_lease_ttl_s)
         self._last_keepalive = now
+        self._put_service_key(client)
         if client.create(self._master_key, self._settings.self_address, self._lease_id):
+            if self._settings.http_address:
+                client.put(self._prefix + MASTER_HTTP_KEY, self._settings.http_address,
+                           lease_id=self._lease_id)
             self._written.clear()
             # Learn which LOADMETRICS keys exist, so those of instances gone meanwhile are
             # deleted by the first write.
@@ -209,6 +230,16 @@ class MasterElection(BackgroundThread):
         if holder != self._master_address:
             log.info("election: master is %s", holder)
             self._master_address = holder
+
+    def _put_service_key(self, client: EtcdClient) -> None:
+        """``XLLM:SERVICE:<ip:port>`` under the current lease, once per lease (module
+        docstring)."""
+        address = self._settings.service_address
+        if not address or self._lease_id is None or self._service_key_lease == self._lease_id:
+            return
+        client.put(self._prefix + SERVICE_PREFIX + address, address, lease_id=self._lease_id)
+        self._service_key_lease = self._lease_id
+        log.info("election: %s%s kept under lease %x", SERVICE_PREFIX, address, self._lease_id)
 
     def _set_master(self, is_master: bool, holder: Optional[str], why: str) -> None:
         self._master_address = holder

@@ -239,7 +239,13 @@ class RegistrySettings:
     :ivar health_probe_timeout_s: timeout of one ``GET http://<name>/health``.
     :ivar loadmetrics_interval_s: master's ``XLLM:LOADMETRICS`` write period (§9: 3 s).
     :ivar master_lease_ttl_s: TTL of the master key's lease, whole seconds >= 1.
-    :ivar self_address: this service's ``host:port``, the master key's value.
+    :ivar self_address: this service's address, the master key's value: its baidu_std
+        ``ip:port`` when it serves one (§13), else its HTTP ``host:port``.
+    :ivar service_address: the baidu_std ``ip:port`` kept as ``XLLM:SERVICE:<ip:port>`` under
+        the election lease (every replica, as xllm-service; engines connect to each),
+        ``""``: no such key.
+    :ivar http_address: the HTTP ``host:port`` the master writes to
+        ``KVSVC:SERVICE:MASTER:HTTP`` (where HTTP heartbeats go), ``""``: not written.
     :ivar max_load_age_s: ``--max_load_age_s`` (§11): the master writes (and keeps) an
         ``XLLM:LOADMETRICS`` key only for a load report that is current by this age.
     :raises ConfigError: from construction when a value is out of range; ``field`` is the
@@ -255,6 +261,8 @@ class RegistrySettings:
     loadmetrics_interval_s: float = 3.0
     master_lease_ttl_s: int = 3
     self_address: str = ""
+    service_address: str = ""
+    http_address: str = ""
     max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S
 
     def __post_init__(self) -> None:
@@ -296,6 +304,21 @@ class Registration:
     backend_type: str
     rpc_address: Optional[str]
     profiling: ProfilingData = NO_PROFILING
+    # PD fields xllm-service keeps for ``GetInstanceInfo`` and P/D links (§13); read leniently
+    # (a wrong type gives the default): only PD uses them.
+    cluster_ids: tuple[int, ...] = ()
+    addrs: tuple[str, ...] = ()
+    ports: tuple[int, ...] = ()
+    kv_split_size: int = 1
+    #: ``dp_size`` as registered (0 when absent), as xllm-service answers it.
+    registered_dp_size: int = 0
+
+
+def _int_list(value: object, low: int, high: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in value):
+        return ()
+    return tuple(value)
 
 
 def _check_name(name: str) -> None:
@@ -312,7 +335,9 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
     :param name: the ``<name>`` of the key (must be ``host:port``).
     :param value: the raw value bytes (UTF-8 JSON object).
     :returns: the registration; absent ``dp_size`` (or 0) is 1, absent ``backend_type`` is
-        ``"xllm"``, empty ``incarnation_id``/``rpc_address`` are None; the §12 profiling
+        ``"xllm"``, empty ``incarnation_id``/``rpc_address`` are None; ``cluster_ids``,
+        ``addrs``, ``ports`` and ``kv_split_size`` (§13 PD, default 1) of a wrong type are
+        their defaults, never refused; the §12 profiling
         fields by :func:`parse_profiling` (never refused).
     :raises MalformedRegistration: not a JSON object, a field of the wrong type, ``name``/``type``
         disagreeing with the key, a name that is not ``host:port``, ``register_ts_ms`` < 0,
@@ -349,9 +374,19 @@ def parse_registration(key_type: InstanceType, name: str, value: bytes) -> Regis
         raise MalformedRegistration(f"dp_size {dp} out of range 0-65536")
     backend = opt("backend_type", str) or "xllm"
     rpc = opt("rpc_address", str) or None
+    addrs = obj.get("addrs")
+    kv_split = obj.get("kv_split_size")
     return Registration(type=key_type, incarnation_id=incarnation, register_ts_ms=ts,
                          dp_size=dp or 1, backend_type=backend, rpc_address=rpc,
-                         profiling=parse_profiling(obj))
+                         profiling=parse_profiling(obj),
+                         cluster_ids=_int_list(obj.get("cluster_ids"), 0, 2**64 - 1),
+                         addrs=(tuple(addrs) if isinstance(addrs, list)
+                                and all(isinstance(a, str) for a in addrs) else ()),
+                         ports=_int_list(obj.get("ports"), 0, 65535),
+                         kv_split_size=(kv_split if isinstance(kv_split, int)
+                                        and not isinstance(kv_split, bool)
+                                        and -2**31 <= kv_split < 2**31 else 1),
+                         registered_dp_size=dp or 0)
 
 
 def parse_load(value: bytes) -> "CheckedLoad":

@@ -231,6 +231,14 @@ class Registry:
         """The current immutable snapshot (lock-free; safe on request threads)."""
         return self._snap
 
+    def registration(self, name: str) -> Optional[Registration]:
+        """The parsed registration value of instance ``name`` (§9; its PD fields for
+        ``GetInstanceInfo`` and P/D links, §13), ``None`` when the registry holds no such
+        instance."""
+        with self._lock:
+            rec = self._records.get(name)
+            return rec.reg if rec is not None else None
+
     @property
     def master_address(self) -> Optional[str]:
         """``host:port`` of the master service as last read from etcd, or None."""

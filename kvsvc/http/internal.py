@@ -35,7 +35,6 @@ import flask
 import orjson
 from flask import current_app, request
 
-from kvsvc.cluster.rejections import RejectionReason
 from kvsvc.errors import (
     BadRequest,
     InvalidHeartbeat,
@@ -97,32 +96,24 @@ def _heartbeat() -> flask.Response:
     except BadRequest:
         counter.labels(HeartbeatOutcome.MALFORMED).inc()
         raise
-    if svc.registry is None:
-        counter.labels(HeartbeatOutcome.NO_REGISTRY).inc()
-        raise NoRegistry("no instance registry configured (--etcd_addr is empty)")
     try:
-        # The registry's check_load judges the values (InvalidHeartbeat otherwise).
-        svc.registry.heartbeat(hb.name, hb.incarnation_id, cast(int, hb.waiting_requests_num),
+        # The one intake of both transports (kvsvc.cluster.heartbeat): the registry's rules,
+        # refusals reported to the rejections ledger.
+        svc.heartbeats.receive(hb.name, hb.incarnation_id, cast(int, hb.waiting_requests_num),
                                hb.gpu_cache_usage_perc)
+    except NoRegistry:
+        counter.labels(HeartbeatOutcome.NO_REGISTRY).inc()
+        raise
     except InvalidHeartbeat:
         counter.labels(HeartbeatOutcome.INVALID_LOAD).inc()
         raise
     except UnknownInstance:
         counter.labels(HeartbeatOutcome.UNKNOWN_INSTANCE).inc()
-        namespace = svc.settings.etcd_namespace
-        svc.heartbeat_rejections.rejected(
-            hb.name, RejectionReason.UNKNOWN_INSTANCE,
-            detail=(f"this kvsvc reads --etcd_namespace {namespace!r}" if namespace
-                    else "this kvsvc reads no --etcd_namespace"))
         raise
-    except StaleIncarnation as exc:
+    except StaleIncarnation:
         counter.labels(HeartbeatOutcome.STALE_INCARNATION).inc()
-        svc.heartbeat_rejections.rejected(
-            hb.name, RejectionReason.STALE_INCARNATION,
-            detail=f"incarnation {exc.got!r}, registered {exc.registered!r}")
         raise
     counter.labels(HeartbeatOutcome.OK).inc()
-    svc.heartbeat_rejections.accepted(hb.name)
     return flask.jsonify(ok=True)
 
 

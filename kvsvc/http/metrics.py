@@ -33,7 +33,6 @@ never a token or a prompt.
 
 from __future__ import annotations
 
-import enum
 import logging
 import platform
 import threading
@@ -61,6 +60,7 @@ from prometheus_client.registry import Collector
 
 from kvsvc import __version__
 from kvsvc.cluster.discovery import CHANGE_KINDS, EXCLUSION_KINDS, exclusion_kind
+from kvsvc.cluster.heartbeat import HeartbeatOutcome
 from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
 from kvsvc.routing.cache_audit import DIFF_BUCKETS_TOKENS, UNAUDITED_REASONS
@@ -74,18 +74,6 @@ from kvsvc.streams.state import Completeness, StreamState
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
-class HeartbeatOutcome(enum.StrEnum):
-    """Outcomes of ``POST /v1/internal/heartbeat``: the ``outcome`` label of
-    ``kvsvc_heartbeats_total`` (§9), declared once."""
-
-    OK = "ok"
-    MALFORMED = "malformed"
-    INVALID_LOAD = "invalid_load"
-    UNKNOWN_INSTANCE = "unknown_instance"
-    STALE_INCARNATION = "stale_incarnation"
-    NO_REGISTRY = "no_registry"
-    UNAUTHORIZED = "unauthorized"
-
 
 #: Every heartbeat outcome label, in declaration order.
 HEARTBEAT_OUTCOMES = tuple(o.value for o in HeartbeatOutcome)

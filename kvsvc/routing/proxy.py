@@ -490,8 +490,13 @@ class Proxy:
     def add_observer(self, observer: RequestObserver) -> None:
         """Hear every attempt with ``observer`` too, after the ones given so far (e.g. the HTTP
         layer's token metrics). Call before serving."""
-        self.observer = (observer if self.observer is None
-                         else ObserverChain([self.observer, observer]))
+        current = self.observer
+        if current is None:
+            self.observer = observer
+        elif isinstance(current, ObserverChain):  # one flat chain: its observers, then this
+            self.observer = ObserverChain([*current.observers, observer])
+        else:
+            self.observer = ObserverChain([current, observer])
 
     def client_gone(self) -> int:
         """Attempts cancelled because their client went away before the response head."""

@@ -157,6 +157,12 @@ class BenchOptions:
     :param decode_us_per_context_token: see :class:`~kvsvc.testbed.sim.serving.ServingConfig`.
     :param stream: stream the answers (else non-streamed: the router hears only the end).
     :param stream_coalesce_ms: the engines' ``--stream-coalesce-ms``, wall ms.
+    :param xllm: ``http``, or ``native``: the engines are xLLM engines with service routing
+        (``kvsvc sim --native``, §13) and the router dispatches natively with a baidu_std
+        port; the answers carry no ``sim_timing``, so TTFT and TPOT are the client's (wall
+        times scaled to simulated ms: they include the router's own time).
+    :param kv_events: the engines publish KV events; without, the router's discovery uses the
+        approximate index (§14).
     """
 
     traces: tuple[str, ...] = ("conversation", "synthetic")
@@ -190,6 +196,8 @@ class BenchOptions:
     decode_us_per_context_token: float = SIM_DEFAULTS.decode_us_per_context_token
     stream: bool = True
     stream_coalesce_ms: float = 20.0
+    xllm: str = "http"
+    kv_events: bool = True
 
 
 @dataclass
@@ -478,7 +486,10 @@ class _Client:
     """Sends the replayed requests from a bounded thread pool, one ``requests.Session`` per
     thread (sessions are not thread-safe), all closed by :meth:`close`."""
 
-    def __init__(self, base_url: str, threads: int, timeout_s: float) -> None:
+    def __init__(self, base_url: str, threads: int, timeout_s: float,
+                 client_timing_scale: Optional[float] = None) -> None:
+        # Native xLLM answers carry no sim_timing: time them here, scaled to simulated ms.
+        self._client_scale = client_timing_scale
         self._url = base_url + "/v1/completions"
         self._timeout_s = timeout_s
         self._local = threading.local()
@@ -511,10 +522,28 @@ class _Client:
                 log.warning("bench: request answered %d: %s", r.status_code, r.text[:200])
                 return None
             stream = r.headers.get("Content-Type", "").startswith("text/event-stream")
-            if stream:
+            if stream and self._client_scale is not None:
+                first_at: Optional[float] = None
+                parts = []
+                for chunk in r.iter_content(None):
+                    if first_at is None and b'"choices":[{' in chunk:
+                        first_at = time.monotonic()
+                    parts.append(chunk)
+                end_at = time.monotonic()
+                usage = _last_usage_event(b"".join(parts))["usage"]
+                first_at = first_at if first_at is not None else end_at
+                ttft = (first_at - sent) * 1000.0 * self._client_scale
+                n = int(usage["completion_tokens"])
+                tpot = ((end_at - first_at) * 1000.0 * self._client_scale / (n - 1)
+                        if n >= 2 else 0.0)
+            elif stream:
                 doc = _last_usage_event(r.content)
                 usage, timing = doc["usage"], doc["sim_timing"]
                 ttft, tpot = float(timing["ttft_ms"]), float(timing["tpot_ms"])
+            elif self._client_scale is not None:
+                usage = r.json()["usage"]
+                ttft = (time.monotonic() - sent) * 1000.0 * self._client_scale
+                tpot = 0.0
             else:
                 usage = r.json()["usage"]
                 ttft, tpot = float(r.headers["x-sim-ttft-ms"]), float(r.headers["x-sim-tpot-ms"])
@@ -626,6 +655,10 @@ class EngineProcesses:
                     "--heartbeat-on-change-ms", repr(1000.0 * o.heartbeat_gap_s / o.time_scale),
                     "--master-refresh-s", "1.0",
                     "--log-level", "warning"]
+            if o.xllm == "native":
+                argv.append("--native")
+            if not o.kv_events:
+                argv += ["--kv-events", "off"]
             log_file = open(self._log_dir / f"sim-{i}.log", "w", encoding="utf-8")
             self._logs.append(log_file)
             self._procs.append(subprocess.Popen(argv, env=env, stdout=log_file,
@@ -698,19 +731,28 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
     try:
         engines.start(opts.ready_timeout_s)
         cfg = run_dir / "kv_events.json"
-        cfg.write_text(json.dumps(discovery_config(demo_opts)), encoding="utf-8")
+        doc = discovery_config(demo_opts)
+        if not opts.kv_events:
+            doc["discovery"]["backends"] = []
+            doc["discovery"]["approximate_backends"] = ["xllm"]
+        cfg.write_text(json.dumps(doc), encoding="utf-8")
         args = ["--load_balance_policy", policy, "--model", MODEL,
                 # The service's targets are whole ms (its settings table).
                 "--target_ttft", str(wall_ms(opts.target_ttft_ms, opts.time_scale)),
                 "--target_tpot", str(wall_ms(opts.target_tpot_ms, opts.time_scale))]
         if lam is not None:
             args += ["--car_prefill_lambda", repr(lam)]
+        if opts.xllm == "native":
+            args += ["--xllm_dispatch", "native", "--rpc_port", str(free_port_run(1)),
+                     "--rpc_host", "127.0.0.1"]
         service = ServiceProcess(cfg, free_port_run(1), token, run_dir / "service.log",
                                  etcd_addr=etcd_addr, extra_args=args,
                                  extra_env={"GUNICORN_CMD_ARGS": f"--threads {opts.service_threads}"})
-        service.start(opts.ready_timeout_s, {(name, 0) for name in engines.names})
+        service.start(opts.ready_timeout_s, {(name, 0) for name in engines.names}
+                      if opts.kv_events else None)
         service.wait_routable(set(engines.names), opts.ready_timeout_s)
-        client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s)
+        client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s,
+                         opts.time_scale if opts.xllm == "native" else None)
         result.per_engine = {name: 0 for name in engines.names}
         futures = _replay(client, reqs, bodies, opts.time_scale * load, result, opts.arrivals)
         answers: list[Optional[Answer]] = []
@@ -1084,6 +1126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "the 4 default policies at 5x)")
     add_flag(parser, "--no-stream", action="store_true",
              help="non-streamed requests (the router then hears only each answer's end)")
+    add_flag(parser, "--xllm", default=d.xllm, choices=("http", "native"),
+             help="native: xLLM engines with service routing (§13; requests and tokens over "
+                  "baidu_std, timed by the client)")
+    add_flag(parser, "--kv-events", default="on", choices=("on", "off"),
+             help="off: engines without KV events, the router's approximate index (§14)")
     add_flag(parser, "--engines", type=int, default=d.engines, help="simulated engines")
     add_flag(parser, "--device-blocks", type=int, default=d.device_blocks,
              help="Device pool per rank, blocks")
@@ -1181,7 +1228,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                         prefill_us_per_token_sq=args.prefill_us_per_token_sq,
                         decode_us_per_seq=args.decode_us_per_seq,
                         decode_us_per_context_token=args.decode_us_per_context_token,
-                        stream=not args.no_stream)
+                        stream=not args.no_stream, xllm=args.xllm,
+                        kv_events=args.kv_events == "on")
 
 
 def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],

@@ -323,6 +323,10 @@ class ServiceProcess:
                 str(self.config_path), "--port", str(self.port), "--host", "127.0.0.1"]
         if self.etcd_addr:
             argv += ["--etcd_addr", self.etcd_addr]
+        if not any(a == "--rpc_port" or a.startswith("--rpc_port=") for a in self.extra_args):
+            # The simulated engines heartbeat over HTTP (KVSVC:SERVICE:MASTER:HTTP); no fixed
+            # baidu_std port 8889 that another local service may hold (§13).
+            argv += ["--rpc_port", "0"]
         argv += self.extra_args
         # Its own session: a terminal's Ctrl-C reaches only the parent, which stops the
         # service in its order (router first, then what it talks to) instead of all at once.

@@ -12,6 +12,11 @@ process, which then stops them in order):
    ``P + 10000 + r`` / ``P + 30000 + r``, registers in etcd and heartbeats its load to the
    master. ``P`` is picked so that all of its ports are free and outside the ephemeral range
    (:func:`~kvsvc.testbed.ports.free_instance_port`), unless ``--engine-port`` says.
+Engines and router share one tokenizer, written once into the temporary directory
+(:func:`~kvsvc.testbed.tokenizer.write_tokenizer`: a byte-level BPE built in code, ChatML chat
+template), so text prompts (OpenAI SDK, aiperf, guidellm) tokenize alike on both sides and are
+routed on their cache hits.
+
 3. The router: ``kvsvc serve`` on ``127.0.0.1:--port`` (default ``$KVSVC_PORT``, else 8888)
    with a §8 *discovery* config (:func:`~kvsvc.testbed.demo.discovery_config`) on that etcd
    and the internal token of ``--token-file`` (:class:`~kvsvc.testbed.demo.ServiceProcess`).
@@ -55,6 +60,7 @@ from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config
 from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.ports import free_instance_port, instance_ports
+from kvsvc.testbed.tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,13 @@ class UpOptions:
     :param ready_timeout_s: bound of each start-up wait, seconds.
     :param refresh_interval_ms: the router's discovery refresh (§8), ms.
     :param resync_interval_ms: the router's periodic snapshot (§8), ms.
+    :param xllm: ``http`` (the engines serve OpenAI over HTTP, the router relays it) or
+        ``native`` (§13: xLLM engines with service routing; the router runs ``--xllm_dispatch
+        native`` with a baidu_std port and a byte-level tokenizer,
+        :mod:`kvsvc.testbed.tokenizer`, for text prompts).
+    :param kv_events: the engines publish KV events; without, the router routes xLLM
+        engines with the approximate index (§14: ``backends`` ``[]``,
+        ``approximate_backends`` ``["xllm"]``).
     """
 
     engines: int = 2
@@ -93,6 +106,8 @@ class UpOptions:
     ready_timeout_s: float = 60.0
     refresh_interval_ms: int = 200
     resync_interval_ms: int = 30000
+    xllm: str = "http"
+    kv_events: bool = True
 
     def check(self) -> None:
         """:raises ConfigError: a value out of range (naming the flag)."""
@@ -106,6 +121,8 @@ class UpOptions:
             raise ConfigError("--engine-port", "must be 0 (pick) or in 1024-65535")
         if self.ready_timeout_s <= 0:
             raise ConfigError("--ready-timeout-s", "must be > 0")
+        if self.xllm not in ("http", "native"):
+            raise ConfigError("--xllm", f"must be http or native, got {self.xllm!r}")
 
 
 def read_or_create_token(path: Path) -> str:
@@ -138,16 +155,23 @@ class SimProcess:
     :param dp: its DP ranks.
     :param etcd_addr: the registry.
     :param token: the router's internal token (heartbeats), passed in the environment.
+    :param extra_args: more ``kvsvc sim`` flags (``--native``, ``--kv-events off``).
+    :param tokenizer_path: the shared tokenizer's directory (:mod:`kvsvc.testbed.tokenizer`),
+        ``None``: the sim's byte scheme.
     """
 
-    def __init__(self, port: int, dp: int, etcd_addr: str, token: str, log_path: Path) -> None:
+    def __init__(self, port: int, dp: int, etcd_addr: str, token: str, log_path: Path,
+                 extra_args: tuple[str, ...] = (),
+                 tokenizer_path: Optional[Path] = None) -> None:
         self.port = port
         self.dp = dp
         self.name = f"127.0.0.1:{port}"
         self.log_path = log_path
         self._argv = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
                       "--port", str(port), "--dp", str(dp), "--etcd", etcd_addr,
-                      "--model", MODEL, "--log-level", "warning"]
+                      "--model", MODEL, "--log-level", "warning", *extra_args]
+        if tokenizer_path is not None:
+            self._argv += ["--tokenizer-path", str(tokenizer_path)]
         self._env = dict(os.environ, KVSVC_INTERNAL_API_TOKEN=token)
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._log: Optional[TextIO] = None
@@ -231,6 +255,8 @@ class LocalCluster:
         self.token_file = Path(opts.token_file)
         self.service: Optional[ServiceProcess] = None
         self._etcd: Optional[LocalEtcd] = None
+        #: The router's baidu_std port with ``xllm`` ``native``, else 0.
+        self.rpc_port = 0
 
     def _engine_ports(self) -> list[int]:
         o = self.opts
@@ -263,8 +289,14 @@ class LocalCluster:
             self._etcd.start(o.ready_timeout_s)
             self.etcd_addr = self._etcd.addr
         deadline = time.monotonic() + o.ready_timeout_s
+        sim_args: tuple[str, ...] = (("--native",) if o.xllm == "native" else ()) + (
+            () if o.kv_events else ("--kv-events", "off"))
+        # One tokenizer for the engines and the router: text prompts hit (issue 20 item 5);
+        # a native xLLM engine takes the router's token ids.
+        tokenizer = write_tokenizer(self.tmp / "tokenizer")
         for i, port in enumerate(ports):
-            eng = SimProcess(port, o.dp, self.etcd_addr, token, self.tmp / f"engine-{i}.log")
+            eng = SimProcess(port, o.dp, self.etcd_addr, token, self.tmp / f"engine-{i}.log",
+                             sim_args, tokenizer)
             self.engines.append(eng)
             eng.start()
         with requests.Session() as http:
@@ -273,14 +305,23 @@ class LocalCluster:
                 eng.wait_serving(deadline, http)
         demo_opts = DemoOptions(refresh_interval_ms=o.refresh_interval_ms,
                                 resync_interval_ms=o.resync_interval_ms)
+        doc = discovery_config(demo_opts)
+        if not o.kv_events:
+            doc["discovery"]["backends"] = []
+            doc["discovery"]["approximate_backends"] = ["xllm"]
         cfg = self.tmp / "kv_events.json"
-        cfg.write_text(json.dumps(discovery_config(demo_opts), indent=2), encoding="utf-8")
+        cfg.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        router_args = ["--log_format", "text", "--tokenizer_path", str(tokenizer)]
+        if o.xllm == "native":
+            self.rpc_port = free_instance_port(1, 1, 2, avoid={o.port, *ports})
+            router_args += ["--xllm_dispatch", "native", "--rpc_port", str(self.rpc_port),
+                            "--rpc_host", "127.0.0.1"]
         self.service = ServiceProcess(cfg, o.port, token, self.tmp / "router.log",
-                                      etcd_addr=self.etcd_addr,
-                                      extra_args=["--log_format", "text"])
+                                      etcd_addr=self.etcd_addr, extra_args=router_args)
         self.service.session.trust_env = False
         self.service.start(o.ready_timeout_s,
-                           {(e.name, r) for e in self.engines for r in range(e.dp)})
+                           {(e.name, r) for e in self.engines for r in range(e.dp)}
+                           if o.kv_events else None)
         self.service.wait_routable({e.name for e in self.engines}, o.ready_timeout_s)
 
     def pids(self) -> list[int]:
@@ -323,6 +364,12 @@ class LocalCluster:
                          f"{eng.port + DemoOptions.event_port_offset}, snapshots "
                          f"tcp://127.0.0.1:{eng.port + DemoOptions.replay_port_offset}"
                          f"{' (+ rank)' if o.dp > 1 else ''}  ({eng.command()})")
+        if self.rpc_port:
+            lines.append(f"  xLLM     native (§13): the router's baidu_std port 127.0.0.1:"
+                         f"{self.rpc_port} takes the engines' heartbeats and Generations")
+        if not o.kv_events:
+            lines.append("  index    no KV events: approximate (§14, completeness "
+                         "\"approximate\")")
         lines += [f"  etcd     {self.etcd_addr}",
                   f"  token    {self.token_file} (X-Internal-Token of /v1/internal/*; kept on exit)",
                   "",
@@ -375,6 +422,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "etcd-server)")
     add_flag(parser, "--ready-timeout-s", type=float, default=d.ready_timeout_s,
              help="bound of each start-up wait, seconds")
+    add_flag(parser, "--xllm", default=d.xllm, choices=("http", "native"),
+             help="native: the engines are xLLM engines with service routing (§13: requests "
+                  "and every token over baidu_std; the router gets --xllm_dispatch native, a "
+                  "baidu_std port and a byte-level tokenizer)")
+    add_flag(parser, "--kv-events", default="on", choices=("on", "off"),
+             help="off: the engines publish no KV events (today's xLLM); the router uses the "
+                  "approximate index (§14)")
     add_log_level(parser, "warning")
 
 def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
@@ -393,7 +447,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = UpOptions(engines=args.engines, dp=args.dp, port=args.port,
                      engine_port=args.engine_port, token_file=args.token_file, etcd=args.etcd,
-                     ready_timeout_s=args.ready_timeout_s)
+                     ready_timeout_s=args.ready_timeout_s, xllm=args.xllm,
+                     kv_events=args.kv_events == "on")
     main = threading.current_thread() is threading.main_thread()
     if main:
         # SIGTERM as Ctrl-C: either ends the start-up waits or the idle wait alike.

@@ -146,6 +146,7 @@ def test_join_refresh_keeps_index_replacement_starts_empty(etcd_server):
         assert directory.stream_ids() == [s0, s1]
 
 
+@pytest.mark.etcd_fresh
 def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_server):
     """Issue 13: an etcd outage no longer drains the replica (main answered 503 here): /ready
     stays 200 routing on the last snapshot and says so; streams go on serving."""
@@ -276,6 +277,7 @@ def serve_process(etcd_addr: str, port: int, cfg: Path, log_path: Path) -> subpr
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
     env["KVSVC_INTERNAL_API_TOKEN"] = TOKEN
     env["KVSVC_LOG_LEVEL"] = "info"
+    env["KVSVC_RPC_PORT"] = "0"   # replicas side by side: no fixed baidu_std port
     with open(log_path, "w", encoding="utf-8") as out:
         # Its own process group, so the test can kill arbiter and worker at once (a crash).
         return subprocess.Popen(

@@ -180,7 +180,7 @@ class Session:
         (curl_home / ".curlrc").write_text("fail-with-body\nshow-error\nmax-time = 30\n")
         self.port = free_port_run(1)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
-        self.env.update(KVSVC_PORT=str(self.port), CURL_HOME=str(curl_home),
+        self.env.update(KVSVC_PORT=str(self.port), KVSVC_RPC_PORT="0", CURL_HOME=str(curl_home),
                         NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
                         PYTHONUNBUFFERED="1", **extra_env)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -5,6 +5,7 @@ config/kvsvc.env, a token credential file and a NOTIFY_SOCKET, against a protoco
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import socket
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsvc.server import GRACEFUL_TIMEOUT_S, STREAM_TIMEOUT_S
 from tests.support.publisher import removed, stored
 from tests.support.util import wait_for
-from tests.support.systemd import BS, Deployment, ENV_TEMPLATE, INSTANCE, KVSVC_BIN, ROOT, Running, TOKEN, UNIT, command, one, unit, wait_healthy
+from tests.support.systemd import BS, Deployment, ENV_TEMPLATE, INSTANCE, KVSVC_BIN, ROOT, Running, TOKEN, UNIT, command, one, read_env_file, unit, wait_healthy
 
 INSTALL_DIR = "/opt/kvsvc"
 ETC = "/etc/kvsvc/"
@@ -93,8 +94,10 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine):
-    dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port)
+def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine, etcd_server):
+    # The template's etcd is 127.0.0.1:2379; the test's etcd runs on a free port.
+    dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port,
+                     {"KVSVC_ETCD_ADDR": etcd_server.addr})
     raw_engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
 
     pre = subprocess.run(command(one(dep.svc, "ExecStartPre"), dep.creds), env=dep.env,
@@ -172,8 +175,8 @@ def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, raw_engine):
         ({"KVSVC_CAR_PREFILL_LAMBDA": "2"}, None, "KVSVC_CAR_PREFILL_LAMBDA"),
         ({"KVSVC_LOG_FORMAT": "xml"}, None, "KVSVC_LOG_FORMAT"),
         ({"KVSVC_ETCD_ADDR": "nohostport"}, None, "KVSVC_ETCD_ADDR"),
-        ({"KVSVC_KV_EVENTS_CONFIG_FILE": str(ROOT / "config" / "kv_events_discovery_config.json")},
-         None, "--etcd_addr"),
+        ({"KVSVC_KV_EVENTS_CONFIG_FILE": str(ROOT / "config" / "kv_events_discovery_config.json"),
+          "KVSVC_ETCD_ADDR": ""}, None, "--etcd_addr"),
     ]
     for i, (extra, token_state, field) in enumerate(cases):
         case_dir = tmp_path / f"case{i}"
@@ -185,3 +188,42 @@ def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, raw_engine):
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (extra, proc.stdout, proc.stderr)
         assert f"invalid configuration: {field}:" in proc.stderr, (extra, proc.stderr)
+
+
+def test_template_as_shipped_routes_completions(tmp_path, raw_engine, etcd_server, etcd):
+    """The env template as shipped routes: only the listen address, the §8 file and the etcd
+    address (the test's etcd cannot take 2379) differ. An engine registered in etcd and sending
+    heartbeats gets the completion (before the fix the template had no registry: every
+    completion was 503)."""
+    from tests.support.upstreams import upstreams
+
+    template = read_env_file(ENV_TEMPLATE)
+    assert template["KVSVC_ETCD_ADDR"] == "127.0.0.1:2379"
+    assert 0 < int(template["KVSVC_MAX_IN_FLIGHT_REQUESTS"]) < int(
+        template["KVSVC_WORKER_THREADS"])
+    dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port,
+                     {"KVSVC_ETCD_ADDR": etcd_server.addr})
+    with upstreams("json") as (up,):
+        etcd.put(f"XLLM:DEFAULT:{up.name}", json.dumps(
+            {"name": up.name, "type": 0, "incarnation_id": "inc-1"}))
+        run = Running(command(one(dep.svc, "ExecStart"), dep.creds), dep.env,
+                      tmp_path / "serve.log")
+        try:
+            wait_healthy(run, dep.base)
+            auth = {"X-Internal-Token": TOKEN}
+            heartbeat = {"name": up.name, "incarnation_id": "inc-1",
+                         "load_metrics": {"waiting_requests_num": 0,
+                                          "gpu_cache_usage_perc": 0.0}}
+
+            def answered() -> bool:
+                requests.post(dep.base + "/v1/internal/heartbeat", json=heartbeat,
+                              headers=auth, timeout=5)
+                r = requests.post(dep.base + "/v1/completions", timeout=5,
+                                  json={"model": "m", "prompt": "hi", "max_tokens": 1})
+                assert r.status_code in (200, 503), r.text
+                return r.status_code == 200
+            wait_for(answered, timeout_s=30, interval_s=0.2, what="a completion answered")
+            assert up.requests and up.requests[-1]["path"] == "/v1/completions"
+        finally:
+            code = run.stop()
+    assert code == 0, run.log()

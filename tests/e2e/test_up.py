@@ -107,6 +107,22 @@ def test_up_serves_and_stops_cleanly(tmp_path, sig):
 
             # --model is unset under up: the router lists the engines' own model ("sim").
             assert wait_for(lambda: models() == ["sim"], 15, what="the engines' model listed")
+
+            # Text prompts hit: engines and router share one tokenizer (issue 20 item 5).
+            text = " ".join(f"word{i} of the cache" for i in range(200))
+            body = {"model": "sim", "prompt": text, "max_tokens": 1}
+            first = http.post(url + "/v1/completions", json=body, timeout=30)
+            assert first.status_code == 200
+            tokens = first.json()["usage"]["prompt_tokens"]
+            assert tokens < len(text.encode())  # the BPE, not one token per byte
+
+            def text_hit() -> bool:
+                r = http.post(url + "/v1/completions", json=body, timeout=30)
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                predicted = int(r.headers.get("x-kvsvc-predicted-cached-tokens", "0"))
+                return (r.headers["x-kvsvc-prefill"] == first.headers["x-kvsvc-prefill"]
+                        and cached > tokens // 2 and predicted == cached)
+            wait_for(text_hit, 15, what="a repeated text prompt routed on its hit")
         kids = _children(proc.pid)
         assert len(kids) == 4, kids  # etcd, two engines, the router (gunicorn's arbiter)
         grandkids = set().union(*(_children(k) for k in kids))  # gunicorn's worker

@@ -142,6 +142,7 @@ def test_failover_after_master_killed(etcd_server, etcd):
 EMPTY = RegistrySnapshot(MappingProxyType({}), True, False, 0)
 
 
+@pytest.mark.etcd_fresh
 def test_election_start_close_contract_and_close_raises_while_etcd_hangs(etcd_server, etcd):
     changes: list[bool] = []
     # TTL 3 s: every election request times out after 1 s.

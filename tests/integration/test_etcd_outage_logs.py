@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
+
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.registry import Registry
 from tests.support.util import wait_for
@@ -29,6 +31,7 @@ def outage_lines(caplog, start: int) -> list[logging.LogRecord]:
             and r.levelno >= logging.INFO and r.name != "kvsvc.testbed.etcd_launcher"]
 
 
+@pytest.mark.etcd_fresh
 def test_stopped_etcd_is_one_warning_and_one_recovery_line(etcd_server, caplog):
     caplog.set_level(logging.DEBUG)
     registry = Registry(settings(etcd_server.addr))
@@ -72,6 +75,7 @@ def test_stopped_etcd_is_one_warning_and_one_recovery_line(etcd_server, caplog):
     assert any("connection refused" in m for m in debug)
 
 
+@pytest.mark.etcd_fresh
 def test_paused_etcd_is_one_timeout_warning(etcd_server, caplog):
     """A hung etcd (SIGSTOP): every request times out; still one line when it starts."""
     caplog.set_level(logging.INFO)

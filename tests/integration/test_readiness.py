@@ -8,6 +8,7 @@ synchronization."""
 from __future__ import annotations
 
 import flask
+import pytest
 
 from kvsvc.config import parse_kv_events_config
 from kvsvc.http.app import create_app
@@ -39,6 +40,7 @@ def ready(client) -> tuple[int, dict]:
     return r.status_code, r.get_json()
 
 
+@pytest.mark.etcd_fresh
 def test_503_until_the_registry_listed_once_even_with_synchronized_static_streams(
         etcd_server, raw_engine):
     """etcd down at boot: the stream synchronizes (main answered 200 then), but with nothing
@@ -63,6 +65,7 @@ def test_503_until_the_registry_listed_once_even_with_synchronized_static_stream
         svc.close(timeout_s=10.0)
 
 
+@pytest.mark.etcd_fresh
 def test_ready_stays_200_through_an_etcd_outage_and_a_stream_loss_after_warm_up(
         etcd_server, raw_engine):
     """503 naming the stream until its first synchronization; then 200 all through a paused

@@ -333,6 +333,7 @@ def test_heartbeats(registry, etcd):
     assert registry.snapshot().instances[name].load.waiting_requests_num == 0
 
 
+@pytest.mark.etcd_fresh
 def test_etcd_down_at_start_then_up(etcd_server):
     etcd_server.stop()
     reg = Registry(settings(etcd_server.addr))
@@ -346,6 +347,7 @@ def test_etcd_down_at_start_then_up(etcd_server):
         reg.close()
 
 
+@pytest.mark.etcd_fresh
 def test_etcd_restart_keeps_snapshot_then_relists(registry, etcd_server, etcd):
     names = ["10.0.0.1:8000", "10.0.0.2:8000"]
     for n in names:
@@ -428,6 +430,7 @@ def test_start_twice_raises_close_before_start_and_twice_are_no_ops(etcd_server)
     assert kvsvc_threads() == []
 
 
+@pytest.mark.etcd_fresh
 def test_close_raises_when_the_election_hangs_on_a_paused_etcd_and_closes_the_rest(etcd_server):
     # Requests of the election time out after 1 s (lease TTL 3 s); the re-list is far away, so
     # the etcd thread is only waiting on its watch queue when close() comes.

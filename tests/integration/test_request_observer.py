@@ -63,7 +63,7 @@ def engine():
     ev, rp, http = free_ports(3)
     eng = SimEngine("sim-obs", ev, rp, block_size=BS, device_blocks=64, http_port=http,
                     serving=ServingConfig(prefill_us_per_token=100.0,
-                                          decode_us_per_token=100.0))
+                                          decode_us_per_token=100.0, model="m"))
     eng.start()
     yield eng
     eng.close()

@@ -63,11 +63,11 @@ def engine():
 
 
 def test_repeated_prompt_reports_exact_cached_tokens_and_publishes(engine):
-    body = {"model": "m", "prompt": list(range(100, 110)), "max_tokens": 3}
+    body = {"model": "sim", "prompt": list(range(100, 110)), "max_tokens": 3}
     r1 = requests.post(url(engine), json=body, timeout=10)
     assert r1.status_code == 200
     doc = r1.json()
-    assert doc["object"] == "text_completion" and doc["model"] == "m"
+    assert doc["object"] == "text_completion" and doc["model"] == "sim"
     assert doc["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
                                "text": " t0 t1 t2"}]
     assert doc["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
@@ -158,7 +158,7 @@ def test_client_leaving_while_queued_is_removed_from_the_queue():
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_sse_chunks_end_with_done(engine, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body: dict = {"model": "m", "max_tokens": 4, "stream": True,
+    body: dict = {"model": "sim", "max_tokens": 4, "stream": True,
                   "stream_options": {"include_usage": True}}
     if chat:
         body["messages"] = [{"role": "user", "content": "hello"}]
@@ -449,3 +449,80 @@ def test_registration_carries_the_profiling_data_of_the_model():
     assert value["tpot_profiling_data"][0] == [128, 1, 2.77]
     assert "ttft_profiling_data" not in EtcdRegistration(
         "127.0.0.1:1", "127.0.0.1:8000", 1, lambda: Load(0, 0.0)).value()
+
+
+# -- n, stop, the context and the model (issue 20 item 7) -------------------------------------
+
+def test_n_choices_each_with_its_index_and_usage_counts_them(engine):
+    body = {"model": "sim", "prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "n": 2}
+    doc = requests.post(url(engine), json=body, timeout=10).json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1]
+    assert {c["text"] for c in doc["choices"]} == {" t0 t1 t2"}
+    assert doc["usage"]["completion_tokens"] == 6
+    r = requests.post(url(engine), json={**body, "stream": True,
+                                         "stream_options": {"include_usage": True}},
+                      timeout=10)
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n")
+              if line.startswith("data: {")]
+    by_index: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            by_index[c["index"]] = by_index.get(c["index"], "") + c["text"]
+    assert by_index == {0: " t0 t1 t2", 1: " t0 t1 t2"}
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    for bad in (0, 129, "2", True):
+        assert requests.post(url(engine), json={**body, "n": bad}, timeout=10).status_code == 400
+
+
+def test_stop_strings_end_the_text_before_them(engine):
+    body = {"model": "sim", "prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "stop": [" t3", "zz"]}
+    doc = requests.post(url(engine), json=body, timeout=10).json()
+    (choice,) = doc["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (" t0 t1 t2", "stop")
+    assert doc["usage"]["completion_tokens"] == 4  # the token that completed the stop string
+    chat = requests.post(url(engine, "/v1/chat/completions"), timeout=10, json={
+        "model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+        "stop": "t1", "stream": True}).text
+    texts = "".join(c["delta"].get("content", "")
+                    for line in chat.split("\n\n") if line.startswith("data: {")
+                    for c in json.loads(line[6:])["choices"])
+    assert texts == " t0 "
+    assert '"finish_reason": "stop"' in chat
+    # No stop string generated: the length ends it.
+    doc = requests.post(url(engine), json={**body, "stop": "never"}, timeout=10).json()
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert requests.post(url(engine), json={**body, "stop": ["a"] * 5},
+                         timeout=10).status_code == 400
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused():
+    eng = make_engine(max_model_len=16)
+    eng.start()
+    try:
+        ok = requests.post(url(eng), json={"model": "sim", "prompt": list(range(10)),
+                                           "max_tokens": 6}, timeout=10)
+        assert ok.status_code == 200
+        r = requests.post(url(eng), json={"model": "sim", "prompt": list(range(10)),
+                                          "max_tokens": 7}, timeout=10)
+        assert r.status_code == 400
+        assert "maximum context length is 16 tokens" in r.json()["error"]["message"]
+        assert "17 tokens (10 in the messages, 7 in the completion)" in r.json()["error"]["message"]
+        # Without max_tokens: what is left of the context, at most the default.
+        doc = requests.post(url(eng), json={"model": "sim", "prompt": list(range(13))},
+                            timeout=10).json()
+        assert doc["usage"]["completion_tokens"] == 3
+        r = requests.post(url(eng), json={"model": "sim", "prompt": list(range(16))},
+                          timeout=10)
+        assert r.status_code == 400
+    finally:
+        eng.close()
+
+
+def test_a_model_it_does_not_serve_is_404(engine):
+    r = requests.post(url(engine), json={"model": "llama", "prompt": [1, 2], "max_tokens": 1},
+                      timeout=10)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+    assert "llama" in err["message"]
+    assert engine.serving.stats().rejected == 1

@@ -39,7 +39,7 @@ def sim(name: str) -> SimEngine:
     ev, rp, http = free_ports(3)
     return SimEngine(name, ev, rp, block_size=4, device_blocks=64, http_port=http,
                      serving=ServingConfig(prefill_us_per_token=100.0,
-                                           decode_us_per_token=100.0))
+                                           decode_us_per_token=100.0, model="m1"))
 
 
 def register(app, etcd, name: str, type_: str = "DEFAULT", **extra) -> None:

@@ -6,16 +6,22 @@ what a blocked thread does.
 
 When ``etcd`` is missing, tests using it are skipped, except under CI (env ``CI`` set), where a
 missing binary fails the test: CI must install ``etcd-server``.
+
+Most tests need only a clean keyspace: they share one etcd per session through
+:class:`SharedEtcd` (every key and lease removed before and after each test). A test that stops,
+pauses or restarts etcd is marked ``etcd_fresh`` and gets an :class:`EtcdServer` of its own.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
+import requests
 
 from kvsvc.testbed.etcd_launcher import INSTALL_HINT, LocalEtcd, etcd_binary
 
@@ -62,3 +68,55 @@ class EtcdServer(LocalEtcd):
         """As :meth:`LocalEtcd.stop`, continuing a paused process first (SIGTERM waits on it)."""
         self._resume()
         super().stop(timeout_s)
+
+
+class SharedEtcd:
+    """The session's etcd as one test sees it (the ``etcd_server`` fixture without the
+    ``etcd_fresh`` marker): the same ``addr``, and a clean keyspace — :meth:`reset` deletes
+    every key and revokes every lease, before the test and after it.
+
+    It cannot be stopped, paused or restarted (the next test would inherit it): those raise,
+    naming the marker that gives the test an etcd of its own.
+    """
+
+    def __init__(self, server: EtcdServer) -> None:
+        self._server = server
+        self.addr = server.addr
+
+    def reset(self, timeout_s: float = 5.0) -> None:
+        """Delete every key (the range ``\\0``..``\\0``) and revoke every lease, over etcd's v3
+        JSON gateway; restart the server first if a test left it dead.
+
+        :raises AssertionError: the keyspace is not empty afterwards.
+        """
+        if not self._server.running:
+            self._server.start()
+        base = f"http://{self.addr}/v3"
+        everything = {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+        with requests.Session() as http:
+            http.post(f"{base}/kv/deleterange", json=everything, timeout=timeout_s)
+            leases = http.post(f"{base}/lease/leases", json={}, timeout=timeout_s).json()
+            for lease in leases.get("leases", []):
+                http.post(f"{base}/lease/revoke", json={"ID": lease["ID"]}, timeout=timeout_s)
+            left = http.post(f"{base}/kv/range", json={**everything, "count_only": True},
+                             timeout=timeout_s).json()
+        assert int(left.get("count", 0)) == 0, f"shared etcd not clean: {left}"
+
+    @property
+    def running(self) -> bool:
+        """True while the session's etcd process is alive."""
+        return self._server.running
+
+    def log_tail(self, n_bytes: int = 2000) -> str:
+        """The end of the session etcd's output."""
+        return self._server.log_tail(n_bytes)
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("this test shares the session's etcd; mark it "
+                             "@pytest.mark.etcd_fresh to stop, pause or restart an etcd of its own")
+
+    stop = start = restart = cleanup = paused = _refuse
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")

@@ -21,6 +21,9 @@ STOP_BOUND_S = 15.0
 
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
+    # No fixed baidu_std port 8889 (§13) in tests: two services (or two test runs) would
+    # collide on it; the tests of that port pass --rpc_port.
+    env["KVSVC_RPC_PORT"] = "0"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

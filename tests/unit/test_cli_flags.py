@@ -120,7 +120,9 @@ def test_check_config_warns_once_after_the_summary(clean_env, capsys):
     assert "kv_events_config_file: empty: KV index disabled" in captured.out
     assert captured.err.splitlines() == [
         "kvsvc: warning: kv_events_config_file is empty: KV index disabled, every query "
-        "answers no matches (hit ratio 0); routing policy CAR routes on queue costs only"]
+        "answers no matches (hit ratio 0); routing policy CAR routes on queue costs only",
+        "kvsvc: warning: etcd_addr is empty: no instance registry, so no routing candidate: "
+        "every OpenAI request is answered 503"]
 
 
 def test_no_warning_before_a_tokenizer_error(clean_env, tmp_path, capsys, caplog):

@@ -97,6 +97,7 @@ def test_flags_come_from_the_table(command):
 
 
 def test_no_flag_no_env_gives_the_table_defaults(clean_env):
+    clean_env.delenv("KVSVC_RPC_PORT")   # set by the conftest for every other test
     settings = resolve_serve_settings(build_parser().parse_args(["serve"]))
     for row in SETTINGS:
         assert getattr(settings, row.name) == row.default, row.name
@@ -131,6 +132,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "load_scrape_backends": "vllm", "load_scrape_interval_ms": 250,
         "api_key": "client-key-1", "max_in_flight_requests": 12,
         "xllm_dispatch": "native", "pending_ttl_ms": 0, "pending_blocks": 100,
+        "rpc_port": 9889, "rpc_host": "127.0.0.1", "rpc_advertise_host": "10.0.0.1",
     }
     names = {row.name for row in SETTINGS}
     assert set(values) | {"internal_api_token"} == names, "give every new setting a value here"

@@ -24,7 +24,12 @@ built-in byte scheme), its waiting queue is the heartbeated ``waiting_requests_n
 registration carries the §12 ``ttft_profiling_data`` / ``tpot_profiling_data`` computed by that
 model (unless ``--no-profiling-data``) and ``GET /metrics`` has its TTFT and TPOT. With
 ``--trace`` it replays trace requests round robin over its ranks, ``--interval-ms`` apart;
-otherwise it only serves (an empty cache). Ctrl-C or SIGTERM stops it cleanly.
+otherwise it only serves (an empty cache). ``--native`` (with ``--serve``, flavor xllm) makes
+it an xLLM engine with service routing (§13, :mod:`kvsvc.testbed.sim.native`): requests over
+``XllmAPIService`` on ``--port`` (baidu_std or HTTP+JSON), every token pushed with
+``Generations`` and the heartbeats sent over baidu_std to the master key's address;
+``--kv-events off`` publishes no KV events (today's xLLM engines). Ctrl-C or SIGTERM stops it
+cleanly.
 
 Ports: ``--port 0`` (the default) picks a free instance port whose derived ports are all outside
 the host's ephemeral range (:mod:`kvsvc.testbed.ports`); an explicit port with a derived port in
@@ -51,6 +56,7 @@ from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.flavors import Flavor
 from kvsvc.testbed.sim.serving import ServingConfig, profiling_data
+from kvsvc.testbed.sim.native import rpc_heartbeat
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load, RegisteredType
 
 log = logging.getLogger(__name__)
@@ -151,7 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="time compression factor (1: real time)")
     add_flag(parser, "--max-connections", type=int, default=d.max_connections,
              help="HTTP connections served at once")
-    add_flag(parser, "--model", default=d.model, help="model name of the answers")
+    add_flag(parser, "--model", default=d.model,
+             help="the model served: answers name it, a request for another one gets 404")
+    add_flag(parser, "--max-model-len", type=int, default=d.max_model_len,
+             help="context, tokens: a prompt plus max_tokens beyond it gets 400 (vLLM's "
+                  "--max-model-len)")
     add_flag(parser, "--tokenizer-path", default="",
              help="tokenizer.json (or its directory) for text prompts; empty: one token per "
                   "UTF-8 byte")
@@ -160,6 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "once per this many ms (0: only every interval)")
     add_flag(parser, "--master-refresh-s", type=float, default=0.0,
              help="re-read the master's address after this long (0: every heartbeat)")
+    add_flag(parser, "--native", action="store_true",
+             help="with --serve, flavor xllm: an xLLM engine with service routing (§13): "
+                  "requests over XllmAPIService (baidu_std or HTTP+JSON on --port), every "
+                  "token pushed with Generations and heartbeats over baidu_std to the "
+                  "service (kvsvc serve --xllm_dispatch native --rpc_port ...)")
+    add_flag(parser, "--kv-events", default="on", choices=("on", "off"),
+             help="publish KV events (off: today's xLLM engines publish none; route them "
+                  "with discovery.approximate_backends, §14)")
     add_log_level(parser, "info")
 
 
@@ -250,7 +268,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 prefill_us_per_token_sq=args.prefill_us_per_token_sq,
                 decode_us_per_seq=args.decode_us_per_seq,
                 decode_us_per_context_token=args.decode_us_per_context_token,
-                stream_coalesce_ms=args.stream_coalesce_ms)
+                stream_coalesce_ms=args.stream_coalesce_ms,
+                max_model_len=args.max_model_len)
             if args.tokenizer_path:
                 from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
 
@@ -262,7 +281,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                            http_port=args.port if args.etcd or args.serve else None,
                            serving=serving, tokenizer=tokenizer, flavor=args.flavor,
                            buffer_steps=args.buffer_steps,
-                           replay_endpoint=not args.no_replay, vllm_array=args.vllm_array)
+                           replay_endpoint=not args.no_replay, vllm_array=args.vllm_array,
+                           native=args.native, kv_events=args.kv_events == "on")
     except (ValueError, ConfigError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -281,7 +301,11 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
                 backend_type=engine.flavor.backend_type,
                 profiling=(profiling_data(serving)
                            if serving is not None and not args.no_profiling_data else None),
-                heartbeats=sends_heartbeats(args.heartbeats, engine.flavor.value))
+                heartbeats=sends_heartbeats(args.heartbeats, engine.flavor.value),
+                heartbeat=(rpc_heartbeat(engine.native.client) if engine.native is not None
+                           else None))
+            if engine.native is not None:
+                engine.native.set_master(registration.master)
             if engine.serving is not None:
                 engine.serving.add_load_listener(registration.load_changed)
             registration.start()

@@ -51,6 +51,7 @@ from kvsvc.lifecycle import BackgroundThread
 from kvsvc.testbed.sim.block_manager import BlockManager, SnapshotBlock, stored_event
 from kvsvc.testbed.sim.flavors import Flavor, encode_batch
 from kvsvc.testbed.sim.health import HealthServer
+from kvsvc.testbed.sim.native import NativeFront, ServiceClient
 from kvsvc.testbed.sim.results import ExecResult, RankStats
 from kvsvc.testbed.sim.serving import Serving, ServingConfig, TextTokenizer
 
@@ -523,8 +524,15 @@ class SimEngine:
     :param replay_endpoint: False: no ``ROUTER`` is bound (an engine started without
         ``replay_endpoint``: replay requests are never answered).
     :param vllm_array: vLLM only: publish the older tagged-array batch form.
+    :param native: xLLM only, with ``serving``: the native mode of an xLLM engine with service
+        routing (:mod:`kvsvc.testbed.sim.native`): requests over ``XllmAPIService`` on the
+        HTTP port (baidu_std or HTTP+JSON), every token pushed to the service with
+        ``Generations``; kept as the attribute ``native`` (a
+        :class:`~kvsvc.testbed.sim.native.NativeFront`, ``None`` without).
+    :param kv_events: False: publish no KV events (today's xLLM engines publish none; the
+        ranks still bind their sockets, nothing is ever sent on them).
     :raises ValueError: bad sizes or ports, ``serving`` without ``http_port``, or
-        ``vllm_array`` with another flavor.
+        ``vllm_array`` with another flavor, ``native`` without serving or with another flavor.
     """
 
     def __init__(self, name: str, event_port: int, replay_port: int, dp_size: int = 1,
@@ -535,7 +543,8 @@ class SimEngine:
                  serving: Optional[ServingConfig] = None,
                  tokenizer: Optional[TextTokenizer] = None,
                  flavor: Union[Flavor, str] = Flavor.XLLM, buffer_steps: int = 10_000,
-                 replay_endpoint: bool = True, vllm_array: bool = False) -> None:
+                 replay_endpoint: bool = True, vllm_array: bool = False,
+                 native: bool = False, kv_events: bool = True) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         for label, port in (("event_port", event_port), ("replay_port", replay_port)):
@@ -572,9 +581,15 @@ class SimEngine:
             raise ValueError("serving needs an http_port")
         self.serving = (Serving(self, serving, tokenizer, self.flavor.value)
                         if serving is not None else None)
+        if native and (self.serving is None or self.flavor is not Flavor.XLLM):
+            raise ValueError("native mode is an xLLM engine's: it needs flavor xllm and serving")
+        self.kv_events = kv_events
+        self.native = (NativeFront(name, self.serving, ServiceClient())
+                       if native and self.serving is not None else None)
         self.http_port = http_port
         self._health = (HealthServer(host, http_port, name, self.serving,
-                                     serving.max_connections if serving is not None else 256)
+                                     serving.max_connections if serving is not None else 256,
+                                     self.native)
                         if http_port is not None else None)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -679,7 +694,7 @@ class SimEngine:
             with st.lock:
                 ex = st.bm.execute(token_ids)
                 seq = None
-                if ex.events:
+                if ex.events and self.kv_events:
                     seq, ticket = self._publish_locked(st, ex.events)
             if seq is not None:
                 io.wake()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Any, Optional
 
 from kvsvc.errors import LifecycleError
 from kvsvc.lifecycle import BackgroundThread
+from kvsvc.testbed.sim.native import NativeFront
 from kvsvc.testbed.sim.serving import Serving
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         serving = self.server.serving
+        native = self.server.native
+        if native is not None and self.path.startswith("/xllm.proto."):
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self._reply(400, {"error": "bad Content-Length"})
+                return
+            status, doc = native.handle_json(self.path.split("?", 1)[0], self.rfile.read(length))
+            self._reply(status, doc)
+            return
         if serving is None:
             self._reply(404, {"error": "not found"})
             return
@@ -121,9 +135,10 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], max_connections: int,
-                 serving: Optional[Serving]) -> None:
+                 serving: Optional[Serving], native: Optional[NativeFront] = None) -> None:
         super().__init__(addr, _Handler)
         self.serving = serving
+        self.native = native
         self._slots = threading.BoundedSemaphore(max_connections)
         self._live: set[threading.Thread] = set()
         self._live_lock = threading.Lock()
@@ -144,6 +159,10 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
 
     def _run(self, request: Any, client_address: Any) -> None:
         try:
+            if self.native is not None and _is_baidu_std(request):
+                self.native.serve_connection(request)
+                self.shutdown_request(request)
+                return
             self.process_request_thread(request, client_address)
         finally:
             with self._live_lock:
@@ -158,6 +177,18 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return sum(1 for t in threads if t.is_alive())
+
+
+def _is_baidu_std(sock: Any) -> bool:
+    """The connection starts with baidu_std's ``PRPC`` magic (brpc serves it and HTTP on one
+    port); waits up to 5 s for the first bytes."""
+    try:
+        sock.settimeout(5.0)
+        head = sock.recv(4, socket.MSG_PEEK | socket.MSG_WAITALL)
+        sock.settimeout(None)
+    except OSError:
+        return False
+    return head == b"PRPC"
 
 
 class HealthServer(BackgroundThread):
@@ -175,10 +206,14 @@ class HealthServer(BackgroundThread):
     :param label: instance name for logs and the thread name.
     :param serving: the request front, ``None`` for ``/health`` only.
     :param max_connections: connections served at once (threads); more get 503.
+    :param native: the native API of an xLLM engine (:mod:`kvsvc.testbed.sim.native`) on the
+        same port: baidu_std connections and ``POST /xllm.proto.<Service>/<Method>``;
+        ``None``: none.
     """
 
     def __init__(self, host: str, port: int, label: str, serving: Optional[Serving] = None,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, native: Optional[NativeFront] = None) -> None:
+        self._native = native
         super().__init__(f"sim-http-{label}")
         self.host = host
         self.port = port
@@ -211,7 +246,7 @@ class HealthServer(BackgroundThread):
     def _setup(self) -> None:
         try:
             self._server = _BoundedServer((self.host, self.port), self._max_connections,
-                                          self._serving)
+                                          self._serving, self._native)
         except OSError as exc:
             raise LifecycleError(f"sim {self._label}: cannot serve /health on "
                                  f"{self.host}:{self.port}: {exc.strerror}") from exc
@@ -234,6 +269,8 @@ class HealthServer(BackgroundThread):
             return
         if self._serving is not None:
             self._serving.close()
+        if self._native is not None:
+            self._native.join(_CLOSE_TIMEOUT_S)
         left = server.join_connections(_CLOSE_TIMEOUT_S)
         if left:
             log.error("sim %s: %d HTTP connection threads did not stop within %.0f s",

@@ -14,7 +14,8 @@ an xLLM engine does it, so the service discovers it with no address list.
   refresh: the service keeps the streams);
 - every ``heartbeat_interval_s`` posts ``POST /v1/internal/heartbeat`` with the engine's
   waiting-queue length and Device usage to the master, whose address it reads from
-  ``XLLM:SERVICE:MASTER`` (re-read every ``master_refresh_s``, by default before every
+  ``KVSVC:SERVICE:MASTER:HTTP`` (a kvsvc master's HTTP address; not in the native mode, whose
+  baidu_std heartbeats go to the master key), else ``XLLM:SERVICE:MASTER`` (re-read every ``master_refresh_s``, by default before every
   heartbeat, and after a failed one);
 - with ``min_heartbeat_gap_s`` set, :meth:`EtcdRegistration.load_changed` asks for an early
   heartbeat (an engine pushing its load when its queue changes), at most one per
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PATH = "/v1/internal/heartbeat"
 TOKEN_HEADER = "X-Internal-Token"
 MASTER_KEY = "XLLM:SERVICE:MASTER"
+#: Where a kvsvc master keeps its HTTP address (the master key names its baidu_std port when
+#: it serves one, §13); read first, the master key is the fallback (other services).
+MASTER_HTTP_KEY = "KVSVC:SERVICE:MASTER:HTTP"
 
 _START_TIMEOUT_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
@@ -128,6 +132,10 @@ class EtcdRegistration(BackgroundThread):
     :param backend_type: the registration's ``backend_type`` (§9): ``"xllm"``, or ``"vllm"``
         as xllm-service's ``vllm_sidecar`` registers a vLLM instance (with ``type`` 0,
         DEFAULT), or ``"sglang"``.
+    :param heartbeat: sends one heartbeat itself, ``heartbeat(master address, body)`` -> the
+        HTTP-like status (200 accepted, 409 refused, ``None`` not delivered): the native mode's
+        baidu_std ``Heartbeat`` (:func:`kvsvc.testbed.sim.native.rpc_heartbeat`); ``None``:
+        ``POST /v1/internal/heartbeat``.
     :param profiling: extra registration fields, the §12 profiling data
         (``ttft_profiling_data``, ``tpot_profiling_data``:
         :func:`kvsvc.testbed.sim.serving.profiling_data`); ``None``: none registered.
@@ -146,7 +154,8 @@ class EtcdRegistration(BackgroundThread):
                  min_heartbeat_gap_s: Optional[float] = None,
                  master_refresh_s: float = 0.0, backend_type: str = "xllm",
                  profiling: Optional[Mapping[str, Any]] = None,
-                 heartbeats: bool = True) -> None:
+                 heartbeats: bool = True,
+                 heartbeat: Optional[Callable[[str, dict], Optional[int]]] = None) -> None:
         if lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         parse_addr(etcd_addr)  # ConfigError here rather than on the thread
@@ -167,6 +176,7 @@ class EtcdRegistration(BackgroundThread):
         self._master_refresh_s = master_refresh_s
         self._profiling = dict(profiling or {})
         self.heartbeats = heartbeats
+        self._send_heartbeat = heartbeat
         # (address, monotonic time read) of the master; registration thread only.
         self._master: Optional[tuple[str, float]] = None
         self._load_dirty = threading.Event()
@@ -376,11 +386,14 @@ class EtcdRegistration(BackgroundThread):
                     "load_metrics": {"waiting_requests_num": load.waiting_requests_num,
                                      "gpu_cache_usage_perc": load.gpu_cache_usage_perc},
                     "latency_metrics": {}}
-            try:
-                status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
-                                   timeout=self._http_timeout_s).status_code
-            except requests.RequestException:
-                status = None
+            if self._send_heartbeat is not None:
+                status = self._send_heartbeat(address, body)
+            else:
+                try:
+                    status = http.post(f"http://{address}{HEARTBEAT_PATH}", json=body,
+                                       timeout=self._http_timeout_s).status_code
+                except requests.RequestException:
+                    status = None
             if status != 200:
                 self._master = None  # the master may have changed: read it again next time
         with self._lock:
@@ -393,6 +406,11 @@ class EtcdRegistration(BackgroundThread):
                      status if status is not None else "nothing (no master or unreachable)")
 
 
+    def master(self) -> Optional[str]:
+        """The master's address as last read from etcd, ``None`` when none is known."""
+        master = self._master
+        return master[0] if master is not None else None
+
     def _master_address(self, client: EtcdClient) -> Optional[str]:
         """The master's address, read from etcd at most every ``master_refresh_s``; ``None``
         when there is none or etcd cannot be read."""
@@ -400,7 +418,12 @@ class EtcdRegistration(BackgroundThread):
         if self._master is not None and now - self._master[1] < self._master_refresh_s:
             return self._master[0]
         try:
-            master = client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
+            # HTTP heartbeats go to a kvsvc master's HTTP address (its master key names its
+            # baidu_std port, §13); the native mode's baidu_std heartbeats to the master key.
+            master = None
+            if self._send_heartbeat is None:
+                master = client.get(f"{key_prefix(self.namespace)}{MASTER_HTTP_KEY}")
+            master = master or client.get(f"{key_prefix(self.namespace)}{MASTER_KEY}")
         except EtcdError:
             master = None
         self._master = (master_address(master.value), now) if master is not None else None

@@ -67,8 +67,15 @@ output token, the usage chunk when ``stream_options.include_usage`` is true (wit
 timing as a non-standard ``sim_timing`` object beside ``usage``: ``queue_ms``, ``prefill_ms``,
 ``ttft_ms``, ``tpot_ms``, ``rank``), and ``data: [DONE]``.
 
-Errors (OpenAI's ``{"error": {...}}`` shape): 400 malformed body, 404 unknown path, 503 the
-engine is closing or the connection limit is reached. Inside the sim (never to the client):
+Like vLLM: a request for a model other than ``ServingConfig.model`` is answered 404
+``model_not_found``; ``n`` choices (1-128, each the same text, one SSE chunk per choice and
+token, ``usage.completion_tokens`` counting all of them); ``stop`` (a string or up to 4): the
+text ends before the first stop string generated, ``finish_reason`` ``"stop"``
+(:func:`generate`); a prompt plus ``max_tokens`` beyond ``max_model_len`` is answered 400 with
+vLLM's message, and a request naming no ``max_tokens`` gets at most what the context leaves.
+
+Errors (OpenAI's ``{"error": {...}}`` shape): 400 malformed body or context exceeded, 404
+unknown path or model, 503 the engine is closing or the connection limit is reached. Inside the sim (never to the client):
 :class:`~kvsvc.errors.SimBadRequest` for a malformed body (-> 400),
 :class:`~kvsvc.errors.SimServingClosed` when :meth:`Serving.close` wakes waiting requests
 (-> 503 or a cut stream), :class:`~kvsvc.errors.SimClientDisconnected` when the client went
@@ -205,6 +212,8 @@ class ServingConfig:
         ``data:`` events in one write, each still one token), like an engine's output
         batching under load; 0: one write per token (>= 0). Keeps a compressed-time bench
         from spending its CPU on sub-millisecond writes; the modeled times are unchanged.
+    :param max_model_len: the context, tokens (>= 2): a prompt plus its ``max_tokens`` beyond
+        it is answered 400, as vLLM does (``--max-model-len``).
     :raises ValueError: a value out of range.
     """
 
@@ -220,10 +229,13 @@ class ServingConfig:
     decode_us_per_seq: float = 100.0
     decode_us_per_context_token: float = 0.02
     stream_coalesce_ms: float = 0.0
+    max_model_len: int = 131_072
 
     def __post_init__(self) -> None:
         if not self.prefill_us_per_token > 0:
             raise ValueError("prefill_us_per_token must be > 0")
+        if not self.max_model_len >= 2:
+            raise ValueError("max_model_len must be >= 2")
         for name in ("host_load_us_per_token", "decode_us_per_token", "prefill_base_us",
                      "prefill_us_per_token_sq", "decode_us_per_seq",
                      "decode_us_per_context_token", "stream_coalesce_ms"):
@@ -324,6 +336,8 @@ class SimRequest:
     :param include_usage: streamed answers end with a usage chunk.
     :param model: model name echoed back.
     :param decode_name: P/D decode instance named by ``routing``, ``None`` without P/D.
+    :param n: choices to generate (each the same text: the sim's output is deterministic).
+    :param stop: stop strings; the text ends before the first one generated.
     """
 
     chat: bool
@@ -333,6 +347,65 @@ class SimRequest:
     include_usage: bool
     model: str
     decode_name: Optional[str]
+    n: int = 1
+    stop: tuple[str, ...] = ()
+
+    def generation(self) -> "Generation":
+        """What this request generates (:func:`generate`)."""
+        return generate(self.max_tokens, self.stop)
+
+
+#: Most choices per request (``n``) and stop strings (``stop``), as OpenAI allows.
+MAX_CHOICES = 128
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The output of one choice: the text of each generated token (the last one cut before a
+    stop string) and why it ended.
+
+    :ivar texts: one text per generated token (``len(texts)`` tokens were generated).
+    :ivar finish_reason: ``"stop"`` (a stop string was generated) or ``"length"``.
+    """
+
+    texts: tuple[str, ...]
+    finish_reason: str
+
+    @property
+    def tokens(self) -> int:
+        """Tokens generated (>= 1)."""
+        return len(self.texts)
+
+    @property
+    def text(self) -> str:
+        """The whole output text."""
+        return "".join(self.texts)
+
+
+def generate(max_tokens: int, stop: Sequence[str] = ()) -> Generation:
+    """The sim's output: token ``i`` is :func:`_token_text` ``(i)``, up to ``max_tokens``
+    tokens; with ``stop``, generation ends with the token that completes the first stop string
+    found, and the text ends before that string (OpenAI's rule: the stop string is not
+    returned), ``finish_reason`` ``"stop"``."""
+    full = ""
+    starts: list[int] = []
+    longest = max((len(x) for x in stop), default=0)
+    for i in range(max_tokens):
+        starts.append(len(full))
+        full += _token_text(i)
+        if not stop:
+            continue
+        # Only a match ending in this token is new (an earlier one would have stopped).
+        lo = max(0, starts[-1] - longest + 1)
+        found = [at for at in (full.find(x, lo) for x in stop) if at >= 0]
+        if found:
+            cut = min(found)
+            ends = starts[1:] + [len(full)]
+            return Generation(tuple(full[st:min(end, cut)] if st < cut else ""
+                                    for st, end in zip(starts, ends)), "stop")
+    ends = starts[1:] + [len(full)]
+    return Generation(tuple(full[st:end] for st, end in zip(starts, ends)), "length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,12 +456,15 @@ def _is_token_list(value: Any) -> TypeGuard[list[int]]:
 
 
 def parse_request(path: str, doc: Any, tokenizer: Optional[TextTokenizer],
-                  default_model: str) -> SimRequest:
+                  default_model: str, max_model_len: Optional[int] = None) -> SimRequest:
     """Validate an OpenAI body and tokenize its prompt (see the module docstring).
 
     :param path: :data:`COMPLETIONS_PATH` or :data:`CHAT_PATH`.
     :param doc: the decoded JSON body.
     :param tokenizer: text tokenizer, ``None`` for the built-in byte scheme.
+    :param max_model_len: the context; a request naming no ``max_tokens`` gets
+        :data:`DEFAULT_MAX_TOKENS` or what is left of the context, the fewer (``None``: no
+        context).
     :raises SimBadRequest: naming the offending field.
     """
     if not isinstance(doc, dict):
@@ -426,8 +502,26 @@ def parse_request(path: str, doc: Any, tokenizer: Optional[TextTokenizer],
         max_tokens = doc.get("max_tokens")
     if max_tokens is None:  # absent or null: OpenAI's "the engine's default"
         max_tokens = DEFAULT_MAX_TOKENS
+        if max_model_len is not None:
+            max_tokens = max(1, min(max_tokens, max_model_len - len(token_ids)))
     if type(max_tokens) is not int or max_tokens < 1:
         raise SimBadRequest("max_tokens: must be an integer >= 1")
+    n = doc.get("n", 1)
+    if n is None:
+        n = 1
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:
+        raise SimBadRequest(f"n: must be an integer in [1, {MAX_CHOICES}]")
+    stop = doc.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+          and all(isinstance(x, str) for x in stop)):
+        stops = tuple(x for x in stop if x)
+    else:
+        raise SimBadRequest(f"stop: must be a string or a list of at most {MAX_STOP_STRINGS} "
+                            "strings")
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
         raise SimBadRequest("stream: must be a boolean")
@@ -444,7 +538,21 @@ def parse_request(path: str, doc: Any, tokenizer: Optional[TextTokenizer],
             raise SimBadRequest("routing: must be an object with prefill_name/decode_name strings")
         decode_name = routing.get("decode_name", "")
     return SimRequest(chat, token_ids, max_tokens, stream, options.get("include_usage") is True,
-                      model, decode_name)
+                      model, decode_name, n, stops)
+
+
+def check_context(req: SimRequest, max_model_len: int) -> None:
+    """A prompt plus its ``max_tokens`` must fit the context (vLLM's check and message).
+
+    :raises SimBadRequest: they do not.
+    """
+    prompt = len(req.token_ids)
+    if prompt + req.max_tokens > max_model_len:
+        raise SimBadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt + req.max_tokens} tokens ({prompt} in the messages, "
+            f"{req.max_tokens} in the completion). Please reduce the length of the messages "
+            "or completion.")
 
 
 # ---- the scheduler -------------------------------------------------------------------------
@@ -621,11 +729,24 @@ class Serving:
                     f"(0-{len(self._queues) - 1})"))
                 return
         try:
-            req = parse_request(path, json.loads(body), self.tokenizer, self.config.model)
+            req = parse_request(path, json.loads(body), self.tokenizer, self.config.model,
+                                self.config.max_model_len)
         except ValueError:
             self._count(rejected=1)
             _send_json(start_response, write, 400, _error("body is not valid JSON"))
             return
+        except SimBadRequest as exc:
+            self._count(rejected=1)
+            _send_json(start_response, write, 400, _error(str(exc)))
+            return
+        if req.model != self.config.model:
+            self._count(rejected=1)
+            _send_json(start_response, write, 404, _error(
+                f"The model `{req.model}` does not exist.", "NotFoundError",
+                code="model_not_found", param="model"))
+            return
+        try:
+            check_context(req, self.config.max_model_len)
         except SimBadRequest as exc:
             self._count(rejected=1)
             _send_json(start_response, write, 400, _error(str(exc)))
@@ -664,7 +785,7 @@ class Serving:
                 loads.append(len(q.waiting) + q.running)
         return loads.index(min(loads))
 
-    def _wait(self, seconds: float, conn: socket.socket) -> None:
+    def _wait(self, seconds: float, conn: "Peer") -> None:
         """Sleep ``seconds`` of wall time unless the client goes away or close() is called.
 
         :raises SimClientDisconnected: the client closed its connection.
@@ -686,7 +807,7 @@ class Serving:
                 # close() instead so that this does not spin.
                 self._closing.wait(step)
 
-    def _prefill(self, req: SimRequest, conn: socket.socket,
+    def _prefill(self, req: SimRequest, conn: "Peer",
                  rank: Optional[int] = None) -> tuple[Prefilled, int]:
         """Queue on ``rank`` (``None``: the least busy), then prefill (executing the prompt on
         the rank). Returns the prefill outcome and the rank whose slot the caller must release
@@ -750,7 +871,7 @@ class Serving:
                 q.prefilling = False
             q.cond.notify_all()
 
-    def _decode(self, rank: int, context: int, tokens: int, conn: socket.socket,
+    def _decode(self, rank: int, context: int, tokens: int, conn: "Peer",
                 emit: Optional[Callable[[int, int], None]] = None) -> float:
         """Decode ``tokens`` further output tokens (after the first) on ``rank`` for a request
         of ``context`` tokens so far, one modeled step each (:meth:`ServingConfig.tpot_us` of
@@ -800,24 +921,84 @@ class Serving:
                 q.context_sum -= q.decoding.pop(ticket)
         return total_us / 1000.0
 
+    # ---- native mode (xLLM's service routing, kvsvc.testbed.sim.native) ------------------
+
+    def generate(self, req: SimRequest, cancel: "CancelFlag",
+                 first: Callable[[Prefilled], None],
+                 emit: Callable[[int, int], None], rank: Optional[int] = None,
+                 decode: bool = True) -> tuple[Prefilled, float]:
+        """Serve one request of the native mode: queue and prefill (the first output token is
+        then produced: ``first(prefilled)``), then, with ``decode``, the further tokens
+        (``emit(first, last)`` after output tokens ``first..last``, 1-based after the first),
+        on the caller's thread. Counted like an HTTP request.
+
+        :param cancel: set when the service answered an entry ``ok: false`` (the client went
+            away): the request stops at its next step.
+        :param decode: False: only the prefill and the first token (P/D: a D decodes the rest,
+            :meth:`decode_only`).
+        :returns: the prefill outcome and the TPOT (simulated ms, 0 without decode).
+        :raises SimClientDisconnected: cancelled (counted ``cancelled``).
+        :raises SimServingClosed: the engine is closing.
+        """
+        self._count(requests=1, pd_requests=1 if req.decode_name else 0)
+        try:
+            pre, slot = self._prefill(req, cancel, rank)
+            try:
+                first(pre)
+                decode_ms = (self._decode(slot, len(req.token_ids) + 1,
+                                          req.generation().tokens - 1, cancel, emit=emit)
+                             if decode else 0.0)
+            finally:
+                self._release_slot(slot)
+        except SimClientDisconnected:
+            self._count(cancelled=1)
+            raise
+        except SimServingClosed:
+            self._count(rejected=1)
+            raise
+        self._count(completed=1)
+        return pre, (self._finished(req.generation(), decode_ms) if decode else 0.0)
+
+    def decode_only(self, req: SimRequest, cancel: "CancelFlag",
+                    emit: Callable[[int, int], None]) -> float:
+        """P/D's D side of the native mode: decode ``req.max_tokens - 1`` further tokens
+        after the first (produced on P) on the least busy rank; see :meth:`generate`.
+        Returns the TPOT, simulated ms."""
+        self._count(requests=1, pd_requests=1)
+        try:
+            decode_ms = self._decode(self._pick_rank(), len(req.token_ids) + 1,
+                                     req.generation().tokens - 1, cancel, emit=emit)
+        except SimClientDisconnected:
+            self._count(cancelled=1)
+            raise
+        except SimServingClosed:
+            self._count(rejected=1)
+            raise
+        self._count(completed=1)
+        return self._finished(req.generation(), decode_ms)
+
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
                      start_response: Callable, write: Callable,
                      wanted_rank: Optional[int] = None) -> None:
+        gen = req.generation()
         pre, rank = self._prefill(req, conn, wanted_rank)
         try:
-            decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn)
+            decode_ms = self._decode(rank, len(req.token_ids) + 1, gen.tokens - 1, conn)
         finally:
             self._release_slot(rank)
-        tpot_ms = self._finished(req, decode_ms)
-        text = "".join(_token_text(i) for i in range(req.max_tokens))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        if req.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        tpot_ms = self._finished(gen, decode_ms)
+        choices: list[dict[str, Any]] = []
+        for index in range(req.n):
+            choice: dict[str, Any] = {"index": index, "finish_reason": gen.finish_reason,
+                                      "logprobs": None}
+            if req.chat:
+                choice["message"] = {"role": "assistant", "content": gen.text}
+            else:
+                choice["text"] = gen.text
+            choices.append(choice)
         doc = {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
-               "created": int(time.time()), "model": req.model, "choices": [choice],
-               "usage": _usage(req, pre)}
+               "created": int(time.time()), "model": req.model, "choices": choices,
+               "usage": _usage(req, pre, gen)}
         _send_json(start_response, write, 200, doc, _timing_headers(pre, req, tpot_ms))
 
     def _serve_stream(self, rid: str, req: SimRequest, conn: socket.socket,
@@ -840,17 +1021,24 @@ class Serving:
                 doc["sim_timing"] = timing  # non-standard; OpenAI clients ignore it
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
+        gen = req.generation()
+
         def token(i: int) -> bytes:
-            last = i == req.max_tokens - 1
-            text = _token_text(i)
-            if req.chat:
-                delta = {"content": text} if i else {"role": "assistant", "content": text}
-                c = {"index": 0, "delta": delta, "finish_reason": "length" if last else None,
-                     "logprobs": None}
-            else:
-                c = {"index": 0, "text": text, "finish_reason": "length" if last else None,
-                     "logprobs": None}
-            return chunk([c])
+            # One chunk per choice (as vLLM streams n > 1), each naming its index.
+            last = i == gen.tokens - 1
+            text = gen.texts[i]
+            finish = gen.finish_reason if last else None
+            out = []
+            for index in range(req.n):
+                if req.chat:
+                    delta = {"content": text} if i else {"role": "assistant", "content": text}
+                    c = {"index": index, "delta": delta, "finish_reason": finish,
+                         "logprobs": None}
+                else:
+                    c = {"index": index, "text": text, "finish_reason": finish,
+                         "logprobs": None}
+                out.append(chunk([c]))
+            return b"".join(out)
 
         def tokens(first: int, last: int) -> None:
             write(b"".join(token(i) for i in range(first, last + 1)))
@@ -858,24 +1046,24 @@ class Serving:
         pre, rank = self._prefill(req, conn, wanted_rank)
         try:
             write(token(0))
-            decode_ms = self._decode(rank, len(req.token_ids) + 1, req.max_tokens - 1, conn,
+            decode_ms = self._decode(rank, len(req.token_ids) + 1, gen.tokens - 1, conn,
                                      emit=tokens)
         finally:
             self._release_slot(rank)
-        tpot_ms = self._finished(req, decode_ms)
+        tpot_ms = self._finished(gen, decode_ms)
         if req.include_usage:
-            write(chunk([], _usage(req, pre), {
+            write(chunk([], _usage(req, pre, gen), {
                 "queue_ms": round(pre.queue_ms, 3), "prefill_ms": round(pre.prefill_ms, 3),
                 "ttft_ms": round(pre.ttft_ms, 3), "tpot_ms": round(tpot_ms, 3),
                 "rank": pre.rank}))
         write(b"data: [DONE]\n\n")
 
-    def _finished(self, req: SimRequest, decode_ms: float) -> float:
+    def _finished(self, gen: Generation, decode_ms: float) -> float:
         """Count a request decoded to its end; returns its TPOT, simulated ms (0.0 with one
         output token)."""
-        if req.max_tokens < 2:
+        if gen.tokens < 2:
             return 0.0
-        tpot_ms = decode_ms / (req.max_tokens - 1)
+        tpot_ms = decode_ms / (gen.tokens - 1)
         self._observe(tpot_ms=tpot_ms)
         return tpot_ms
 
@@ -944,10 +1132,11 @@ def _token_text(i: int) -> str:
     return f" t{i}"
 
 
-def _usage(req: SimRequest, pre: Prefilled) -> dict:
+def _usage(req: SimRequest, pre: Prefilled, gen: Generation) -> dict:
     n = len(req.token_ids)
-    return {"prompt_tokens": n, "completion_tokens": req.max_tokens,
-            "total_tokens": n + req.max_tokens,
+    completion = req.n * gen.tokens
+    return {"prompt_tokens": n, "completion_tokens": completion,
+            "total_tokens": n + completion,
             "prompt_tokens_details": {"cached_tokens": pre.cached_tokens}}
 
 
@@ -961,8 +1150,9 @@ def _timing_headers(pre: Prefilled, req: SimRequest,
     return out
 
 
-def _error(message: str, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def _error(message: str, kind: str = "invalid_request_error", code: Optional[str] = None,
+           param: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _send_json(start_response: Callable, write: Callable, status: int, doc: dict,
@@ -973,10 +1163,37 @@ def _send_json(start_response: Callable, write: Callable, status: int, doc: dict
     write(body)
 
 
-def _peer_closed(conn: socket.socket, timeout_s: float) -> bool:
+class CancelFlag:
+    """The "client" of a native-mode request (:meth:`Serving.generate`): set when the service
+    answered one of its entries ``ok: false``; waited on where an HTTP request polls its
+    socket."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        """Cancel the request."""
+        self._event.set()
+
+    def is_set(self) -> bool:
+        """True once cancelled."""
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds; True when cancelled."""
+        return self._event.wait(max(0.0, timeout_s))
+
+
+#: What a request waits on: its HTTP client's socket, or a native request's cancel flag.
+Peer = Any
+
+
+def _peer_closed(conn: Peer, timeout_s: float) -> bool:
     """True when the client has closed (readable with EOF or reset) within ``timeout_s``.
     The request body was read whole, so the client sends nothing more: readability means
-    the connection ended."""
+    the connection ended. A :class:`CancelFlag`: True when it is set within ``timeout_s``."""
+    if isinstance(conn, CancelFlag):
+        return conn.wait(timeout_s)
     try:
         readable, _, _ = select.select([conn], [], [], max(0.0, timeout_s))
         if not readable:

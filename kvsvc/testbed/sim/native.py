@@ -1,0 +1,520 @@
+"""The simulated xLLM engine's native mode (§13): the control plane of an xLLM engine started
+with ``--enable_service_routing``, so kvsvc's baidu_std server, native dispatch, answer assembly
+and P/D links run end to end without a real engine.
+
+- **Requests** arrive as ``xllm.proto.XllmAPIService.ChatCompletions`` / ``.Completions``, over
+  baidu_std or brpc's HTTP+JSON form on the engine's own port (brpc serves both on one port;
+  :class:`~kvsvc.testbed.sim.health.HealthServer` tells them apart by the ``PRPC`` magic).
+  The engine answers at once with an empty response and serves the request on a thread of its
+  own with the serving sim's latency model (:meth:`~kvsvc.testbed.sim.serving.Serving.generate`):
+  the prompt is ``token_ids`` as given (required, as the real engine: a request without them
+  gets ``gen_status`` INVALID_ARGUMENT), ``max_tokens`` output tokens (16 by default).
+- **Answers**: every output token goes to the service with
+  ``xllm_service.proto.XllmRpcService.Generations`` over baidu_std, one call per decode step
+  (one entry, the step's tokens), to the request's ``source_xservice_addr`` or, without one,
+  to the address in ``XLLM:SERVICE:MASTER``. The last entry carries ``finish_reason``
+  ``"length"``, ``usage`` (prompt, generated, total, cached tokens) and ``finished``. An entry
+  answered ``ok: false`` (unknown request, client gone) cancels the request, as the engine does;
+  a push the service does not answer cancels it too.
+- **Heartbeats** (:func:`rpc_heartbeat`): ``XllmRpcService.Heartbeat`` over baidu_std to the
+  master key's address (the registration thread calls it instead of the HTTP heartbeat).
+- **P/D** (``routing.decode_name`` set to another instance): this engine is P: it prefills,
+  sends the first token (``finished_on_prefill_instance`` true), then hands the request to D
+  with ``xllm.proto.DisaggPDService/AddNewRequests`` (HTTP+JSON; the sim moves no KV), which
+  D accepts only from a P it was linked to (``LinkInstance``); D sends the further tokens under
+  the same ``service_req_id``. A refused hand-over ends the request with an error entry from P.
+  ``LinkInstance`` / ``UnlinkInstance`` (``InstanceClusterInfo``) keep the linked peers;
+  :attr:`NativeFront.refuse_links` makes them fail (tests).
+
+Errors inside: :class:`~kvsvc.errors.RpcUnreachable` / :class:`~kvsvc.errors.RpcTimeout` /
+:class:`~kvsvc.errors.RpcCallFailed` from :class:`RpcChannel`; a request thread logs and ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import requests
+from google.protobuf import json_format
+
+from kvsvc.errors import (
+    RpcCallFailed,
+    RpcError,
+    RpcTimeout,
+    RpcUnreachable,
+    SimClientDisconnected,
+    SimServingClosed,
+)
+from kvsvc.routing.answers import GenOutput, GenUsage, Generation
+from kvsvc.rpc import codec, messages
+from kvsvc.rpc.generations import generation_to_proto
+from kvsvc.testbed.sim.serving import (
+    DEFAULT_MAX_TOKENS,
+    CancelFlag,
+    Prefilled,
+    Serving,
+    SimRequest,
+)
+
+log = logging.getLogger(__name__)
+
+API_SERVICE = "xllm.proto.XllmAPIService"
+PD_SERVICE = "xllm.proto.DisaggPDService"
+SERVICE_RPC = "xllm_service.proto.XllmRpcService"
+#: xLLM ``StatusCode`` values the sim sends.
+INVALID_ARGUMENT = 3
+UNAVAILABLE = 7
+#: Token id of output token ``i`` (its text is ``" t<i>"``, as in the HTTP mode).
+TOKEN_ID_BASE = 1000
+_RECV_BYTES = 64 * 1024
+
+
+def token_text(i: int) -> str:
+    """Text of output token ``i`` (the HTTP mode's too)."""
+    return f" t{i}"
+
+
+class RpcChannel:
+    """A blocking baidu_std client to one address: one call at a time (a lock), the
+    connection opened on first use and again after a failure. Thread-safe.
+
+    :param address: ``host:port``.
+    :param timeout_s: bound of connect and of each call's answer, seconds.
+    """
+
+    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._conn: Optional[codec.Connection] = None
+
+    def call(self, service: str, method: str, payload: bytes) -> bytes:
+        """Send one call, wait for its answer; the answer's message bytes.
+
+        :raises RpcUnreachable: connect failed, or the connection broke.
+        :raises RpcTimeout: no answer within the timeout.
+        :raises RpcCallFailed: the server answered an ``error_code``.
+        """
+        with self._lock:
+            try:
+                if self._sock is None:
+                    host, _, port = self.address.rpartition(":")
+                    self._sock = socket.create_connection((host, int(port)), self._timeout_s)
+                    self._sock.settimeout(self._timeout_s)
+                    self._conn = codec.Connection(codec.Role.CLIENT)
+                assert self._conn is not None
+                cid, frame = self._conn.send_request(service, method, payload,
+                                                     timeout_ms=int(self._timeout_s * 1000))
+                self._sock.sendall(frame)
+                while True:
+                    data = self._sock.recv(_RECV_BYTES)
+                    if not data:
+                        raise ConnectionResetError("closed by the server")
+                    for event in self._conn.receive_data(data):
+                        if isinstance(event, codec.Response) and event.correlation_id == cid:
+                            if not event.ok:
+                                raise RpcCallFailed(event.error_code, event.error_text)
+                            return event.message
+            except socket.timeout as exc:
+                self._drop()
+                raise RpcTimeout(f"{self.address}: {method} not answered in time") from exc
+            except (OSError, RpcError) as exc:
+                if isinstance(exc, RpcCallFailed):
+                    raise
+                self._drop()
+                raise RpcUnreachable(f"{self.address}: {method} failed: {exc}") from exc
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+        self._conn = None
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        with self._lock:
+            self._drop()
+
+
+class ServiceClient:
+    """The engine's baidu_std calls to service replicas, one :class:`RpcChannel` per address.
+    Thread-safe.
+
+    :param timeout_s: bound of each call, seconds.
+    """
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channels: dict[str, RpcChannel] = {}
+
+    def channel(self, address: str) -> RpcChannel:
+        """The channel to ``address`` (created on first use)."""
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = RpcChannel(address, self._timeout_s)
+            return ch
+
+    def generations(self, address: str, gens: Sequence[Generation]) -> list[bool]:
+        """One ``Generations`` call; the ``ok`` of each entry.
+
+        :raises RpcError: the call failed (see :meth:`RpcChannel.call`).
+        """
+        msg = messages.DisaggStreamGenerations()
+        for gen in gens:
+            msg.gens.append(generation_to_proto(gen, with_status=gen.finished))
+        answer = messages.parse(messages.StatusSet, self.channel(address).call(
+            SERVICE_RPC, "Generations", messages.serialize(msg)))
+        return [s.ok for s in answer.all_status]
+
+    def heartbeat(self, address: str, name: str, incarnation_id: str, waiting: int,
+                  usage: float) -> bool:
+        """One ``Heartbeat`` call; the answer's ``ok``.
+
+        :raises RpcError: the call failed.
+        """
+        msg = messages.HeartbeatRequest(name=name, incarnation_id=incarnation_id)
+        msg.load_metrics.waiting_requests_num = waiting
+        msg.load_metrics.gpu_cache_usage_perc = usage
+        answer = messages.parse(messages.Status, self.channel(address).call(
+            SERVICE_RPC, "Heartbeat", messages.serialize(msg)))
+        return bool(answer.ok)
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+
+def rpc_heartbeat(client: ServiceClient) -> Callable[[str, dict], Optional[int]]:
+    """A heartbeat function for :class:`~kvsvc.testbed.sim.registration.EtcdRegistration`:
+    the HTTP heartbeat's body sent as ``Heartbeat`` over baidu_std to the master's address;
+    200 when answered ``ok: true``, 409 for ``ok: false``, ``None`` when the call failed."""
+    def beat(address: str, body: dict) -> Optional[int]:
+        load = body.get("load_metrics") or {}
+        try:
+            ok = client.heartbeat(address, body["name"], body.get("incarnation_id", ""),
+                                  int(load.get("waiting_requests_num", 0)),
+                                  float(load.get("gpu_cache_usage_perc", 0.0)))
+        except RpcError:
+            return None
+        return 200 if ok else 409
+    return beat
+
+
+class NativeFront:
+    """The native API of one simulated xLLM engine (module docstring). Thread-safe: each
+    accepted request runs on its own thread.
+
+    :param name: the instance name ``host:port``.
+    :param serving: the latency model that serves the requests.
+    :param client: the baidu_std calls to the service.
+    :param master: the master's baidu_std address from etcd, ``None`` when unknown (used when
+        a request names no ``source_xservice_addr``).
+    :param http_timeout_s: bound of the P -> D hand-over call, seconds.
+    """
+
+    def __init__(self, name: str, serving: Serving, client: ServiceClient,
+                 master: Callable[[], Optional[str]] = lambda: None,
+                 http_timeout_s: float = 5.0) -> None:
+        self.name = name
+        self.serving = serving
+        self.client = client
+        self._master = master
+        self._http_timeout_s = http_timeout_s
+        self._http = requests.Session()
+        self._http.trust_env = False
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._ids = itertools.count(1)
+        self.linked: set[str] = set()
+        self.refuse_links = False
+        #: Counters: accepted requests, entries pushed, entries answered ok: false, failed
+        #: pushes, links and unlinks received.
+        self.counts = {"accepted": 0, "pushed": 0, "refused": 0, "push_failed": 0,
+                       "links": 0, "unlinks": 0, "handovers": 0}
+
+    def set_master(self, master: Callable[[], Optional[str]]) -> None:
+        """Where the master's baidu_std address comes from (the registration thread's read of
+        ``XLLM:SERVICE:MASTER``)."""
+        self._master = master
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[key] += n
+
+    # -- entry points ----------------------------------------------------------------------
+
+    def handle_json(self, path: str, body: bytes) -> tuple[int, dict]:
+        """brpc's HTTP+JSON form: ``POST /<service>/<method>``; ``(status, JSON answer)``."""
+        parts = path.strip("/").split("/")
+        if len(parts) != 2:
+            return 404, {"error": f"no method {path}"}
+        try:
+            doc = json.loads(body or b"{}")
+        except ValueError:
+            return 400, {"error": "body is not JSON"}
+        if not isinstance(doc, dict):
+            return 400, {"error": "body is not a JSON object"}
+        answer = self._call(parts[0], parts[1], doc)
+        if answer is None:
+            return 404, {"error": f"no method {path}"}
+        return 200, answer
+
+    def handle_rpc(self, request: codec.Request) -> tuple[int, str, bytes]:
+        """One baidu_std call: ``(error_code, error_text, answer bytes)``."""
+        kinds = {("XllmAPIService", "ChatCompletions"): messages.ChatRequest,
+                 ("XllmAPIService", "Completions"): messages.CompletionRequest,
+                 ("DisaggPDService", "LinkInstance"): messages.InstanceClusterInfo,
+                 ("DisaggPDService", "UnlinkInstance"): messages.InstanceClusterInfo}
+        short = request.service.rsplit(".", 1)[-1]
+        cls = kinds.get((short, request.method))
+        if cls is None:
+            return codec.ENOMETHOD, f"no method {request.service}.{request.method}", b""
+        try:
+            msg = messages.parse(cls, request.message)
+        except RpcError as exc:
+            return codec.EREQUEST, str(exc), b""
+        doc = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+        answer = self._call(short, request.method, doc) or {}
+        if short == "DisaggPDService":
+            return 0, "", messages.serialize(messages.XllmStatus(ok=bool(answer.get("ok"))))
+        empty = (messages.ChatResponse() if request.method == "ChatCompletions"
+                 else messages.CompletionResponse())
+        return 0, "", messages.serialize(empty)
+
+    def serve_connection(self, sock: socket.socket) -> None:
+        """Serve baidu_std calls on ``sock`` until the peer closes it (one thread)."""
+        conn = codec.Connection(codec.Role.SERVER)
+        sock.settimeout(None)
+        try:
+            while True:
+                data = sock.recv(_RECV_BYTES)
+                if not data:
+                    return
+                for event in conn.receive_data(data):
+                    if isinstance(event, codec.Request):
+                        code, text, out = self.handle_rpc(event)
+                        sock.sendall(conn.send_response(event.correlation_id, out,
+                                                        error_code=code, error_text=text))
+                    elif isinstance(event, codec.BadCall):
+                        sock.sendall(conn.send_response(event.correlation_id,
+                                                        error_code=event.error_code,
+                                                        error_text=event.error_text))
+        except (OSError, RpcError) as exc:
+            log.debug("sim %s: baidu_std connection ended: %s", self.name, exc)
+
+    def _call(self, service: str, method: str, doc: Mapping[str, Any]) -> Optional[dict]:
+        short = service.rsplit(".", 1)[-1]
+        if short == "XllmAPIService" and method in ("ChatCompletions", "Completions"):
+            self._accept(method == "ChatCompletions", doc)
+            return {}
+        if short == "DisaggPDService" and method in ("LinkInstance", "UnlinkInstance"):
+            peer = str(doc.get("instance_name", ""))
+            if self.refuse_links:
+                return {"ok": False}
+            with self._lock:
+                if method == "LinkInstance":
+                    self.linked.add(peer)
+                    self.counts["links"] += 1
+                else:
+                    self.linked.discard(peer)
+                    self.counts["unlinks"] += 1
+            log.info("sim %s: %s %s", self.name, method, peer)
+            return {"ok": True}
+        if short == "DisaggPDService" and method == "AddNewRequests":
+            return self._take_handover(doc)
+        return None
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _start(self, target: Callable[[], None], label: str) -> None:
+        def run() -> None:
+            try:
+                target()
+            except Exception:  # noqa: BLE001 - a request thread must log, not vanish
+                log.exception("sim %s: %s failed", self.name, label)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+        t = threading.Thread(target=run, name=f"sim-native-{label}", daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        t.start()
+
+    def _accept(self, chat: bool, doc: Mapping[str, Any]) -> None:
+        sid = str(doc.get("service_request_id", ""))
+        addr = str(doc.get("source_xservice_addr") or "") or self._master() or ""
+        rid = f"sim-{self.name}-{next(self._ids)}"
+        self._count("accepted")
+        tokens = [int(t) for t in doc.get("token_ids") or []]
+        max_tokens = doc.get("max_tokens")
+        max_tokens = int(max_tokens) if max_tokens else DEFAULT_MAX_TOKENS
+        routing = doc.get("routing") or {}
+        decode = str(routing.get("decode_name") or "")
+        options = doc.get("stream_options") or {}
+        req = SimRequest(chat, tokens, max_tokens, bool(doc.get("stream")),
+                         options.get("include_usage") is True, str(doc.get("model") or ""),
+                         decode if decode and decode != self.name else None)
+        self._start(lambda: self._serve(sid, rid, addr, req), sid[:12] or rid)
+
+    def _push(self, addr: str, gen: Generation, cancel: CancelFlag) -> bool:
+        """Send one entry; False (and ``cancel`` set) when it was refused or not delivered."""
+        if not addr:
+            cancel.set()
+            self._count("push_failed")
+            return False
+        try:
+            ok = self.client.generations(addr, [gen])[0]
+        except (RpcError, IndexError) as exc:
+            log.warning("sim %s: Generations to %s failed (%s): request %s cancelled",
+                        self.name, addr, exc, gen.service_req_id)
+            self._count("push_failed")
+            cancel.set()
+            return False
+        self._count("pushed")
+        if not ok:
+            self._count("refused")
+            cancel.set()
+            log.info("sim %s: request %s answered ok: false: cancelled", self.name,
+                     gen.service_req_id)
+        return ok
+
+    @staticmethod
+    def _tokens(first: int, last: int) -> GenOutput:
+        return GenOutput(0, "".join(token_text(i) for i in range(first, last + 1)),
+                         tuple(TOKEN_ID_BASE + i for i in range(first, last + 1)))
+
+    def _serve(self, sid: str, rid: str, addr: str, req: SimRequest) -> None:
+        cancel = CancelFlag()
+        if not req.token_ids:
+            self._push(addr, Generation(sid, rid, INVALID_ARGUMENT,
+                                        "token_ids: the prompt's token ids are required",
+                                        finished=True), cancel)
+            return
+        n = req.max_tokens
+        pd = req.decode_name is not None
+        cached = [0]
+
+        def usage(generated: int) -> GenUsage:
+            prompt = len(req.token_ids)
+            return GenUsage(prompt, generated, prompt + generated, cached[0])
+
+        def last_entry(first: int, last: int, on_prefill: bool = False) -> Generation:
+            out = self._tokens(first, last)
+            done = last == n - 1
+            if done:
+                out = GenOutput(0, out.text, out.token_ids, "length")
+            return Generation(sid, rid, outputs=(out,), usage=usage(last + 1) if done else None,
+                              finished=done or on_prefill,
+                              finished_on_prefill_instance=on_prefill)
+
+        def first(pre: Prefilled) -> None:
+            cached[0] = pre.cached_tokens
+            if not self._push(addr, last_entry(0, 0, on_prefill=pd), cancel):
+                raise SimClientDisconnected("refused")
+
+        def emit(lo: int, hi: int) -> None:
+            if not self._push(addr, last_entry(lo, hi), cancel):
+                raise SimClientDisconnected("refused")
+
+        try:
+            self.serving.generate(req, cancel, first, emit, decode=not pd)
+        except (SimClientDisconnected, SimServingClosed) as exc:
+            log.info("sim %s: request %s ended early (%s)", self.name, sid, exc)
+            return
+        if pd and n > 1:
+            self._hand_over(sid, rid, addr, req, cached[0])
+
+    def _hand_over(self, sid: str, rid: str, addr: str, req: SimRequest, cached: int) -> None:
+        """P's side of P/D: give the request to D; an error entry when D refuses."""
+        assert req.decode_name is not None
+        body: dict[str, Any] = {"prefill_name": self.name, "reqs": [{
+            "req_id": rid, "service_req_id": sid, "prompt_tokens": req.token_ids,
+            "max_tokens": req.max_tokens, "stream": req.stream, "source_xservice_addr": addr,
+            "num_cached_tokens": cached}]}
+        why = ""
+        try:
+            resp = self._http.post(f"http://{req.decode_name}/{PD_SERVICE}/AddNewRequests",
+                                   json=body, timeout=self._http_timeout_s)
+            doc = resp.json() if resp.status_code == 200 else {}
+            status = (doc.get("resps") or [{}])[0].get("status_code", 500)
+            if resp.status_code != 200 or status != 200:
+                why = f"decode instance {req.decode_name} refused the request ({status})"
+        except (requests.RequestException, ValueError) as exc:
+            why = f"decode instance {req.decode_name} unreachable ({type(exc).__name__})"
+        if why:
+            log.warning("sim %s: %s", self.name, why)
+            self._push(addr, Generation(sid, rid, UNAVAILABLE, why, finished=True), CancelFlag())
+            return
+        self._count("handovers")
+
+    def _take_handover(self, doc: Mapping[str, Any]) -> dict:
+        """D's side of P/D: decode requests from a linked P."""
+        prefill = str(doc.get("prefill_name", ""))
+        with self._lock:
+            linked = prefill in self.linked
+        resps = []
+        for r in doc.get("reqs") or []:
+            rid = str(r.get("req_id", ""))
+            if not linked:
+                resps.append({"req_id": rid, "status_code": 403})
+                continue
+            resps.append({"req_id": rid, "status_code": 200})
+            sid = str(r.get("service_req_id", ""))
+            tokens = [int(t) for t in r.get("prompt_tokens") or []]
+            req = SimRequest(False, tokens, int(r.get("max_tokens") or DEFAULT_MAX_TOKENS),
+                             bool(r.get("stream")), False, "", self.name)
+            addr = str(r.get("source_xservice_addr") or "") or self._master() or ""
+            cached = int(r.get("num_cached_tokens") or 0)
+            self._start(lambda: self._decode(sid, rid, addr, req, cached), f"d-{sid[:10]}")
+        if not linked:
+            log.warning("sim %s: hand-over from %s refused: not linked", self.name, prefill)
+        return {"resps": resps}
+
+    def _decode(self, sid: str, rid: str, addr: str, req: SimRequest, cached: int) -> None:
+        cancel = CancelFlag()
+        n = req.max_tokens
+        prompt = len(req.token_ids)
+
+        def emit(lo: int, hi: int) -> None:
+            out = self._tokens(lo, hi)
+            done = hi == n - 1
+            gen = Generation(sid, rid, outputs=(GenOutput(0, out.text, out.token_ids,
+                                                          "length" if done else ""),),
+                             usage=GenUsage(prompt, hi + 1, prompt + hi + 1, cached)
+                             if done else None, finished=done)
+            if not self._push(addr, gen, cancel):
+                raise SimClientDisconnected("refused")
+
+        try:
+            self.serving.decode_only(req, cancel, emit)
+        except (SimClientDisconnected, SimServingClosed) as exc:
+            log.info("sim %s: decode of %s ended early (%s)", self.name, sid, exc)
+
+    def join(self, timeout_s: float = 5.0) -> int:
+        """Join the request threads (the serving sim must be closing); how many are left."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sum(1 for t in threads if t.is_alive())
+
+    def close(self) -> None:
+        """Close the connections (after :meth:`join`)."""
+        self.client.close()
+        self._http.close()
