@@ -16,8 +16,9 @@ before gunicorn forks, STYLE 8):
 - with ``--etcd_addr`` and ``--load_scrape_backends`` non-empty the
   :class:`~kvsvc.cluster.load_scrape.LoadScraper` thread that reads vLLM's and SGLang's load
   from their ``/metrics`` (§15);
-- with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
-  thread that keeps the instances' own model lists for ``GET /v1/models`` (§11);
+- with ``--etcd_addr`` the :class:`~kvsvc.routing.models.ModelLister`
+  thread that keeps the instances' own model lists: model-aware candidates (§15) and, with
+  ``--model`` empty, ``GET /v1/models`` (§11);
 - with ``--etcd_addr`` and ``--rpc_port`` not 0 the baidu_std
   :class:`~kvsvc.rpc.server.RpcServer` of real xLLM engines (§13): heartbeats through the
   same intake as HTTP's, Generations into :attr:`Service.generations`.
@@ -46,7 +47,7 @@ from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
 from kvsvc.settings import ServiceSettings
-from kvsvc.directory import Directory
+from kvsvc.directory import Directory, OverlayLimits
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import ModelLister
@@ -59,7 +60,8 @@ from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
-from kvsvc.routing.xllm_dispatch import HttpJsonCaller, XllmDispatcher
+from kvsvc.routing.xllm_dispatch import XllmDispatcher
+from kvsvc.rpc.engines import BaiduStdCaller
 from kvsvc.rpc.server import RpcServer, XllmRpcHandler
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,14 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                   served_models(settings.model), registry, directory)
 
 
+def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
+    """The bounds of every exact stream's pending blocks (§16), ``None`` with
+    ``--pending_ttl_ms 0`` (off)."""
+    if settings.pending_ttl_ms <= 0:
+        return None
+    return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
+
+
 def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
     """``instance -> backend_type`` from the registry's snapshot (the audit per backend, §14);
     ``""`` for an unknown instance or without a registry."""
@@ -191,8 +201,8 @@ class Service:
     :ivar router: the §11 router (always present).
     :ivar cache_audit: predicted vs actual cached tokens of every proxied answer
         (:mod:`kvsvc.routing.cache_audit`), shown in ``/metrics`` and ``/v1/internal/route``.
-    :ivar models: the backends' model lists, ``None`` unless a registry is configured and
-        ``--model`` is empty.
+    :ivar models: the backends' model lists (model-aware candidates, §15; ``/v1/models``
+        with ``--model`` empty), ``None`` without a registry.
     :ivar load_scraper: reads the load of the ``--load_scrape_backends`` instances from their
         ``/metrics`` (§15), ``None`` without a registry or with no backend listed.
     :ivar static_streams: the §8 config lists streams.
@@ -220,7 +230,8 @@ class Service:
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = (
-            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots,
+                      pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
@@ -249,8 +260,7 @@ class Service:
         if settings.xllm_dispatch == "native":
             registry = self.registry
             self.router.xllm = XllmDispatcher(
-                HttpJsonCaller(settings.upstream_connect_timeout_s,
-                               pool_maxsize=settings.worker_threads),
+                BaiduStdCaller(settings.upstream_connect_timeout_s),
                 self.generations,
                 registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
                 self.router.in_flight, self.router.proxy.observer,
@@ -259,9 +269,11 @@ class Service:
         if settings.xllm_dispatch == "native" and self.registry is not None:
             self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
             self.router.excluded = self.pd_links.excluded
+        # §15: the instances' own model lists decide which serve a request's model; with
+        # --model empty they are also /v1/models.
         self.models: Optional[ModelLister] = (
-            ModelLister(self.registry) if self.registry is not None and not self.router.models
-            else None)
+            ModelLister(self.registry) if self.registry is not None else None)
+        self.router.model_lists = self.models
         self.static_streams = bool(kv_config is not None and kv_config.streams)
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)
