@@ -16,8 +16,9 @@ before gunicorn forks, STYLE 8):
 - with ``--etcd_addr`` and ``--load_scrape_backends`` non-empty the
   :class:`~kvsvc.cluster.load_scrape.LoadScraper` thread that reads vLLM's and SGLang's load
   from their ``/metrics`` (§15);
-- with ``--etcd_addr`` and ``--model`` empty the :class:`~kvsvc.routing.models.ModelLister`
-  thread that keeps the instances' own model lists for ``GET /v1/models`` (§11);
+- with ``--etcd_addr`` the :class:`~kvsvc.routing.models.ModelLister`
+  thread that keeps the instances' own model lists: model-aware candidates (§15) and, with
+  ``--model`` empty, ``GET /v1/models`` (§11);
 - with ``--etcd_addr`` and ``--rpc_port`` not 0 the baidu_std
   :class:`~kvsvc.rpc.server.RpcServer` of real xLLM engines (§13): heartbeats through the
   same intake as HTTP's, Generations into :attr:`Service.generations`.
@@ -192,8 +193,8 @@ class Service:
     :ivar router: the §11 router (always present).
     :ivar cache_audit: predicted vs actual cached tokens of every proxied answer
         (:mod:`kvsvc.routing.cache_audit`), shown in ``/metrics`` and ``/v1/internal/route``.
-    :ivar models: the backends' model lists, ``None`` unless a registry is configured and
-        ``--model`` is empty.
+    :ivar models: the backends' model lists (model-aware candidates, §15; ``/v1/models``
+        with ``--model`` empty), ``None`` without a registry.
     :ivar load_scraper: reads the load of the ``--load_scrape_backends`` instances from their
         ``/metrics`` (§15), ``None`` without a registry or with no backend listed.
     :ivar static_streams: the §8 config lists streams.
@@ -260,9 +261,11 @@ class Service:
         if settings.xllm_dispatch == "native" and self.registry is not None:
             self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
             self.router.excluded = self.pd_links.excluded
+        # §15: the instances' own model lists decide which serve a request's model; with
+        # --model empty they are also /v1/models.
         self.models: Optional[ModelLister] = (
-            ModelLister(self.registry) if self.registry is not None and not self.router.models
-            else None)
+            ModelLister(self.registry) if self.registry is not None else None)
+        self.router.model_lists = self.models
         self.static_streams = bool(kv_config is not None and kv_config.streams)
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)

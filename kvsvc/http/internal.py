@@ -142,7 +142,9 @@ def _route() -> flask.Response:
         tokenized = token_ids is not None
     else:
         raise BadRequest("body needs token_ids, prompt or messages")
-    out = metrics().decide(routing, token_ids).to_json()
+    model = doc.get("model")
+    out = metrics().decide(routing, token_ids,
+                           model if isinstance(model, str) and model else None).to_json()
     out["tokenized"] = tokenized
     out["heartbeat_rejections"] = svc.heartbeat_rejections.to_json()
     # The last answers' predicted vs actual cached tokens (issue 14), oldest first.

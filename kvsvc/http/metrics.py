@@ -174,14 +174,18 @@ class Metrics:
         reg.register(ServiceCollector(service))
         service.router.proxy.add_observer(TokenMetrics(self))
 
-    def decide(self, router: Router, token_ids: Optional[Sequence[int]]) -> Decision:
-        """``router.decide(token_ids)``, recorded (:meth:`routed`) with the time it took.
+    def decide(self, router: Router, token_ids: Optional[Sequence[int]],
+               model: Optional[str] = None) -> Decision:
+        """``router.decide(token_ids, model)``, recorded (:meth:`routed`) with the time it
+        took.
 
         :param router: the app's router.
         :param token_ids: the prompt's tokens, ``None`` when unknown.
+        :param model: the request's ``model`` (§15: model-aware candidates), ``None``: any.
+        :raises UnknownModel: no registered instance serves ``model``.
         """
         started = time.perf_counter()
-        decision = router.decide(token_ids)
+        decision = router.decide(token_ids, model)
         self.routed(decision, time.perf_counter() - started)
         return decision
 

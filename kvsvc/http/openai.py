@@ -24,7 +24,11 @@
   list. With ``--model`` empty every model name is accepted, and the list is the union of the
   backends' own lists (``GET /v1/models`` of every registered schedulable instance, fetched in
   the background by :class:`~kvsvc.routing.models.ModelLister`, never on the request path),
-  each model once, by id.
+  each model once, by id. ``GET /v1/models/{id}``: that model's object from the same list, 404
+  ``model_not_found`` when absent.
+- Model-aware candidates (§15): a request's ``model`` is routed only to the instances whose
+  own ``/v1/models`` list holds it (an instance whose list is not known yet serves every
+  model); no registered instance serving it: 404 ``model_not_found``.
 
 Errors: ``{"error": {"message", "type", "param", "code"}}`` (:func:`kvsvc.http.errors.openai_error`,
 every error under ``/v1/`` except ``/v1/internal/*``) with the status of
@@ -57,7 +61,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import flask
 from flask import request
 
-from kvsvc.errors import BadRequest, UpstreamError
+from kvsvc.errors import BadRequest, UnknownModel, UpstreamError
 from kvsvc.http.admission import REQUEST_ID_HEADER, hand_over_slot, request_id
 from kvsvc.http.body import (
     check_model_and_stream,
@@ -118,6 +122,7 @@ def blueprint() -> flask.Blueprint:
     bp.add_url_rule(CHAT_PATH, "chat_completions", _chat_completions, methods=["POST"])
     bp.add_url_rule(EMBEDDINGS_PATH, "embeddings", _embeddings, methods=["POST"])
     bp.add_url_rule(MODELS_PATH, "models", _models, methods=["GET"])
+    bp.add_url_rule(MODELS_PATH + "/<path:model_id>", "model", _model, methods=["GET"])
     # Errors are answered in OpenAI's shape by the app-wide handlers (kvsvc.http.errors),
     # which choose the shape by path: a 405 never reaches a blueprint's handler.
     bp.after_request(_count_proxied)
@@ -248,7 +253,8 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
     instruments = metrics()
     started: float = flask.g.get(_STARTED, time.monotonic())
     endpoint = _PROXIED[path]
-    decision = instruments.decide(routing, token_ids)
+    model = doc.get("model")
+    decision = instruments.decide(routing, token_ids, model if isinstance(model, str) else None)
     query = request.query_string.decode("latin-1")
     routed = routing.forward(decision, path + ("?" + query if query else ""), body, doc,
                              _client_headers(), client_watch(), token_ids)
@@ -288,13 +294,26 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
         raise
 
 
-def _models() -> flask.Response:
+def _model_objects() -> list[dict]:
+    """The OpenAI model objects of ``/v1/models``: the ``--model`` names when set, else the
+    union of the instances' own lists (:class:`~kvsvc.routing.models.ModelLister`)."""
     served = router().models
     if served:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvsvc"}
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "kvsvc"}
                 for name in served]
-    else:
-        lister = service().models
-        data = [{"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by}
-                for m in (lister.models() if lister is not None else ())]
-    return flask.jsonify(object="list", data=data)
+    lister = service().models
+    return [{"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by}
+            for m in (lister.models() if lister is not None else ())]
+
+
+def _models() -> flask.Response:
+    return flask.jsonify(object="list", data=_model_objects())
+
+
+def _model(model_id: str) -> flask.Response:
+    """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): that model's object from the
+    same list as ``/v1/models``; 404 ``model_not_found`` when it is not in it."""
+    for obj in _model_objects():
+        if obj["id"] == model_id:
+            return flask.jsonify(obj)
+    raise UnknownModel(f"The model `{model_id}` does not exist.")

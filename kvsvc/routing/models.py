@@ -1,9 +1,15 @@
-"""The backends' own model lists, for ``GET /v1/models`` with ``--model`` unset (§11).
+"""The backends' own model lists (§11, §15): model-aware candidates, and ``GET /v1/models``
+with ``--model`` unset.
 
-With ``--model`` empty kvsvc serves whatever the engines serve, and answers ``/v1/models`` as
-xllm-service does: the union of the model lists of the registered instances. §9 registrations
-carry no model names, so :class:`ModelLister`, a :class:`~kvsvc.lifecycle.BackgroundThread`
-owned by the service (:class:`kvsvc.service.Service`), asks each instance itself:
+§15: a request's ``model`` is served only by the instances whose model list holds it; an
+instance whose list is not known yet counts as serving every model
+(:func:`serving_model`, applied by :meth:`kvsvc.routing.router.Router.decide` before the
+policy); when no registered instance serves it the request is answered 404 ``model_not_found``
+(:class:`~kvsvc.errors.UnknownModel`). With ``--model`` empty kvsvc serves whatever the engines
+serve, and answers ``/v1/models`` as xllm-service does: the union of the model lists of the
+registered instances. §9 registrations carry no model names, so :class:`ModelLister`, a
+:class:`~kvsvc.lifecycle.BackgroundThread` owned by the service
+(:class:`kvsvc.service.Service`), asks each instance itself:
 
 - every :attr:`ModelListerSettings.poll_interval_s` it reads the registry's snapshot
   (lock-free) and fetches ``GET http://<instance>/v1/models`` of every schedulable (not
@@ -17,6 +23,9 @@ owned by the service (:class:`kvsvc.service.Service`), asks each instance itself
 - :meth:`ModelLister.models` is what the request path reads: the union, each model id once,
   sorted by id, as an immutable tuple swapped in whole (one reference read, no I/O, no lock).
   A model's ``created`` and ``owned_by`` are those of the first instance (by name) listing it.
+  :meth:`ModelLister.lists` is each instance's own list (instances whose list is known: they
+  answered once with at least one model; an empty list tells nothing and counts as not
+  known), swapped in whole the same way. A failing instance keeps its last known list.
 
 Nothing here knows Flask; ``requests`` errors stay inside :meth:`ModelLister._fetch` (a failed
 fetch is a logged state, never raised).
@@ -28,14 +37,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional, Protocol
 
 import requests
 import requests.adapters
 
-from kvsvc.cluster.model import InstanceState
+from kvsvc.cluster.model import InstanceState, RegistrySnapshot
 from kvsvc.lifecycle import BackgroundThread
-from kvsvc.routing.router import RegistryView
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,7 @@ class _Listed:
     models: tuple[tuple[str, int, str], ...]  # (id, created, owned_by), the instance's order
     fetched_at: float                         # time.monotonic() of the last attempt
     failing: bool                             # the last attempt failed
+    known: bool = True                        # it answered once: ``models`` is its list
 
 
 def parse_model_list(doc: object) -> tuple[tuple[str, int, str], ...]:
@@ -108,6 +118,28 @@ def parse_model_list(doc: object) -> tuple[tuple[str, int, str], ...]:
     return tuple(out.values())
 
 
+def serving_model(snapshot: RegistrySnapshot, lists: Mapping[str, frozenset[str]],
+                  model: str) -> tuple[RegistrySnapshot, dict[str, str]]:
+    """The model-aware candidates rule (§15): ``snapshot`` without the instances whose known
+    model list lacks ``model``; an instance absent from ``lists`` (its list not known yet)
+    stays (it counts as serving every model).
+
+    :param snapshot: the registry's snapshot.
+    :param lists: :meth:`ModelLister.lists`.
+    :param model: the request's ``model``.
+    :returns: the filtered snapshot (the same object when nothing is removed) and every
+        removed instance -> why (``"does not serve model `m` (its /v1/models)"``).
+    """
+    removed = {name: f"does not serve model `{model}` (its {MODELS_PATH})"
+               for name in snapshot.instances
+               if name in lists and model not in lists[name]}
+    if not removed:
+        return snapshot, {}
+    kept = {n: i for n, i in snapshot.instances.items() if n not in removed}
+    return RegistrySnapshot(MappingProxyType(kept), snapshot.fresh, snapshot.is_master,
+                            snapshot.generation), removed
+
+
 def union(lists: dict[str, tuple[tuple[str, int, str], ...]]) -> tuple[BackendModel, ...]:
     """Instance name -> its list (:func:`parse_model_list`) -> each model once, sorted by id;
     ``created``/``owned_by`` from the first instance by name."""
@@ -121,6 +153,14 @@ def union(lists: dict[str, tuple[tuple[str, int, str], ...]]) -> tuple[BackendMo
                  for m in sorted(first))
 
 
+class SnapshotSource(Protocol):
+    """What the lister reads of the registry (:class:`kvsvc.cluster.registry.Registry`)."""
+
+    def snapshot(self) -> RegistrySnapshot:
+        """The current immutable snapshot (lock-free)."""
+        ...
+
+
 class ModelLister(BackgroundThread):
     """Keeps the union of the schedulable instances' own model lists (module docstring).
 
@@ -128,13 +168,14 @@ class ModelLister(BackgroundThread):
     :param settings: timings.
     """
 
-    def __init__(self, registry: RegistryView,
+    def __init__(self, registry: "SnapshotSource",
                  settings: ModelListerSettings = ModelListerSettings()) -> None:
         super().__init__("kvsvc-models")
         self._registry = registry
         self.settings = settings
         self._listed: dict[str, _Listed] = {}  # the thread's own
         self._models: tuple[BackendModel, ...] = ()
+        self._lists: Mapping[str, frozenset[str]] = MappingProxyType({})
         self._session: Optional[requests.Session] = None
         self._pool: Optional[ThreadPoolExecutor] = None
 
@@ -142,6 +183,12 @@ class ModelLister(BackgroundThread):
         """The union of the instances' lists, each model once, sorted by id (empty before the
         first answer). One reference read: safe from any thread."""
         return self._models
+
+    def lists(self) -> Mapping[str, frozenset[str]]:
+        """Instance ``host:port`` -> the model ids it lists, for the instances whose list is
+        known (absent: not known yet, serves every model, §15). One reference read: safe from
+        any thread."""
+        return self._lists
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -181,6 +228,10 @@ class ModelLister(BackgroundThread):
             assert self._pool is not None, "refresh() runs on the started thread"
             for name, got in zip(due, self._pool.map(self._fetch, due), strict=True):
                 self._record(name, got, now)
+        lists = {n: frozenset(m[0] for m in entry.models)
+                 for n, entry in sorted(self._listed.items()) if entry.known}
+        if lists != dict(self._lists):
+            self._lists = MappingProxyType(lists)
         models = union({n: entry.models for n, entry in self._listed.items()})
         if models != self._models:
             self._models = models
@@ -193,13 +244,16 @@ class ModelLister(BackgroundThread):
         if listed is not None:
             if before is not None and before.failing:
                 log.info("instance %s: %s answers again", name, MODELS_PATH)
-            self._listed[name] = _Listed(listed, now, False)
+            # An empty list tells nothing about what the instance serves: it stays a
+            # candidate for every model (as one whose list is not known yet, §15).
+            self._listed[name] = _Listed(listed, now, False, bool(listed))
             return
         if before is None or not before.failing:
             log.warning("instance %s: %s failed (%s); %s", name, MODELS_PATH, error,
                         "keeping its last list" if before is not None and before.models
                         else "none of its models listed")
-        self._listed[name] = _Listed(before.models if before is not None else (), now, True)
+        self._listed[name] = _Listed(before.models if before is not None else (), now, True,
+                                     before.known if before is not None else False)
 
     def _fetch(self, name: str) -> tuple[Optional[tuple[tuple[str, int, str], ...]], str]:
         """``GET http://<name>/v1/models`` -> (its list, "") or (None, why it failed)."""

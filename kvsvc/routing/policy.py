@@ -32,9 +32,9 @@ The router's own load: every policy takes this worker's requests in flight
 §12's SLO_AWARE and TTFT build on these (:mod:`kvsvc.routing.slo`, :mod:`kvsvc.routing.ttft`);
 :func:`kvsvc.routing.policies.make_policy` builds the one ``--load_balance_policy`` names.
 
-Errors: :class:`~kvsvc.errors.ConfigError` for an out-of-range
-``lambda``/``host_weight``/``max_load_age_s``; choosing never raises (no candidate gives a
-:class:`Decision` with ``prefill=None``).
+Parameters arrive valid: their ranges are the settings table's (:mod:`kvsvc.settings`),
+checked once there. Choosing never raises (no candidate gives a :class:`Decision` with
+``prefill=None``).
 """
 
 from __future__ import annotations
@@ -52,12 +52,9 @@ from kvsvc.cluster.model import (
     RegistrySnapshot,
     instance_identity,
 )
-from kvsvc.errors import ConfigError
 from kvsvc.index.overlay import PromptKeys
 from kvsvc.settings import (
-    CAR_WEIGHT_RANGE,
     DEFAULT_MAX_LOAD_AGE_S,
-    MAX_LOAD_AGE_RANGE_S,
     PolicyName,
 )
 from kvsvc.routing.in_flight import (
@@ -327,18 +324,6 @@ EXCLUDED_NO_DECODE = "no decode instance to pair with (only DEFAULT serves alone
 EXCLUDED_NO_PREFILL = "no prefill instance to pair with"
 
 
-def check_max_load_age(value: float) -> float:
-    """``max_load_age_s`` as a float, checked against the settings table's range.
-
-    :raises ConfigError: (field ``max_load_age_s``) not a number in ``(0, 3600]``.
-    """
-    low, high = MAX_LOAD_AGE_RANGE_S
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
-        raise ConfigError("max_load_age_s", f"must be a number in ({low:g}, {high:g}], "
-                                            f"got {value!r}")
-    return float(value)
-
-
 def not_schedulable(inst: Instance, now: float, max_load_age_s: float) -> Optional[str]:
     """Why ``inst`` cannot be a candidate whatever its side (§11), or None when it can:
     ``SUSPECT``, no load report, or a report that is not current at ``now``
@@ -422,14 +407,13 @@ class RoundRobin:
 
     No hit ratios are computed; the candidates carry ``None`` scores.
 
-    :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
-    :raises ConfigError: ``max_load_age_s`` out of range.
+    :param max_load_age_s: ``--max_load_age_s``, seconds (valid: the settings table's range).
     """
 
     name = PolicyName.RR.value
 
     def __init__(self, max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
-        self.max_load_age_s = check_max_load_age(max_load_age_s)
+        self.max_load_age_s = float(max_load_age_s)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
 
@@ -467,13 +451,6 @@ def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateS
 
 
 # -- CAR -------------------------------------------------------------------------------------------
-
-def _check_unit(name: str, value: float) -> float:
-    low, high = CAR_WEIGHT_RANGE  # the settings table's range of both CAR parameters
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ConfigError(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
-    return float(value)
-
 
 def _clamp01(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
@@ -628,7 +605,8 @@ class CacheAware:
     :param host_hit_weight: ``--car_host_hit_weight``, weight of Host-only hit tokens, [0, 1].
     :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
     :param dp_rank_routing: ``--dp_rank_routing`` (§15).
-    :raises ConfigError: a CAR weight outside [0, 1], ``max_load_age_s`` out of range.
+
+    The values arrive valid (the settings table's ranges, checked once there).
     """
 
     name = PolicyName.CAR.value
@@ -636,9 +614,9 @@ class CacheAware:
     def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
                  dp_rank_routing: bool = True) -> None:
-        self.prefill_lambda = _check_unit("car_prefill_lambda", prefill_lambda)
-        self.host_hit_weight = _check_unit("car_host_hit_weight", host_hit_weight)
-        self.max_load_age_s = check_max_load_age(max_load_age_s)
+        self.prefill_lambda = float(prefill_lambda)
+        self.host_hit_weight = float(host_hit_weight)
+        self.max_load_age_s = float(max_load_age_s)
         self.dp_rank_routing = bool(dp_rank_routing)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}

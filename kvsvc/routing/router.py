@@ -30,9 +30,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from kvsvc.cluster.model import RegistrySnapshot
-from kvsvc.errors import NoCandidate
+from kvsvc.errors import NoCandidate, UnknownModel
 from kvsvc.index.overlay import PromptKeys
 from kvsvc.routing.in_flight import InFlight
+from kvsvc.routing.models import serving_model
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import Decision, Policy, candidate_pools
 from kvsvc.routing.prompt import TokenSource
@@ -53,6 +54,15 @@ class RegistryView(Protocol):
 
     def snapshot(self) -> RegistrySnapshot:
         """The current immutable snapshot (lock-free)."""
+        ...
+
+
+class ModelListsView(Protocol):
+    """What the router reads of the instances' model lists
+    (:class:`kvsvc.routing.models.ModelLister`)."""
+
+    def lists(self) -> Mapping[str, frozenset[str]]:
+        """Instance -> its known model ids (absent: not known yet)."""
         ...
 
 
@@ -125,9 +135,17 @@ class Router:
         #: instances whose link failed, §13, :class:`~kvsvc.cluster.pd_links.PdLinks`); set by
         #: the service, ``None``: none.
         self.excluded: Optional[Callable[[], Mapping[str, str]]] = None
+        #: The instances' model lists (§15), set by the service once its lister is built;
+        #: ``None``: every instance serves every model.
+        self.model_lists: Optional[ModelListsView] = None
 
-    def decide(self, token_ids: Optional[Sequence[int]]) -> Decision:
+    def decide(self, token_ids: Optional[Sequence[int]],
+               model: Optional[str] = None) -> Decision:
         """Route one prompt with in-process state only (§11); sends nothing.
+
+        Model-aware candidates (§15): with ``model`` and the instances' model lists
+        (:attr:`model_lists`), the instances whose known list lacks it are not candidates
+        (in the decision's ``excluded`` with why; :func:`~kvsvc.routing.models.serving_model`).
 
         Stream identities are read before the query, so a stream replaced in between is judged
         by its predecessor's identity (counts 0) rather than lending its hits to a new
@@ -135,10 +153,28 @@ class Router:
         received in between makes requests look unreported (counted) rather than reported twice.
 
         :param token_ids: the prompt's tokens, ``None`` when unknown (hit ratio 0).
+        :param model: the request's ``model``; ``None``: not checked.
         :returns: the decision; ``prefill`` is ``None`` (with ``reason``) when no instance can
             serve.
+        :raises UnknownModel: instances are registered and none of them serves ``model``
+            (404 ``model_not_found``).
         """
         snapshot = self._view()
+        lists = self.model_lists
+        if model is not None and lists is not None and snapshot.instances:
+            snapshot, removed = serving_model(snapshot, lists.lists(), model)
+            if removed and not snapshot.instances:
+                raise UnknownModel(f"The model `{model}` does not exist: no instance serves "
+                                   "it (their /v1/models lists).")
+            if removed:
+                decision = self._choose(token_ids, snapshot)
+                return dataclasses.replace(decision, excluded=MappingProxyType(
+                    dict(sorted({**decision.excluded, **removed}.items()))))
+        return self._choose(token_ids, snapshot)
+
+    def _choose(self, token_ids: Optional[Sequence[int]],
+                snapshot: RegistrySnapshot) -> Decision:
+        """The policy's decision on ``snapshot`` (:meth:`decide`)."""
         in_flight = self.in_flight.snapshot()
         now = time.monotonic()   # load ages are judged at this instant (§11)
         directory = self._directory

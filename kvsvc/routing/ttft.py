@@ -51,7 +51,6 @@ from types import MappingProxyType
 from typing import Optional, Sequence
 
 from kvsvc.cluster.model import Instance, RegistrySnapshot
-from kvsvc.errors import ConfigError
 from kvsvc.routing.in_flight import NO_IN_FLIGHT, InFlightSnapshot
 from kvsvc.routing.policy import (
     PREFILL_SIDE,
@@ -74,24 +73,12 @@ from kvsvc.routing.request_metrics import (
 from kvsvc.settings import (
     DEFAULT_MAX_LOAD_AGE_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
-    PREFILL_TOKENS_PER_S_RANGE,
     PolicyName,
 )
 from kvsvc.streams.state import StreamMatch
 
 log = logging.getLogger(__name__)
 
-def check_tokens_per_s(value: float) -> float:
-    """``--default_prefill_tokens_per_s`` as a float in ``(0, 1e9]``.
-
-    :raises ConfigError: naming the flag, when out of range or not a number.
-    """
-    low, high = PREFILL_TOKENS_PER_S_RANGE
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not low < value <= high):
-        raise ConfigError("--default_prefill_tokens_per_s",
-                          f"must be a number in ({low:g}, {high:g}] tokens/s, got {value!r}")
-    return float(value)
 
 def uncached_tokens(n_tokens: int, ranks: Sequence[RankHit], host_weight: float) -> float:
     """``input_tokens - device_hit - host_weight * host_only_hit`` of the rank with the fewest
@@ -185,7 +172,8 @@ class TtftPolicy(CacheAware):
     :param dp_rank_routing: ``--dp_rank_routing``: score (instance, DP rank) pairs of the
         backends that honour a rank (§15), each with its rank's hits, own pending prefills
         and reported queue.
-    :raises ConfigError: a value out of range, naming its flag or field.
+
+    The values arrive valid (the settings table's ranges, checked once there).
     """
 
     name = PolicyName.TTFT.value
@@ -196,7 +184,7 @@ class TtftPolicy(CacheAware):
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
                  dp_rank_routing: bool = True) -> None:
         super().__init__(0.5, host_hit_weight, max_load_age_s, dp_rank_routing)
-        self.default_prefill_tokens_per_s = check_tokens_per_s(default_prefill_tokens_per_s)
+        self.default_prefill_tokens_per_s = float(default_prefill_tokens_per_s)
         self.ledger = ledger
         self.predictors = PredictorCache(
             self.name, f"assumes {self.default_prefill_tokens_per_s:g} tokens/s there "

@@ -1,6 +1,8 @@
 """``GET /v1/models`` with ``--model`` unset (issue 13): the union of the backends' own lists,
 fetched in the background by kvsvc.routing.models.ModelLister from small real HTTP servers on
-127.0.0.1 registered in a real etcd; never fetched on the request path."""
+127.0.0.1 registered in a real etcd; never fetched on the request path. Model-aware candidates
+(§15): a request goes only to the instances listing its model, 404 ``model_not_found`` when
+none does; ``GET /v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -69,10 +71,62 @@ def test_models_are_never_fetched_on_the_request_path(etcd_server, etcd):
         assert slow.models_served == 0
 
 
-def test_models_with_model_set_are_the_flag_and_no_lister_runs(etcd_server):
+def test_models_with_model_set_are_the_flag(etcd_server):
     with running(etcd_server) as app:  # --model m1,m2
-        assert app.extensions[EXTENSION].models is None
+        # The lister runs all the same: its lists decide the candidates (§15).
+        assert app.extensions[EXTENSION].models is not None
         assert listed(app.test_client()) == ["m1", "m2"]
+        r = app.test_client().get("/v1/models/m2")
+        assert (r.status_code, r.get_json()) == (200, {"id": "m2", "object": "model",
+                                                       "created": 0, "owned_by": "kvsvc"})
+
+
+def test_a_request_goes_only_to_instances_serving_its_model(etcd_server, etcd):
+    """§15: each instance's own list decides; a model nobody lists is 404 model_not_found;
+    an instance whose list is not known (its /v1/models fails) serves every model."""
+    with upstreams("json", "json", "json") as (qwen, llama, unknown), \
+            running(etcd_server, model="") as app:
+        qwen.models, llama.models = ("Qwen/Qwen2.5-7B",), ("meta-llama/Llama-3.1-8B",)
+        unknown.models_status = 404
+        for up in (qwen, llama):
+            register(app, etcd, up.name)
+        client = app.test_client()
+        lister = app.extensions[EXTENSION].models
+        wait_for(lambda: len(lister.lists()) == 2, timeout_s=15.0, what="both lists known")
+        for _ in range(4):
+            r = completion(client, {"model": "meta-llama/Llama-3.1-8B", "prompt": [1, 2]})
+            assert r.status_code == 200 and r.headers["x-kvsvc-prefill"] == llama.name
+            r = completion(client, {"model": "Qwen/Qwen2.5-7B", "prompt": [1, 2]})
+            assert r.status_code == 200 and r.headers["x-kvsvc-prefill"] == qwen.name
+        r = completion(client, {"model": "mistral", "prompt": [1, 2]})
+        assert r.status_code == 404
+        err = r.get_json()["error"]
+        assert (err["code"], err["param"], err["type"]) == (
+            "model_not_found", "model", "invalid_request_error")
+        assert "mistral" in err["message"]
+        # /v1/internal/route says why the other instance is not a candidate.
+        decision = client.post("/v1/internal/route", headers={"X-Internal-Token": "route-token"},
+                               json={"token_ids": [1, 2], "model": "Qwen/Qwen2.5-7B"}).get_json()
+        assert [c["name"] for c in decision["candidates"]] == [qwen.name]
+        assert "does not serve model `Qwen/Qwen2.5-7B`" in decision["excluded"][llama.name]
+        # An instance whose list is not known yet takes every model, mistral too.
+        register(app, etcd, unknown.name)
+        wait_for(lambda: unknown.models_served >= 1, timeout_s=15.0, what="a failed fetch")
+        r = completion(client, {"model": "mistral", "prompt": [1, 2]})
+        assert r.status_code == 200 and r.headers["x-kvsvc-prefill"] == unknown.name
+
+
+def test_models_retrieve_by_id(etcd_server, etcd):
+    with upstreams("json") as (up,), running(etcd_server, model="") as app:
+        up.models = ("Qwen/Qwen2.5-7B",)
+        register(app, etcd, up.name)
+        client = app.test_client()
+        wait_for(lambda: listed(client) == ["Qwen/Qwen2.5-7B"], timeout_s=15.0, what="listed")
+        r = client.get("/v1/models/Qwen/Qwen2.5-7B")   # an id with a slash
+        assert r.status_code == 200
+        assert r.get_json()["id"] == "Qwen/Qwen2.5-7B" and r.get_json()["object"] == "model"
+        r = client.get("/v1/models/nope")
+        assert r.status_code == 404 and r.get_json()["error"]["code"] == "model_not_found"
 
 
 def test_lister_keeps_a_failing_instances_last_list_and_warns_once(etcd_server, etcd,

@@ -68,3 +68,24 @@ def test_a_module_starting_its_own_etcd_is_marked_etcd():
                 for p in (TESTS / tier).glob("test_*.py")
                 if starts.search(p.read_text()) and "pytest.mark.etcd" not in p.read_text()]
     assert unmarked == [], f"starts an etcd but has no @pytest.mark.etcd: {unmarked}"
+
+
+def test_the_unit_tier_refuses_sockets_and_sleeps():
+    """tests/unit/conftest.py: a socket bind/connect or a sleep in a unit test fails at once."""
+    import socket
+    import time
+
+    import pytest
+    import zmq
+
+    with pytest.raises(AssertionError, match=r"^unit tier: socket\.bind\(\)"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    ctx = zmq.Context()
+    try:
+        with ctx.socket(zmq.PUB) as pub, pytest.raises(AssertionError, match="^unit tier: zmq"):
+            pub.bind("tcp://127.0.0.1:*")
+    finally:
+        ctx.destroy(linger=0)
+    with pytest.raises(AssertionError, match=r"time\.sleep\(0\.0001\) from .*test_suite_l"):
+        time.sleep(0.0001)
