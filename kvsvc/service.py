@@ -60,7 +60,8 @@ from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
-from kvsvc.routing.xllm_dispatch import HttpJsonCaller, XllmDispatcher
+from kvsvc.routing.xllm_dispatch import XllmDispatcher
+from kvsvc.rpc.engines import BaiduStdCaller
 from kvsvc.rpc.server import RpcServer, XllmRpcHandler
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,7 @@ class Service:
         if settings.xllm_dispatch == "native":
             registry = self.registry
             self.router.xllm = XllmDispatcher(
-                HttpJsonCaller(settings.upstream_connect_timeout_s,
-                               pool_maxsize=settings.worker_threads),
+                BaiduStdCaller(settings.upstream_connect_timeout_s),
                 self.generations,
                 registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
                 self.router.in_flight, self.router.proxy.observer,

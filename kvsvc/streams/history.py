@@ -853,8 +853,7 @@ class HistoryRecovery(HistoryIndex):
 
 
 _R = HistoryRecovery
-#: (mode, input) -> what the input does in that mode (rows: modes; see :func:`render_mode_table`).
-MODE_TABLE: dict[tuple[Mode, Input], Handler] = {}
+#: Each mode's handlers, in the order of :class:`Input`.
 _ROWS: dict[Mode, tuple[Handler, ...]] = {
     REBUILDING: (_R._live_rebuilding, _R._down_idle, _R._error_idle, _R._refused_held,
                  _R._failed_rebuilding, _R._tick_recovering),
@@ -869,9 +868,10 @@ _ROWS: dict[Mode, tuple[Handler, ...]] = {
     SILENT: (_R._live_silent, _R._down_idle, _R._error_held, _R._refused_held, _R._failed_held,
              _R._tick_silent),
 }
-for _mode, _row in _ROWS.items():
-    for _input, _handler in zip(Input, _row, strict=True):
-        MODE_TABLE[_mode, _input] = _handler
+#: (mode, input) -> what the input does in that mode (rows: modes; see :func:`render_mode_table`).
+MODE_TABLE: dict[tuple[Mode, Input], Handler] = {
+    (mode, each): handler for mode, row in _ROWS.items()
+    for each, handler in zip(Input, row, strict=True)}
 _TABLE = MODE_TABLE
 
 

@@ -20,6 +20,8 @@ from kvsvc.streams.counters import DecodeErrorReason
 from kvsvc.streams.anchor import RECENT_DIGESTS
 from kvsvc.streams.history import HistoryRecovery
 from kvsvc.streams.recovery import (
+    SERVES,
+    Mode,
     BACKOFF_INITIAL_S,
     LIVE_SILENCE_GRACE_S,
     NO_ACTIONS,
@@ -42,6 +44,7 @@ T0 = 1000.0
 SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
                             StreamState.UNSYNCHRONIZED)
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+HELD, SERVING, LIVE_ONLY, SILENT = Mode.HELD, Mode.SERVING, Mode.LIVE_ONLY, Mode.SILENT
 CFG = StreamConfig(instance_name="e:1", block_size=BS, endpoint="tcp://127.0.0.1:5557",
                    replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED,
                    replay_mode=ReplayMode.HISTORY)
@@ -688,6 +691,11 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
             s._fed(s.m.tick(s.now))
         # The check: every chain ever stored, against the residency at the stream's seq.
         status = s.serving.status()
+        # The rules' mode and the serving state they asked for agree (they never read it).
+        assert (s.m.mode in SERVES) == (status.state is SYNC), (s.m.mode, status.state)
+        held = s.m.mode in (HELD, SERVING, LIVE_ONLY, SILENT)
+        assert held == (s.m.rules._index is not None)
+        assert held or (status.entries, status.completeness) == (0, None)
         for h in eng.parents:
             chain = eng.chain(h)
             m = s.serving.match(prompt_keys(blk(*chain), BS, SEED))
@@ -772,3 +780,18 @@ def test_merge_rebuild_drops_covered_batches_applies_the_tail_and_decides_exactn
     empty = RebuildReply(TierIndex(BS, SEED, 1000), None, None, None, True, {}, 0, 10)
     first = merge_rebuild(empty, [(9, Batch(0.0, [put(1)], 0), 7_009)])
     assert (first.sequence, first.completeness) == (9, SUBSET)
+
+
+def test_merge_catch_up_keeps_the_contiguous_tail_and_stops_at_a_restart_or_a_hole():
+    from kvsvc.streams.anchor import Anchor
+    from kvsvc.streams.history_reply import merge_catch_up
+    b = Batch(0.0, [drop(99)], 0)
+    anchor = Anchor.at(5, 7_005, {4: 7_004})
+    merged = merge_catch_up(anchor, [(4, b, 7_004), (5, b, 1), (6, b, 7_006), (7, b, 7_007)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([], 5, None)
+    merged = merge_catch_up(anchor, [(2, b, 1), (6, b, 7_006), (6, b, 7_006), (7, b, 7_007),
+                                     (9, b, 7_009)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([6, 7], None, 9)
+    assert anchor.last == (5, 7_005)                  # judged on a copy: the anchor is unchanged
+    merged = merge_catch_up(anchor, [(6, b, 7_006), (6, b, 8)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted) == ([6], 6)
