@@ -47,7 +47,7 @@ from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
 from kvsvc.settings import ServiceSettings
-from kvsvc.directory import Directory
+from kvsvc.directory import Directory, OverlayLimits
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import ModelLister
@@ -139,6 +139,14 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                   served_models(settings.model), registry, directory)
 
 
+def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
+    """The bounds of every exact stream's pending blocks (§16), ``None`` with
+    ``--pending_ttl_ms 0`` (off)."""
+    if settings.pending_ttl_ms <= 0:
+        return None
+    return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
+
+
 def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
     """``instance -> backend_type`` from the registry's snapshot (the audit per backend, §14);
     ``""`` for an unknown instance or without a registry."""
@@ -223,7 +231,8 @@ class Service:
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = (
-            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots,
+                      pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
