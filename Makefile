@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install check test test-fast test-rest demo bench
+.PHONY: install check test test-fast test-rest demo bench docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,9 @@ demo: install
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# The reference generated from the tables in code (kvsvc/settings.py, kvsvc/config.py): the
+# settings and §8 tables of docs/configuration.md and config/kvsvc.env. Run it after adding or
+# changing a setting; tests/unit/test_generated_docs.py fails until it is run.
+docs: install
+	$(BIN)/python -m kvsvc.reference --write

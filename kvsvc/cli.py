@@ -49,7 +49,8 @@ from kvsvc.settings import (
     export_environment,
     flag_values,
     load_service_settings,
-    setting,
+    policy_summary,
+    source_of,
 )
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,10 @@ def resolve_serve_settings(args: argparse.Namespace) -> ServiceSettings:
         # Checks after parsing (a tokenizer that does not load, ...) name the flag; name the
         # variable instead when that is where the value came from.
         name = exc.field.removeprefix("--")
-        if exc.field.startswith("--") and name in given and given[name] is None:
-            env = setting(name).env
-            if os.environ.get(env):
-                raise ConfigError(env, exc.message, more=exc.problems[1:]) from exc
+        if exc.field.startswith("--") and name in given:
+            field = source_of(name, given).field
+            if field != exc.field:
+                raise ConfigError(field, exc.message, more=exc.problems[1:]) from exc
         raise
     return settings
 
@@ -202,10 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """
     try:
         settings = resolve_serve_settings(args)
-        given = flag_values(args)
-        check_bind(settings.host, settings.port,
-                   "--port" if given.get("port") is not None or "KVSVC_PORT" not in os.environ
-                   else "KVSVC_PORT")
+        check_bind(settings.host, settings.port, source_of("port", flag_values(args)).field)
     except ConfigError as exc:
         return _config_error(exc)
     if not GUNICORN_CONF.is_file() or not (PROJECT_ROOT / "wsgi.py").is_file():
@@ -223,19 +221,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached
 
 
-
-def policy_summary(settings: ServiceSettings) -> str:
-    """The settings the configured routing policy uses, for ``check-config``'s summary."""
-    name = settings.load_balance_policy.upper()
-    if name == "CAR":
-        return (f"lambda {settings.car_prefill_lambda}, host hit weight "
-                f"{settings.car_host_hit_weight}")
-    if name == "TTFT":
-        return (f"host hit weight {settings.car_host_hit_weight}, default prefill "
-                f"{settings.default_prefill_tokens_per_s:g} tokens/s")
-    if name == "SLO_AWARE":
-        return f"target TTFT {settings.target_ttft} ms, target TPOT {settings.target_tpot} ms"
-    return "no parameters"
 
 def summarize_service(settings: ServiceSettings, config: Optional[KvEventsConfig],
                       source: Optional[Callable[[SettingRow], str]] = None) -> list[str]:
@@ -318,15 +303,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _source_of(args: argparse.Namespace) -> Callable[[SettingRow], str]:
-    """Where each setting of ``args`` came from: its flag, else its variable, else default."""
+    """Where each setting of ``args`` came from (:func:`kvsvc.settings.source_of`): its flag,
+    else its variable, else default."""
     given = flag_values(args)
-
-    def source(row: SettingRow) -> str:
-        if given[row.name] is not None:
-            return row.flag
-        return row.env if row.env in os.environ else "default"
-
-    return source
+    return lambda row: source_of(row.name, given).name
 
 
 def lazy_parser(name: str) -> tuple[argparse.ArgumentParser, Any]:

@@ -47,7 +47,7 @@ from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
 from kvsvc.settings import ServiceSettings
-from kvsvc.directory import Directory
+from kvsvc.directory import Directory, OverlayLimits
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import ModelLister
@@ -60,7 +60,8 @@ from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.generations import PendingRequests
-from kvsvc.routing.xllm_dispatch import HttpJsonCaller, XllmDispatcher
+from kvsvc.routing.xllm_dispatch import XllmDispatcher
+from kvsvc.rpc.engines import BaiduStdCaller
 from kvsvc.rpc.server import RpcServer, XllmRpcHandler
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,14 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                   observer=ObserverChain(observers) if len(observers) > 1 else ledger)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
+
+
+def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
+    """The bounds of every exact stream's pending blocks (§16), ``None`` with
+    ``--pending_ttl_ms 0`` (off)."""
+    if settings.pending_ttl_ms <= 0:
+        return None
+    return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
 
 
 def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
@@ -221,7 +230,8 @@ class Service:
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = (
-            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots,
+                      pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
@@ -250,8 +260,7 @@ class Service:
         if settings.xllm_dispatch == "native":
             registry = self.registry
             self.router.xllm = XllmDispatcher(
-                HttpJsonCaller(settings.upstream_connect_timeout_s,
-                               pool_maxsize=settings.worker_threads),
+                BaiduStdCaller(settings.upstream_connect_timeout_s),
                 self.generations,
                 registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
                 self.router.in_flight, self.router.proxy.observer,

@@ -13,8 +13,13 @@ derived from the declaration, through :data:`SETTINGS` (one :class:`SettingRow` 
 - the ``KVSVC_*`` export that hands the resolved settings to the gunicorn worker
   (:func:`export_environment`); the worker rebuilds them with :func:`load_service_settings`;
 - the settings lines of ``check-config`` (:func:`describe_settings`);
-- the settings table of docs/configuration.md (:func:`markdown_table`, ``--markdown``;
-  ``tests/unit/test_settings.py`` fails when that file and this table differ).
+- the settings table of docs/configuration.md (:func:`markdown_table`), ``config/kvsvc.env``
+  (the ``env_file`` marker) and ``check-config``'s routing line (:func:`policy_summary`, the
+  ``policies`` and ``summary`` markers): :mod:`kvsvc.reference` writes the files
+  (``python -m kvsvc.reference --write``, ``make docs``), ``tests/unit/test_generated_docs.py``
+  fails when they differ;
+- where each value came from (:func:`source_of`: flag, ``KVSVC_*`` variable or default), the
+  one answer of every error message and of ``check-config``'s listing.
 
 The flag spelling rule of every ``kvsvc`` subcommand lives here too (:func:`add_flag`, used by
 the testbed's parsers as well): each flag is declared once in one spelling, and the other
@@ -27,8 +32,9 @@ Sources, highest first: command-line flags (keyword arguments of
 failure raises :class:`~kvsvc.errors.ConfigError` naming the setting as it was given:
 ``--port`` for a flag, ``KVSVC_PORT`` for a variable.
 
-This module also declares the routing policy names and the range of the CAR parameters (§11),
-which :mod:`kvsvc.routing.policy` checks too. It is in the bottom layer: it imports only
+This module also declares the routing policy names and the ranges of the routing parameters
+(§11, §12). Each setting is checked here only: its consumers (the policies, the registry)
+receive valid values and do not check them again. It is in the bottom layer: it imports only
 :mod:`kvsvc.config`, :mod:`kvsvc.address` and :mod:`kvsvc.errors`.
 """
 
@@ -99,10 +105,16 @@ PREFILL_TOKENS_PER_S_RANGE = (0.0, 1e9)
 #: Closed range ``(low, high)`` of both CAR parameters, ``car_prefill_lambda`` and
 #: ``car_host_hit_weight`` (§11).
 CAR_WEIGHT_RANGE = (0.0, 1.0)
-#: ``max_load_age_s`` (§11): default and range ``(low, high)``, seconds, low excluded. The
-#: registry (the master's ``XLLM:LOADMETRICS`` writes) and the routing policies check it too.
+#: ``max_load_age_s`` (§11): default and range ``(low, high)``, seconds, low excluded.
 DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
+
+#: §16 pending prefixes: ``--pending_ttl_ms`` default and closed range (0: off), ms, and
+#: ``--pending_blocks`` default and closed range, blocks per (instance, DP rank).
+DEFAULT_PENDING_TTL_MS = 15_000
+PENDING_TTL_RANGE_MS = (0, 600_000)
+DEFAULT_PENDING_BLOCKS = 65_536
+PENDING_BLOCKS_RANGE = (1, 1 << 22)
 
 #: Sections of ``--help`` and of the README table, in display order.
 SECTION_HTTP = "HTTP and authentication"
@@ -141,6 +153,13 @@ class Setting:
     :param export_empty: exported to the worker even when empty.
     :param fold_case: the flag takes the value in any case (``INFO`` is ``info``), as the
         variable's validator does.
+    :param policies: the routing policies (:class:`PolicyName` values) that use the setting;
+        with ``summary``, ``check-config``'s routing line shows it for them
+        (:func:`policy_summary`).
+    :param summary: its label in that line (``lambda``, ``target TTFT``).
+    :param env_file: set in the shipped ``config/kvsvc.env`` (:func:`env_file_text`): ``True``
+        to its default, a string to that value; ``False``: listed there commented out, with
+        its default.
     """
 
     section: str
@@ -151,6 +170,9 @@ class Setting:
     path: bool = False
     export_empty: bool = True
     fold_case: bool = False
+    policies: tuple[str, ...] = ()
+    summary: str = ""
+    env_file: bool | str = False
 
 
 class ServiceSettings(BaseSettings):
@@ -166,11 +188,13 @@ class ServiceSettings(BaseSettings):
 
     host: Annotated[str, Setting(
         SECTION_HTTP, "HTTP bind address: an IP (`0.0.0.0` and `::` listen on every interface) "
-        "or a host name")] = "0.0.0.0"
-    port: Annotated[int, Field(ge=1, le=65535), Setting(SECTION_HTTP, "HTTP port")] = 8888
+        "or a host name", env_file=True)] = "0.0.0.0"
+    port: Annotated[int, Field(ge=1, le=65535), Setting(SECTION_HTTP, "HTTP port",
+                                                        env_file=True)] = 8888
     kv_events_config_file: Annotated[str, Setting(
         SECTION_INDEX, "§8 JSON file; empty disables the index (every query answers "
-        "`{\"matches\": []}`, logged at start-up)", path=True)] = ""
+        "`{\"matches\": []}`, logged at start-up)", path=True,
+        env_file="/etc/kvsvc/kv_events.json")] = ""
     internal_api_token: Annotated[Optional[SecretStr], Setting(
         SECTION_HTTP, "the `X-Internal-Token` value required on `/v1/internal/*` (§10); as a "
         "flag it is **visible to every local user in `ps`**: prefer the variable or "
@@ -183,13 +207,14 @@ class ServiceSettings(BaseSettings):
         unit="tokens")] = 1 << 20
     log_level: Annotated[str, Setting(
         SECTION_LOGS, "level of kvsvc's and gunicorn's error logs",
-        choices=LOG_LEVELS, fold_case=True)] = "info"
+        choices=LOG_LEVELS, fold_case=True, env_file=True)] = "info"
     log_format: Annotated[str, Setting(
         SECTION_LOGS, "`json`: one JSON object per line (for journald and log shippers); "
-        "`text`: plain lines for a terminal (docs/operating.md)", choices=LOG_FORMATS)] = "json"
+        "`text`: plain lines for a terminal (docs/operating.md)", choices=LOG_FORMATS,
+        env_file=True)] = "json"
     # Off by default: every query and heartbeat would be a line.
     access_log: Annotated[bool, Setting(
-        SECTION_LOGS, "gunicorn's per-request access lines on stdout")] = False
+        SECTION_LOGS, "gunicorn's per-request access lines on stdout", env_file=True)] = False
     api_key: Annotated[Optional[SecretStr], Setting(
         SECTION_HTTP, "client API key: every `/v1/*` request except `/v1/internal/*` needs "
         "`Authorization: Bearer <key>` (vLLM's `--api-key`), else 401; unset: none needed. "
@@ -198,16 +223,17 @@ class ServiceSettings(BaseSettings):
         SECTION_HTTP, "OpenAI requests served at once (a streamed one until its last byte); "
         "one more is answered 429 with `Retry-After`. 0: no limit (beyond "
         "`--worker_threads` requests wait for a thread). Keep it below `--worker_threads` so "
-        "heartbeats and probes always find a thread")] = 0
+        "heartbeats and probes always find a thread", env_file="120")] = 0
     metrics_require_token: Annotated[bool, Setting(
         SECTION_HTTP, "require `X-Internal-Token` on `GET /metrics` too (off: Prometheus "
         "scrapes freely)")] = False
     etcd_addr: Annotated[str, Setting(
         SECTION_REGISTRY, "etcd `host:port` of the instance registry (§9); empty = no registry "
         "(static streams only, heartbeats answered 503). Required when the config file "
-        "enables `discovery`")] = ""
+        "enables `discovery`", env_file="127.0.0.1:2379")] = ""
     etcd_namespace: Annotated[str, Setting(
-        SECTION_REGISTRY, "registry keys live under `/<ns>/` when set")] = ""
+        SECTION_REGISTRY, "registry keys live under `/<ns>/` when set (no `/` in it)",
+        env_file=True)] = ""
     detect_disconnected_instance_interval: Annotated[float, Field(gt=0, le=3600), Setting(
         SECTION_REGISTRY, "time a `SUSPECT` instance is kept before removal",
         unit="s")] = 15.0
@@ -234,34 +260,39 @@ class ServiceSettings(BaseSettings):
     # lengthens that wait (bench 8).
     max_concurrent_snapshots: Annotated[int, Field(ge=1, le=128), Setting(
         SECTION_INDEX, "snapshot recoveries (request, reply, decode, index build) running at "
-        "once across all streams; the others queue, first come first served (docs/recovery.md)")] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
+        "once across all streams; the others queue, first come first served (docs/recovery.md)",
+        env_file=True)] = DEFAULT_MAX_CONCURRENT_SNAPSHOTS
     load_balance_policy: Annotated[str, Setting(
         SECTION_ROUTING, "`CAR` (cache-aware, §11), `RR` (round robin, xllm-service's "
         "default), `SLO_AWARE` (xllm-service's SLO policy, §12) or `TTFT` (lowest predicted "
         "time to first token, §12); see docs/routing.md",
-        choices=POLICY_NAMES, flag_checks_choices=False)] = PolicyName.CAR.value
+        choices=POLICY_NAMES, flag_checks_choices=False, env_file=True)] = PolicyName.CAR.value
     car_prefill_lambda: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                   Setting(SECTION_ROUTING,
                                           "CAR weight of the cache-miss term against the queue "
-                                          "term in score(P)")] = 0.5
+                                          "term in score(P)", policies=("CAR",),
+                                          summary="lambda")] = 0.5
     car_host_hit_weight: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                    Setting(SECTION_ROUTING,
                                            "CAR weight of a Host-only hit token against a "
-                                           "Device hit token")] = 0.5
+                                           "Device hit token", policies=("CAR", "TTFT"),
+                                           summary="host hit weight")] = 0.5
     target_ttft: Annotated[int, Field(ge=TARGET_TTFT_RANGE_MS[0], le=TARGET_TTFT_RANGE_MS[1]),
                            Setting(SECTION_ROUTING, "SLO_AWARE: time-to-first-token target; "
                                    "above it prefill may go to a lightly loaded decode "
-                                   "instance (xllm-service's flag, §12)",
-                                   unit="ms")] = DEFAULT_TARGET_TTFT_MS
+                                   "instance (xllm-service's flag, §12)", unit="ms",
+                                   policies=("SLO_AWARE",),
+                                   summary="target TTFT")] = DEFAULT_TARGET_TTFT_MS
     target_tpot: Annotated[int, Field(ge=TARGET_TPOT_RANGE_MS[0], le=TARGET_TPOT_RANGE_MS[1]),
                            Setting(SECTION_ROUTING, "SLO_AWARE: time-per-output-token target "
-                                   "of the decode choice (xllm-service's flag, §12)",
-                                   unit="ms")] = DEFAULT_TARGET_TPOT_MS
+                                   "of the decode choice (xllm-service's flag, §12)", unit="ms",
+                                   policies=("SLO_AWARE",),
+                                   summary="target TPOT")] = DEFAULT_TARGET_TPOT_MS
     default_prefill_tokens_per_s: Annotated[float, Field(
         gt=PREFILL_TOKENS_PER_S_RANGE[0], le=PREFILL_TOKENS_PER_S_RANGE[1]), Setting(
         SECTION_ROUTING, "TTFT: prefill throughput assumed for an instance that registered "
-        "no usable `ttft_profiling_data` (§12)",
-        unit="tokens/s")] = DEFAULT_PREFILL_TOKENS_PER_S
+        "no usable `ttft_profiling_data` (§12)", unit="tokens/s", policies=("TTFT",),
+        summary="default prefill")] = DEFAULT_PREFILL_TOKENS_PER_S
     max_load_age_s: Annotated[float, Field(gt=MAX_LOAD_AGE_RANGE_S[0],
                                            le=MAX_LOAD_AGE_RANGE_S[1]), Setting(
         SECTION_ROUTING, "an instance is a candidate only while its last load report (a "
@@ -279,13 +310,24 @@ class ServiceSettings(BaseSettings):
     load_scrape_interval_ms: Annotated[int, Field(ge=50, le=60_000), Setting(
         SECTION_ROUTING, "period of the `/metrics` scrapes of `--load_scrape_backends` "
         "instances; keep it well below `--max_load_age_s`", unit="ms")] = 500
+    pending_ttl_ms: Annotated[int, Field(ge=PENDING_TTL_RANGE_MS[0],
+                                         le=PENDING_TTL_RANGE_MS[1]), Setting(
+        SECTION_ROUTING, "pending prefixes (§16): the full blocks of a routed prompt count as "
+        "pending on its exact stream from the dispatch until the stream's events store, remove "
+        "or clear them, or this long after the dispatch (the longest queue plus prefill "
+        "before a block's event must have arrived; docs/routing-overlays.md says why 15000); "
+        "0: off", unit="ms")] = DEFAULT_PENDING_TTL_MS
+    pending_blocks: Annotated[int, Field(ge=PENDING_BLOCKS_RANGE[0],
+                                         le=PENDING_BLOCKS_RANGE[1]), Setting(
+        SECTION_ROUTING, "pending prefixes (§16): blocks pending per (instance, DP rank) at "
+        "most, the least recently routed dropped first")] = DEFAULT_PENDING_BLOCKS
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "
         "hit ratio 0 (warned once)", path=True)] = ""
     model: Annotated[str, Setting(
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
-        "empty accepts any")] = ""
+        "empty accepts any", env_file=True)] = ""
     xllm_dispatch: Annotated[str, Setting(
         SECTION_ROUTING, "how requests reach instances of `backend_type` \"xllm\": `native` "
         "calls the engine's `xllm.proto.XllmAPIService` and writes the answer from its "
@@ -305,7 +347,7 @@ class ServiceSettings(BaseSettings):
         "request holds a thread until its answer is relayed (a streamed one until its last "
         "token), so this caps the OpenAI requests in flight to all instances together; "
         "heartbeats and `/ready` share the same threads (hence at least 4). Also the proxy's "
-        "kept-alive connections per instance")] = 128
+        "kept-alive connections per instance", env_file=True)] = 128
 
     @field_validator("load_balance_policy")
     @classmethod
@@ -342,6 +384,14 @@ class ServiceSettings(BaseSettings):
     def _etcd_addr_form(cls, value: str) -> str:
         if value:
             parse_http_host_port(value)
+        return value
+
+    @field_validator("etcd_namespace")
+    @classmethod
+    def _namespace_form(cls, value: str) -> str:
+        # Keys are /<namespace>/XLLM:...: a '/' inside would split the prefix (§9).
+        if "/" in value:
+            raise ValueError("must not contain '/'")
         return value
 
     @field_validator("self_address")
@@ -640,11 +690,58 @@ def by_section() -> list[tuple[str, list[SettingRow]]]:
 _SECRET_SETTINGS = frozenset(row.name for row in SETTINGS if row.kind is SecretStr)
 
 
+class Origin(enum.StrEnum):
+    """Where a setting's value came from, highest first (:func:`source_of`)."""
+
+    FLAG = "flag"
+    ENV = "environment variable"
+    DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one setting's value came from (:func:`source_of`).
+
+    :ivar origin: flag, ``KVSVC_*`` variable or default.
+    :ivar name: ``--port``, ``KVSVC_PORT`` or ``default``: what ``check-config`` shows.
+    :ivar field: the name an error about the value gives, the one the operator edits:
+        the variable when the value came from it, else the flag.
+    """
+
+    origin: Origin
+    name: str
+    field: str
+
+
+def source_of(name: str, flags: Mapping[str, Any],
+              environ: Optional[Mapping[str, str]] = None) -> Source:
+    """Where setting ``name``'s value came from, by the sources' order (flag over
+    ``KVSVC_*`` variable over default): the one answer ``check-config``'s listing, the
+    settings' validation errors and the later checks of ``serve`` (the listen address, the
+    worker's app) all use. No setting comes from a file: the §8 file
+    (``kv_events_config_file``) holds the streams' configuration, whose problems are named by
+    their path in it (``streams[0].endpoint``, :mod:`kvsvc.config`).
+
+    :param flags: setting name -> flag value, ``None`` (or absent) when the flag was not given.
+    :param environ: the environment (``os.environ`` when ``None``); a variable counts when it
+        is set, even empty, and in any case (as pydantic-settings reads it).
+    :raises KeyError: ``name`` is not a setting.
+    """
+    row = _BY_NAME[name]
+    if flags.get(name) is not None:
+        return Source(Origin.FLAG, row.flag, row.flag)
+    env = os.environ if environ is None else environ
+    if row.env in env or any(k.upper() == row.env for k in env):
+        return Source(Origin.ENV, row.env, row.env)
+    return Source(Origin.DEFAULT, "default", row.flag)
+
+
 def load_service_settings(**overrides: Any) -> ServiceSettings:
     """Build :class:`ServiceSettings` from flags (``overrides``, ``None`` values ignored) and env.
 
-    :raises ConfigError: naming the field as it was given: ``--port`` for a flag,
-        ``KVSVC_PORT`` for an environment variable (the operator edits the one that is wrong).
+    :raises ConfigError: naming the field as it was given (:func:`source_of`): ``--port`` for
+        a flag, ``KVSVC_PORT`` for an environment variable (the operator edits the one that is
+        wrong).
     """
     kwargs = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -654,10 +751,23 @@ def load_service_settings(**overrides: Any) -> ServiceSettings:
         # Every problem at once, each under the name it was given by (the token never shown).
         for problem in validation_problems(exc, hidden=_SECRET_SETTINGS):
             name = problem.field.partition(".")[0]
-            given = (_BY_NAME[name].env if name in _BY_NAME and name not in kwargs
+            given = (source_of(name, kwargs).field if name in _BY_NAME
                      else f"--{problem.field}")
             problems.append(ConfigProblem(given, problem.message))
         raise ConfigError.of(problems) from exc
+
+
+def policy_summary(settings: ServiceSettings) -> str:
+    """The settings the configured routing policy uses, for ``check-config``'s routing line:
+    each row whose ``policies`` name it, by its ``summary`` label in declaration order
+    (``lambda 0.5, host hit weight 0.5``); ``no parameters`` when none."""
+    policy = settings.load_balance_policy.upper()
+    parts = []
+    for row in SETTINGS:
+        if policy in row.meta.policies and row.meta.summary:
+            unit = f" {row.meta.unit}" if row.meta.unit else ""
+            parts.append(f"{row.meta.summary} {_number(getattr(settings, row.name))}{unit}")
+    return ", ".join(parts) or "no parameters"
 
 
 def parse_bool(value: str) -> bool:

@@ -22,10 +22,10 @@ The rule (:func:`parse_engine_load`, pure, tested without sockets):
   sets of a tensor- or pipeline-parallel rank other than 0 (``tp_rank`` / ``pp_rank`` /
   ``attn_tp_rank`` not ``"0"``) are skipped: they repeat the queue of their DP group's
   scheduler, and summing them would count it again (the spec says "sum"; it is silent on TP
-  duplicates, and counting a queue once is what its sum means).
+  duplicates, and counting a queue once is what its sum means: D27 in docs/decisions.md).
 - Per-rank values: the waiting sum and usage mean of each rank's label sets, for ranks
   ``0 .. dp_size - 1`` when every one of them is present (otherwise none: a partial split
-  would price the missing ranks as idle). They feed DP-rank routing (§15,
+  would price the missing ranks as idle; D28). They feed DP-rank routing (§15,
   :func:`~kvsvc.routing.in_flight.rank_waiting_estimate`).
 - Values must be finite and >= 0 (a queue a whole number); usage above 1 is clamped by
   :func:`~kvsvc.cluster.model.check_load` as for a heartbeat. The text is parsed by

@@ -4,8 +4,8 @@
 ``TTFT`` (:mod:`kvsvc.routing.ttft`); the last two read the service's request-metrics ledger
 (:mod:`kvsvc.routing.request_metrics`). One INFO line names the policy and its parameters.
 
-Errors: :class:`~kvsvc.errors.ConfigError` naming ``--load_balance_policy`` for an unknown (or
-refused) name, or the flag/field of an out-of-range parameter.
+The name and the parameters arrive valid: the settings table (:mod:`kvsvc.settings`) checks
+them once; an unknown name here is a bug (``ValueError``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from kvsvc.errors import ConfigError
 from kvsvc.routing.policy import CacheAware, Policy, RoundRobin
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.slo import SloAware
@@ -23,8 +22,6 @@ from kvsvc.settings import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_TARGET_TPOT_MS,
     DEFAULT_TARGET_TTFT_MS,
-    POLICY_NAMES,
-    UNSUPPORTED_POLICIES,
     PolicyName,
 )
 
@@ -50,10 +47,9 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     :param target_tpot_ms: ``--target_tpot``, SLO_AWARE.
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, TTFT.
     :param dp_rank_routing: ``--dp_rank_routing`` (§15), CAR and TTFT.
-    :raises ConfigError: naming ``--load_balance_policy`` or the out-of-range parameter.
+    :raises ValueError: ``name`` is none of :class:`~kvsvc.settings.PolicyName` (a bug: the
+        setting's validator admits only those).
     """
-    if name in UNSUPPORTED_POLICIES:
-        raise ConfigError("--load_balance_policy", UNSUPPORTED_POLICIES[name])
     if name == PolicyName.RR:
         rr = RoundRobin(max_load_age_s)
         log.info("routing policy RR (max load age %g s)", rr.max_load_age_s)
@@ -79,5 +75,4 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
                  ttft.default_prefill_tokens_per_s, ttft.max_load_age_s,
                  "on" if ttft.dp_rank_routing else "off")
         return ttft
-    raise ConfigError("--load_balance_policy",
-                      f"must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+    raise ValueError(f"no routing policy {name!r}")

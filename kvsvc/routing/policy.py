@@ -32,9 +32,9 @@ The router's own load: every policy takes this worker's requests in flight
 §12's SLO_AWARE and TTFT build on these (:mod:`kvsvc.routing.slo`, :mod:`kvsvc.routing.ttft`);
 :func:`kvsvc.routing.policies.make_policy` builds the one ``--load_balance_policy`` names.
 
-Errors: :class:`~kvsvc.errors.ConfigError` for an out-of-range
-``lambda``/``host_weight``/``max_load_age_s``; choosing never raises (no candidate gives a
-:class:`Decision` with ``prefill=None``).
+Parameters arrive valid: their ranges are the settings table's (:mod:`kvsvc.settings`),
+checked once there. Choosing never raises (no candidate gives a :class:`Decision` with
+``prefill=None``).
 """
 
 from __future__ import annotations
@@ -52,12 +52,9 @@ from kvsvc.cluster.model import (
     RegistrySnapshot,
     instance_identity,
 )
-from kvsvc.errors import ConfigError
 from kvsvc.index.overlay import PromptKeys
 from kvsvc.settings import (
-    CAR_WEIGHT_RANGE,
     DEFAULT_MAX_LOAD_AGE_S,
-    MAX_LOAD_AGE_RANGE_S,
     PolicyName,
 )
 from kvsvc.routing.in_flight import (
@@ -96,14 +93,17 @@ class RankHit:
     :ivar dp_rank: the rank, ``0 <= dp_rank < dp_size``.
     :ivar device_hit_tokens: tokens of the reusable prefix on Device (0 when ``reason`` is set).
     :ivar host_only_hit_tokens: tokens of the same prefix only on Host (0 when ``reason`` set).
-    :ivar hit_ratio: ``clamp((device + host_weight * host_only) / input_tokens, 0, 1)``; 0.0
-        when ``reason`` is set.
+    :ivar hit_ratio: ``clamp(hit_tokens / input_tokens, 0, 1)`` with :func:`hit_tokens`
+        ``= device + host_weight * host_only + pending``; 0.0 when ``reason`` is set.
     :ivar reason: ``None``, or why this rank counts 0 (``missing``, ``unsynchronized``,
         ``stale incarnation``, ``no tokens``, ``index disabled``).
     :ivar completeness: what the hits are worth (§7h, §10): the stream's ``"exact"`` or
         ``"subset"`` (a subset's hits are used as they are: never more than the engine holds)
         when they come from its index (``reason`` ``None`` or ``no tokens``); ``None``
-        otherwise.
+        otherwise; ``"approximate"`` for an approximate index (§14).
+    :ivar pending_hit_tokens: tokens of the blocks right after the reusable prefix that this
+        router sent there and whose events have not arrived (§16), apart from the two above
+        (0 when ``reason`` is set).
     """
 
     dp_rank: int
@@ -112,11 +112,13 @@ class RankHit:
     hit_ratio: float
     reason: Optional[str]
     completeness: Optional[str] = None
+    pending_hit_tokens: int = 0
 
     def to_json(self) -> dict:
         """JSON object of this rank."""
         return {"dp_rank": self.dp_rank, "device_hit_tokens": self.device_hit_tokens,
                 "host_only_hit_tokens": self.host_only_hit_tokens,
+                "pending_hit_tokens": self.pending_hit_tokens,
                 "hit_ratio": self.hit_ratio, "reason": self.reason,
                 "completeness": self.completeness}
 
@@ -327,18 +329,6 @@ EXCLUDED_NO_DECODE = "no decode instance to pair with (only DEFAULT serves alone
 EXCLUDED_NO_PREFILL = "no prefill instance to pair with"
 
 
-def check_max_load_age(value: float) -> float:
-    """``max_load_age_s`` as a float, checked against the settings table's range.
-
-    :raises ConfigError: (field ``max_load_age_s``) not a number in ``(0, 3600]``.
-    """
-    low, high = MAX_LOAD_AGE_RANGE_S
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
-        raise ConfigError("max_load_age_s", f"must be a number in ({low:g}, {high:g}], "
-                                            f"got {value!r}")
-    return float(value)
-
-
 def not_schedulable(inst: Instance, now: float, max_load_age_s: float) -> Optional[str]:
     """Why ``inst`` cannot be a candidate whatever its side (§11), or None when it can:
     ``SUSPECT``, no load report, or a report that is not current at ``now``
@@ -422,14 +412,13 @@ class RoundRobin:
 
     No hit ratios are computed; the candidates carry ``None`` scores.
 
-    :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
-    :raises ConfigError: ``max_load_age_s`` out of range.
+    :param max_load_age_s: ``--max_load_age_s``, seconds (valid: the settings table's range).
     """
 
     name = PolicyName.RR.value
 
     def __init__(self, max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S) -> None:
-        self.max_load_age_s = check_max_load_age(max_load_age_s)
+        self.max_load_age_s = float(max_load_age_s)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}
 
@@ -468,15 +457,19 @@ def _plain(inst: Instance, side: str, in_flight: InFlightSnapshot) -> CandidateS
 
 # -- CAR -------------------------------------------------------------------------------------------
 
-def _check_unit(name: str, value: float) -> float:
-    low, high = CAR_WEIGHT_RANGE  # the settings table's range of both CAR parameters
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ConfigError(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
-    return float(value)
-
-
 def _clamp01(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+def hit_tokens(rank: RankHit, host_weight: float) -> float:
+    """The hit term of one (instance, DP rank) (§11, §16): ``device + host_weight * host_only
+    + pending`` tokens, 0 for a rank that counts nothing (``reason`` set). Pending blocks
+    weigh as Device ones: the prefill in flight leaves them on Device (TTFT prices when,
+    :mod:`kvsvc.routing.ttft`)."""
+    if rank.reason:
+        return 0.0
+    return (rank.device_hit_tokens + host_weight * rank.host_only_hit_tokens
+            + rank.pending_hit_tokens)
 
 
 def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
@@ -490,7 +483,8 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
     :param identities: see :meth:`Policy.choose`.
     :param host_weight: weight of Host-only hit tokens, in [0, 1].
     :returns: ``dp_size`` ranks; a rank missing, unsynchronized or of another incarnation
-        counts 0 with its reason.
+        counts 0 with its reason. A rank's pending hits (§16) are in its ratio, and apart in
+        ``pending_hit_tokens``.
     """
     n_tokens = len(token_ids) if token_ids is not None else 0
     expected = instance_identity(instance)
@@ -515,10 +509,13 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
         if n_tokens == 0:
             out.append(RankHit(rank, 0, 0, 0.0, REASON_NO_TOKENS, completeness))
             continue
-        # §7h: a subset stream's hits count as they are (every block in it is resident).
+        # §7h: a subset stream's hits count as they are (every block in it is resident);
+        # §16: pending ones count apart, in the same hit term (hit_tokens).
         dev, host = match.device_hit_tokens, match.host_only_hit_tokens
-        out.append(RankHit(rank, dev, host, _clamp01((dev + host_weight * host) / n_tokens),
-                           None, completeness))
+        pending = match.pending_hit_tokens
+        out.append(RankHit(rank, dev, host,
+                           _clamp01((dev + host_weight * host + pending) / n_tokens),
+                           None, completeness, pending))
     return tuple(out)
 
 
@@ -628,7 +625,8 @@ class CacheAware:
     :param host_hit_weight: ``--car_host_hit_weight``, weight of Host-only hit tokens, [0, 1].
     :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
     :param dp_rank_routing: ``--dp_rank_routing`` (§15).
-    :raises ConfigError: a CAR weight outside [0, 1], ``max_load_age_s`` out of range.
+
+    The values arrive valid (the settings table's ranges, checked once there).
     """
 
     name = PolicyName.CAR.value
@@ -636,9 +634,9 @@ class CacheAware:
     def __init__(self, prefill_lambda: float = 0.5, host_hit_weight: float = 0.5,
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
                  dp_rank_routing: bool = True) -> None:
-        self.prefill_lambda = _check_unit("car_prefill_lambda", prefill_lambda)
-        self.host_hit_weight = _check_unit("car_host_hit_weight", host_hit_weight)
-        self.max_load_age_s = check_max_load_age(max_load_age_s)
+        self.prefill_lambda = float(prefill_lambda)
+        self.host_hit_weight = float(host_hit_weight)
+        self.max_load_age_s = float(max_load_age_s)
         self.dp_rank_routing = bool(dp_rank_routing)
         self._lock = threading.Lock()
         self._counters = {PREFILL_SIDE: [0], DECODE_SIDE: [0]}

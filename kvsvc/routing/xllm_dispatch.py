@@ -14,7 +14,9 @@ For a decision whose P has ``backend_type`` ``"xllm"`` (with ``--xllm_dispatch n
   its Generations). OpenAI fields without an xLLM counterpart are not sent;
 - the request is registered in :class:`~kvsvc.routing.generations.PendingRequests` before the
   call, so an entry that arrives before the call returns is kept;
-- the engine answers at once with an empty response. A transport failure (refused, reset,
+- the call is baidu_std (:class:`kvsvc.rpc.engines.BaiduStdCaller`, the service's) or brpc's
+  HTTP+JSON form of the same method (:class:`HttpJsonCaller`); the engine answers at once with an empty
+  response. A transport failure (refused, reset,
   timed out, an answer that is no success) fails that attempt before any byte reached the
   client: it is retried once on the next P of the ranking, as the HTTP relay does
   (:class:`~kvsvc.routing.proxy.Proxy`); a 4xx answer is the client's fault and answered as
@@ -320,6 +322,7 @@ class GenerationsBody(UpstreamBody):
                  observer: Optional[RequestObserver], info: Optional[RequestInfo],
                  path: str = "", client: Optional[ClientWatch] = None) -> None:
         self._client = client
+        self._next_check = 0.0
         self._pending = pending
         self._asm = assembler
         self._snapshot = snapshot
@@ -366,6 +369,18 @@ class GenerationsBody(UpstreamBody):
         """
         while True:
             gen = self._pending.next(CHECK_INTERVAL_S)
+            now = time.monotonic()
+            if gen is not None and now < self._next_check:
+                return gen
+            # Checked every CHECK_INTERVAL_S even while entries flow: a replaced or dead
+            # instance may still have entries in flight.
+            self._next_check = now + CHECK_INTERVAL_S
+            bound = self._bounds[1 if self._tokens else 0]
+            problem = instance_problem(self._snapshot(), bound)
+            if problem is not None:
+                raise self._failed(UpstreamUnreachable(
+                    f"upstream {bound.name}: {problem} while generating request "
+                    f"{self._pending.service_req_id}"))
             if gen is not None:
                 return gen
             if self._client is not None and self._client.client_gone():
@@ -373,12 +388,6 @@ class GenerationsBody(UpstreamBody):
                 self._pending.cancel(CANCEL_CLIENT_GONE)
                 raise ClientGone(f"client closed its connection while {self.target} generated "
                                  f"request {self._pending.service_req_id}")
-            bound = self._bounds[1 if self._tokens else 0]
-            problem = instance_problem(self._snapshot(), bound)
-            if problem is not None:
-                raise self._failed(UpstreamUnreachable(
-                    f"upstream {bound.name}: {problem} while generating request "
-                    f"{self._pending.service_req_id}"))
             silent = time.monotonic() - self._pending.last_entry_at
             if silent >= self._read_timeout_s:
                 raise self._failed(UpstreamTimeout(

@@ -19,15 +19,27 @@ Per data message ``(seq, digest)``:
   ``AllBlocksCleared`` made it complete, and no block became an orphan after that point (D8); the
   digests of the last :data:`DIGESTS_KEPT` batches are kept to check the buffered live batches
   the reply covers.
+
+At the end of a reply the live batches buffered meanwhile are merged by pure functions:
+:func:`merge_rebuild` (into the rebuild's private index) and :func:`merge_catch_up` (which of
+them follow a catch-up, judged by the kept index's :class:`~kvsvc.streams.anchor.Anchor`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
-from kvsvc.errors import SnapshotError
+from kvsvc.errors import SnapshotError, StreamError
+from kvsvc.events import Batch, Event
 from kvsvc.index.tier_index import TierIndex
-from kvsvc.streams.state import CatchUpReply, RebuildReply
+from kvsvc.streams.anchor import Anchor, Judgement, starts_cleared
+from kvsvc.streams.state import CatchUpReply, Completeness, RebuildReply
+
+EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+DUPLICATE, RESTARTED, GAP = Judgement.DUPLICATE, Judgement.RESTARTED, Judgement.GAP
+#: A live batch buffered during an attempt: (seq, batch, payload digest).
+Buffered = tuple[int, Batch, int]
 
 #: Digests of the last replayed batches a rebuild keeps (seq -> digest), to check buffered live
 #: batches that the reply covers (they must be the same batches, §7h "deduplicate by seq").
@@ -164,3 +176,113 @@ class RebuildCheck(ReplyOrder):
         exact = self._exact and index.stats.orphan_blocks == self._orphans_at_exact
         return RebuildReply(index, self.first_seq, self.last_seq, self.last_digest, exact,
                             self.digests, self.messages, wire_bytes, reason, truncated)
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildMerge:
+    """A rebuild reply merged with the live batches buffered meanwhile (:func:`merge_rebuild`).
+
+    :param sequence: the last seq the index holds (``None``: unknown, after an empty reply with
+        nothing buffered: the first live batch decides).
+    :param digest: its payload digest (``D``).
+    :param digests: ``seq -> digest`` of the reply's and the tail's last batches.
+    :param completeness: what the index holds (§7h).
+    :param tail: the events of the buffered batches applied (live events never counted yet).
+    :param how: what was merged (for the log line).
+    """
+
+    sequence: Optional[int]
+    digest: Optional[int]
+    digests: dict[int, int]
+    completeness: Completeness
+    tail: list[Event]
+    how: str
+
+
+def merge_rebuild(reply: RebuildReply,
+                  buffered: Sequence[Buffered]) -> Union[RebuildMerge, SnapshotError]:
+    """Merge a rebuild reply (§7h) with the live batches ``(seq, batch, digest)`` buffered
+    during it, applying the tail to the reply's private index (never a serving one).
+
+    - Buffered batches the reply covers are dropped when their digest is the replayed one's
+      (or unknown); another digest means the engine restarted: the attempt fails.
+    - The rest must follow the reply's last seq contiguously (else the attempt fails: ``gap
+      after the history reply``) and are applied with the orphan rule on a subset.
+    - An empty reply: the first buffered batch decides (seq 0 exact, any other seq subset).
+    - A subset becomes exact on a batch starting with an untargeted ``AllBlocksCleared``.
+
+    :returns: the :class:`RebuildMerge`, or the :class:`~kvsvc.errors.SnapshotError` the attempt
+        fails with (the index is then unusable).
+    """
+    index = reply.index
+    anchor = Anchor.at(reply.last_seq, reply.last_digest, reply.digests)
+    if reply.first_seq is None:
+        completeness = EXACT
+        how = "empty history reply"
+    else:
+        completeness = EXACT if reply.exact else SUBSET
+        how = f"history reply seq {reply.first_seq}..{reply.last_seq}, {reply.messages} messages"
+    digests = dict(reply.digests)
+    tail: list[Event] = []
+    for seq, batch, digest in buffered:
+        if anchor.expected is None:
+            # Empty reply: the first live batch decides (§7h).
+            completeness = EXACT if seq == 0 else SUBSET
+        judged = anchor.judge(seq, digest, unknown=DUPLICATE)
+        if judged is DUPLICATE:
+            continue
+        if judged is RESTARTED:
+            return SnapshotError(f"live seq {seq} differs from the batch replayed (the engine "
+                                 "restarted)")
+        if judged is GAP:
+            return SnapshotError(f"gap after the history reply: expected seq {anchor.expected}, "
+                                 f"got {seq}")
+        try:
+            index.apply(batch.events, snapshot=completeness is SUBSET)
+        except StreamError as exc:
+            return SnapshotError(f"seq {seq} after the history reply: {exc}")
+        if completeness is SUBSET and starts_cleared(batch.events):
+            completeness = EXACT
+        tail.extend(batch.events)
+        anchor.advance(seq, digest)
+        digests[seq] = digest
+    sequence = None if anchor.expected is None else anchor.expected - 1
+    return RebuildMerge(sequence, anchor.digest, digests, completeness, tail, how)
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpMerge:
+    """What follows a catch-up (:func:`merge_catch_up`).
+
+    :param apply: the buffered batches to apply to the kept index, in order.
+    :param restarted: a buffered seq whose digest differs from the batch the index holds (the
+        engine restarted: discard, rebuild), checked after ``apply``; ``None``: none.
+    :param gap: the first buffered seq after a hole (published after the reply and lost on the
+        way: catch up again after ``apply``); ``None``: none.
+    """
+
+    apply: list[Buffered]
+    restarted: Optional[int] = None
+    gap: Optional[int] = None
+
+
+def merge_catch_up(anchor: Anchor, buffered: Sequence[Buffered]) -> CatchUpMerge:
+    """Which of the live batches ``(seq, batch, digest)`` buffered during a catch-up follow it
+    (§7h), judged by the kept index's ``anchor`` (not changed: a copy moves on): those the
+    reply covers are duplicates (by digest; unknown ones too) and dropped; the rest must follow
+    contiguously. The first batch that differs from the one held (``restarted``) or comes after
+    a hole (``gap``) ends the merge."""
+    moving = Anchor(anchor.expected, anchor.digest, dict(anchor.recent))
+    out: list[Buffered] = []
+    for item in buffered:
+        seq, _, digest = item
+        judged = moving.judge(seq, digest, unknown=DUPLICATE)
+        if judged is DUPLICATE:
+            continue
+        if judged is RESTARTED:
+            return CatchUpMerge(out, restarted=seq)
+        if judged is GAP:
+            return CatchUpMerge(out, gap=seq)
+        out.append(item)
+        moving.advance(seq, digest)
+    return CatchUpMerge(out)

@@ -100,6 +100,7 @@ tests and debugging.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from logging import DEBUG, INFO, WARNING
@@ -164,6 +165,41 @@ BUFFER_TOKEN_OVERHEAD = 4
 
 #: Appended to the reason while a due snapshot waits for the live connection.
 LIVE_WAIT = "; the snapshot is requested once the live channel "
+
+
+class Mode(enum.Enum):
+    """Where a stream's recovery stands: one value per legal state, instead of flags (§6, §7h;
+    snapshot mode uses ``REBUILDING``, ``SERVING`` and ``SILENT``). The history rules' table of
+    what each input does in each mode is :data:`kvsvc.streams.history.MODE_TABLE`."""
+
+    #: No index: a rebuild (snapshot mode: a snapshot) is due, waits for its backoff, or runs.
+    REBUILDING = "rebuilding"
+    #: §7h: an index is kept, not served, while a catch-up from its anchor proves and fills it.
+    HELD = "held"
+    #: The index serves (``synchronized``).
+    SERVING = "serving"
+    #: §7h: no replay answered and no index: the next live batch starts a live-only subset.
+    LIVE_ONLY_WAITING = "live-only waiting"
+    #: §7h: a subset built from live batches alone serves; the rebuild is retried meanwhile.
+    LIVE_ONLY = "live-only"
+    #: The live channel went silent while the engine published: nothing is requested until a
+    #: live message arrives (history mode keeps the index, unserved).
+    SILENT = "silent"
+
+
+#: The modes that serve hits.
+SERVES = frozenset({Mode.SERVING, Mode.LIVE_ONLY})
+
+
+class Link(enum.Enum):
+    """The live ``SUB``'s connection as the rules know it (§6: replies only while it is up)."""
+
+    #: Not connected (created, or disconnected).
+    DOWN = "down"
+    #: Not connected, and ``error`` says that a due attempt waits for it.
+    DOWN_NOTED = "down, noted"
+    #: The handshake succeeded: the subscription is out.
+    UP = "up"
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +276,8 @@ class RecoveryRules(Protocol):
     where time matters and returns the actions to carry out in order (:data:`NO_ACTIONS` when
     there are none; the hot path, an in-order live batch, returns that very tuple). The
     serving side effects are actions too (:mod:`kvsvc.streams.actions`), carried out by the
-    stream thread (:class:`~kvsvc.streams.carrier.ActionCarrier`). See :class:`SnapshotRecovery` for the snapshot-mode rules of each input.
+    stream thread (:class:`~kvsvc.streams.carrier.ActionCarrier`). See
+    :class:`SnapshotRecovery` for the snapshot-mode rules of each input.
     """
 
     @property
@@ -386,12 +423,10 @@ class AttemptRules(Generic[_R, _B, _S]):
         self._max_buffered = limits.max_buffered_bytes
         self._timers = RecoveryTimers(limits.resync_interval_ms)
         self._out: list[Action] = []
-        self._synced = False                     # mirrors the serving state SYNCHRONIZED
+        self._mode = Mode.REBUILDING
         self._expected: Optional[int] = None     # next live seq the working index needs
-        self._live_up = False                    # the SUB's handshake succeeded
-        self._live_wait_noted = False            # the error says a due attempt waits for it
-        self._waiting_error_logged = False       # one warning per backoff wait
-        self._awaiting_live = False              # silent channel: nothing asked until one arrives
+        self._link = Link.DOWN
+        self._waiting_errors = 0                 # errors noted while a retry waits (1st: warning)
         self._attempt: Optional[int] = None      # id of the attempt in flight
         # The request of the attempt in flight while its owner has not reported it open yet.
         self._opening: Optional[_R] = None
@@ -410,7 +445,20 @@ class AttemptRules(Generic[_R, _B, _S]):
     @property
     def synchronized(self) -> bool:
         """The serving index is valid."""
-        return self._synced
+        return self._mode in SERVES
+
+    @property
+    def mode(self) -> Mode:
+        """Where the recovery stands."""
+        return self._mode
+
+    @property
+    def _synced(self) -> bool:
+        return self._mode in SERVES
+
+    @property
+    def _awaiting_live(self) -> bool:
+        return self._mode is Mode.SILENT
 
     @property
     def attempt(self) -> Optional[int]:
@@ -422,7 +470,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         """The :class:`RecoveryView` of this machine with the rule set's own fields given."""
         return RecoveryView(
             synchronized=self._synced, expected=self._expected, max_seen=max_seen,
-            live_up=self._live_up, attempt=self._attempt,
+            live_up=self._link is Link.UP, attempt=self._attempt,
             next_attempt_at=self._timers.next_attempt_at, failures=self._timers.failures,
             buffered_bytes=self._buffer_bytes, buffered_seqs=buffered_seqs,
             silence_check=silence_check, awaiting_live=awaiting_live,
@@ -436,7 +484,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         at: Optional[float] = None
         nxt = self._timers.next_attempt_at
         if (self._attempt is None and nxt is not None and not held_back
-                and (self._live_up or not self._live_wait_noted)):
+                and self._link is not Link.DOWN_NOTED):
             at = nxt
         if deadline is not None:
             at = deadline if at is None else min(at, deadline)
@@ -448,9 +496,9 @@ class AttemptRules(Generic[_R, _B, _S]):
         ``may_note``, say in ``error`` that it waits for the live channel."""
         nxt = self._timers.next_attempt_at
         if self._attempt is None and nxt is not None and now >= nxt and not held_back:
-            if self._live_up:
+            if self._link is Link.UP:
                 self._begin_attempt(now)
-            elif not self._live_wait_noted and may_note:
+            elif self._link is Link.DOWN and may_note:
                 self._note_live_wait()
 
     # ------------------------------------------------------------------ shared inputs
@@ -464,8 +512,7 @@ class AttemptRules(Generic[_R, _B, _S]):
 
     def on_live_opened(self) -> tuple[Action, ...]:
         """A new live ``SUB`` was created and is connecting: not up until its handshake."""
-        self._live_up = False
-        self._live_wait_noted = False
+        self._link = Link.DOWN
         return self._take()
 
     def on_live_up(self, now: float) -> tuple[Action, ...]:
@@ -473,11 +520,11 @@ class AttemptRules(Generic[_R, _B, _S]):
         (see the module docstring). A new connection may be a new engine, so the backoff of
         failed attempts is reset; an endpoint that keeps dropping connections gets requests at
         the pace of its reopens, which back off themselves (:mod:`kvsvc.streams.live`)."""
-        self._live_up = True
+        noted = self._link is Link.DOWN_NOTED
+        self._link = Link.UP
         if not self._synced and self._attempt is None and self._timers.next_attempt_at is not None:
             self._timers.new_connection(now)
-        if self._live_wait_noted:
-            self._live_wait_noted = False
+        if noted:
             error = self._error
             # The wait is over: the reason is the cause alone again.
             if not self._synced and error is not None:
@@ -537,9 +584,9 @@ class AttemptRules(Generic[_R, _B, _S]):
         """Judge the running silent-channel check (D1 in docs/decisions.md), armed
         when ``live_messages`` live messages had arrived, due at ``deadline`` (monotonic s):
         passed (ended, False) once any live message arrived since it was armed or the stream
-        no longer serves; running (False) before ``deadline``; else failed (True): ended, the
-        attempt abandoned, and nothing is asked until a live message arrives
-        (``_awaiting_live``); the rule set then says how the stream stops serving."""
+        no longer serves; running (False) before ``deadline``; else failed (True): ended and
+        the attempt abandoned; the rule set then says how the stream stops serving and enters
+        ``SILENT`` (nothing is asked until a live message arrives)."""
         # Counted from when the check was armed, not from the last swap: a later resync's
         # swap must not hide a batch that arrived in between.
         if self._live_messages != live_messages or not self._synced:
@@ -549,7 +596,6 @@ class AttemptRules(Generic[_R, _B, _S]):
             return False
         self._silence = None
         self._abandon_attempt()
-        self._awaiting_live = True
         return True
 
     def _live_alive_again(self, now: float) -> None:
@@ -586,7 +632,7 @@ class AttemptRules(Generic[_R, _B, _S]):
         soon as the live channel is connected."""
         self._abandon_attempt()
         self._timers.next_attempt_at = now
-        if self._live_up:
+        if self._link is Link.UP:
             self._begin_attempt(now)
 
     def _abandon_attempt(self) -> None:
@@ -657,8 +703,8 @@ class AttemptRules(Generic[_R, _B, _S]):
         the first error is logged at warning (a burst of garbage cannot flood the log; the
         latest reason is still in ``error``)."""
         self._set_error(reason)
-        if not self._waiting_error_logged:
-            self._waiting_error_logged = True
+        self._waiting_errors += 1
+        if self._waiting_errors == 1:
             self._log(log, WARNING, "stream %s: %s (retry already scheduled; further errors "
                       "until then are logged at debug level)", self._name, reason)
         else:
@@ -673,7 +719,7 @@ class AttemptRules(Generic[_R, _B, _S]):
 
     def _note_live_wait(self) -> None:
         """An attempt is due but the live channel is not connected: say so in ``error``."""
-        self._live_wait_noted = True
+        self._link = Link.DOWN_NOTED
         cause = self._error or NOT_YET
         self._set_error(f"{cause}{LIVE_WAIT}{self._stream.endpoint} is connected")
 
@@ -787,7 +833,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         conflict, capacity): the serving state discarded it; counted, and a recovery starts
         (trigger from the error's label)."""
         reason, label = self._refused(seq, error)
-        self._synced = False
+        self._mode = Mode.REBUILDING
         self._expected = None
         self._log_unsynchronized(reason, trigger_of(label))
         self._restart_recovery(now)
@@ -805,7 +851,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         :param reason: the error text (``"disconnected"``, or with the flapping hint).
         """
         self._max_seen = None
-        self._live_up = False
+        self._link = Link.DOWN
         self._stream_error(reason, RecoveryTrigger.DISCONNECT, now)
         return self._take()
 
@@ -907,7 +953,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
     # ------------------------------------------------------------------ live batches
 
     def _live_alive_again(self, now: float) -> None:
-        self._awaiting_live = False
+        self._mode = Mode.REBUILDING
         self._log(log, INFO, "stream %s: live channel alive again; recovering", self._name)
         self._restart_recovery(now)
 
@@ -989,7 +1035,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         """Discard the serving index and forget its sequence; one log line and one recovery
         count (``trigger``) per loss of synchronization."""
         self._discard(reason)
-        self._synced = False
+        self._mode = Mode.REBUILDING
         self._expected = None
         self._log_unsynchronized(reason, trigger)
 
@@ -1007,13 +1053,14 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
             f"live channel silent: the engine published up to seq {check.watermark} (resync "
             f"watermark) but no live batch arrived since seq {check.first_missing}; check the "
             f"stream's endpoint and topic {self._stream.topic!r}", RecoveryTrigger.LIVE_SILENT)
+        self._mode = Mode.SILENT
 
     # ------------------------------------------------------------------ attempts
 
     def _begin_attempt(self, now: Optional[float] = None) -> None:
         """Request a snapshot: a resync from the expected seq when synchronized, else a
         recovery from 0 (§7)."""
-        self._waiting_error_logged = False
+        self._waiting_errors = 0
         resync = self._synced
         start_seq = self._expected if resync and self._expected is not None else 0
         self._buffer = []
@@ -1062,7 +1109,7 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         self._out.append(SwapIndex(index, sequence, resync, difference, live_events, stats_base))
         self._index = index
         self._error = None
-        self._synced = True
+        self._mode = Mode.SERVING
         self._expected = expected
         self._live_at_swap = self._live_messages
         self._timers.synchronized(

@@ -11,7 +11,8 @@ Rules it keeps:
 
 - Any change of the serving state happens under the lock in one hold, and an index that
   refuses a batch stops serving in the same hold, so a query never sees a partial batch, a
-  stale index or a half-built one (§6); what follows (counting, recovering) is the rules'. A snapshot index is built privately and swapped
+  stale index or a half-built one (§6); what follows (counting, recovering) is the rules'.
+  A snapshot index is built privately and swapped
   in one assignment.
 - A live message dropped for its topic (§1: equal exactly, while a ``SUB`` receives every topic
   that *starts* with its own) is counted, and the first :data:`OTHER_TOPICS_MAX` distinct

@@ -175,8 +175,10 @@ def test_exec_start_pre_refuses_what_serve_would_refuse(tmp_path, raw_engine):
         ({"KVSVC_CAR_PREFILL_LAMBDA": "2"}, None, "KVSVC_CAR_PREFILL_LAMBDA"),
         ({"KVSVC_LOG_FORMAT": "xml"}, None, "KVSVC_LOG_FORMAT"),
         ({"KVSVC_ETCD_ADDR": "nohostport"}, None, "KVSVC_ETCD_ADDR"),
+        # KVSVC_ETCD_ADDR set (empty): the variable to edit is the one named
+        # (kvsvc.settings.source_of: a variable that is set is the value's source).
         ({"KVSVC_KV_EVENTS_CONFIG_FILE": str(ROOT / "config" / "kv_events_discovery_config.json"),
-          "KVSVC_ETCD_ADDR": ""}, None, "--etcd_addr"),
+          "KVSVC_ETCD_ADDR": ""}, None, "KVSVC_ETCD_ADDR"),
     ]
     for i, (extra, token_state, field) in enumerate(cases):
         case_dir = tmp_path / f"case{i}"

@@ -60,6 +60,14 @@ def test_every_decision_is_cited_from_the_code_and_every_citation_exists():
         f"{ {n: cited[n] for n in sorted(set(cited) - set(decisions))} }")
 
 
+def test_every_doc_is_in_the_readme_map():
+    """A newcomer finds every page from the README's documentation map."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        assert f"](docs/{doc.name})" in readme, f"docs/{doc.name} is not in README's docs map"
+    assert len(readme.splitlines()) <= 400, "README.md is over 400 lines: move text to docs/"
+
+
 def _anchors(path: Path) -> set[str]:
     """GitHub's heading anchors of a Markdown file (lower case, punctuation dropped, spaces to
     hyphens), fenced blocks skipped."""

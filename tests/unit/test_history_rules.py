@@ -1,7 +1,7 @@
 """The history-mode recovery rules (kvsvc.streams.history.HistoryRecovery, PROTOCOL.md §7h)
-and the history reply collection (kvsvc.streams.history_client.HistoryAttempt) driven
-directly, without sockets. Block size 4, seed 1024; block content ``c`` has the tokens
-``[c*100, ...]`` and engine hash ``1000 + c``. Times are monotonic seconds from T0; a live
+driven directly, without sockets (the reply collection: tests/integration/test_history_client.py).
+Block size 4, seed 1024; block content ``c`` has the tokens ``[c*100, ...]`` and engine hash
+``1000 + c``. Times are monotonic seconds from T0; a live
 batch's digest is given by the test (any distinct ints: the rules only compare them)."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import ormsgpack
 import pytest
 
 from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
-from kvsvc.errors import ReplayUnanswered, SnapshotError, SnapshotTimeout
+from kvsvc.errors import ReplayUnanswered, SnapshotError
 from kvsvc.events import DEVICE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event
 from kvsvc.index.keys import prompt_keys
 from kvsvc.index.tier_index import TierIndex
 from kvsvc.streams.counters import DecodeErrorReason
-from kvsvc.streams.frame import END_MARKER
 from kvsvc.streams.anchor import RECENT_DIGESTS
 from kvsvc.streams.history import HistoryRecovery
-from kvsvc.streams.history_client import HistoryAttempt
 from kvsvc.streams.recovery import (
+    SERVES,
+    Mode,
     BACKOFF_INITIAL_S,
     LIVE_SILENCE_GRACE_S,
     NO_ACTIONS,
@@ -44,6 +44,7 @@ T0 = 1000.0
 SYNC, RECOVERING, UNSYNC = (StreamState.SYNCHRONIZED, StreamState.RECOVERING,
                             StreamState.UNSYNCHRONIZED)
 EXACT, SUBSET = Completeness.EXACT, Completeness.SUBSET
+HELD, SERVING, LIVE_ONLY, SILENT = Mode.HELD, Mode.SERVING, Mode.LIVE_ONLY, Mode.SILENT
 CFG = StreamConfig(instance_name="e:1", block_size=BS, endpoint="tcp://127.0.0.1:5557",
                    replay_endpoint="tcp://127.0.0.1:5558", hash_seed=SEED,
                    replay_mode=ReplayMode.HISTORY)
@@ -446,85 +447,6 @@ def test_buffer_overflow_fails_the_attempt():
     assert s.serving.status().error.startswith("buffer overflow")
 
 
-# ---------------------------------------------------------------------------- the client
-
-
-def _attempt(start_seq: int, anchor: Optional[int] = None, sink=None, **limits) -> HistoryAttempt:
-    a = HistoryAttempt(CFG, KvEventsConfig(**limits), start_seq, None, None, None)
-    a.configure(anchor, sink)
-    return a
-
-
-def _msg(seq: int, *events: dict) -> tuple[list[bytes], bytes]:
-    payload = ormsgpack.packb([1.0, list(events), 0])
-    return [b"", seq.to_bytes(8, "big"), payload], payload
-
-
-def _ev(c: int, parent: Optional[int] = None) -> dict:
-    return {"type": "BlockStored", "block_hashes": [1000 + c],
-            "parent_block_hash": None if parent is None else 1000 + parent,
-            "token_ids": blk(c), "block_size": BS}
-
-
-def test_client_rebuild_from_0_is_exact_and_from_f_a_subset():
-    a = _attempt(0)
-    assert a.feed(_msg(0, _ev(1))[0]) is None
-    assert a.feed(_msg(1, _ev(2, 1))[0]) is None
-    r = a.feed(list(END_MARKER))
-    assert (r.first_seq, r.last_seq, r.exact, r.messages, sorted(r.digests)) == (0, 1, True, 2, [0, 1])
-    assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
-    b = _attempt(0)
-    b.feed(_msg(5, _ev(2, 1))[0])                     # parent unknown: an orphan
-    r = b.feed(list(END_MARKER))
-    assert (r.first_seq, r.exact, r.index.stats.orphan_blocks) == (5, False, 1)
-    c = _attempt(0)
-    c.feed(_msg(5, _ev(2, 1))[0])
-    c.feed(_msg(6, {"type": "AllBlocksCleared"}, _ev(3))[0])
-    assert c.feed(list(END_MARKER)).exact is True     # complete from seq 6 on
-
-
-def test_client_catch_up_proves_continuity_by_seq_and_digest():
-    from xxhash import xxh3_64_intdigest
-    got = []
-    frames, payload = _msg(3, _ev(1))
-    a = _attempt(3, xxh3_64_intdigest(payload), lambda *args: got.append(args[:1] + args[2:]))
-    assert a.feed(frames) is None
-    f4, p4 = _msg(4, _ev(2, 1))
-    assert a.feed([b"", b"kv", f4[1], p4]) is None    # the 4-frame form with a topic
-    r = a.feed(list(END_MARKER))
-    assert (r.continuous, got) == (True, [(4, xxh3_64_intdigest(p4), len(p4) + 10)])
-    other = _attempt(3, 12345, got.append)
-    r = other.feed(frames)
-    assert (r.continuous, r.reason) == (False, "seq 3 has another payload digest than the batch "
-                                               "applied (the engine restarted)")
-    late = _attempt(2, 12345, got.append)
-    assert late.feed(frames).reason == "reply starts at seq 3, not at the anchor seq 2"
-    empty = _attempt(2, 12345, got.append)
-    assert empty.feed(list(END_MARKER)).continuous is False
-
-
-@pytest.mark.parametrize("seqs, error", [
-    ((0, 1, 0), "history reply seq went backwards: seq 0 after 1"),
-    ((0, 0), "history reply seq repeated: seq 0 after 0"),
-])
-def test_client_refuses_seqs_that_are_not_contiguous(seqs, error):
-    a = _attempt(0)
-    with pytest.raises(SnapshotError) as exc:
-        for i, seq in enumerate(seqs):
-            a.feed(_msg(seq, _ev(10 + i))[0])
-    assert str(exc.value) == error
-
-
-def test_client_ends_a_reply_with_a_hole_as_truncated():
-    a = _attempt(0)
-    a.feed(_msg(0, _ev(1))[0])
-    a.feed(_msg(1, _ev(2, 1))[0])
-    r = a.feed(_msg(5, _ev(3))[0])                    # seq 2..4 dropped by the engine's ROUTER
-    assert (r.truncated, r.last_seq, r.exact, r.reason) == (
-        True, 1, True, "history reply skipped from seq 1 to 5")
-    assert r.index.match(prompt_keys(blk(1, 2), BS, SEED)) == (2, 0)
-
-
 def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     s = Stream()
     s.connect()
@@ -547,21 +469,6 @@ def test_truncated_rebuild_is_kept_unserved_and_catches_up_from_its_last_seq():
     assert s.catch_up((2, [put(3, 2)]), (3, [drop(99)]), (4, [put(4)])) == (AbandonSnapshot(3),)
     assert (s.state(), s.completeness(), s.hits(1, 2, 3)) == (SYNC, EXACT, (True, 12, 0))
     assert s.hits(4) == (True, 4, 0)
-
-
-def test_client_timeout_is_per_message():
-    a = _attempt(0, replay_timeout_ms=100)
-    a.deadline = 10.0
-    with pytest.raises(ReplayUnanswered):
-        a.check_deadline(10.0)
-    a.feed(_msg(0, _ev(1))[0])
-    first = a.deadline
-    a.check_deadline(first - 0.001)                   # the wait restarted with the message
-    with pytest.raises(SnapshotTimeout) as exc:
-        a.check_deadline(first)
-    assert not isinstance(exc.value, ReplayUnanswered)
-    assert str(exc.value) == ("history reply timeout: no next message within "
-                              "replay_timeout_ms=100 after 1 messages (last seq 0)")
 
 
 def test_live_batches_before_the_first_request_are_kept_for_the_rebuild():
@@ -784,6 +691,11 @@ def test_property_no_false_hit_and_exact_means_equal(ops, buffer_steps, picks):
             s._fed(s.m.tick(s.now))
         # The check: every chain ever stored, against the residency at the stream's seq.
         status = s.serving.status()
+        # The rules' mode and the serving state they asked for agree (they never read it).
+        assert (s.m.mode in SERVES) == (status.state is SYNC), (s.m.mode, status.state)
+        held = s.m.mode in (HELD, SERVING, LIVE_ONLY, SILENT)
+        assert held == (s.m.rules._index is not None)
+        assert held or (status.entries, status.completeness) == (0, None)
         for h in eng.parents:
             chain = eng.chain(h)
             m = s.serving.match(prompt_keys(blk(*chain), BS, SEED))
@@ -868,3 +780,18 @@ def test_merge_rebuild_drops_covered_batches_applies_the_tail_and_decides_exactn
     empty = RebuildReply(TierIndex(BS, SEED, 1000), None, None, None, True, {}, 0, 10)
     first = merge_rebuild(empty, [(9, Batch(0.0, [put(1)], 0), 7_009)])
     assert (first.sequence, first.completeness) == (9, SUBSET)
+
+
+def test_merge_catch_up_keeps_the_contiguous_tail_and_stops_at_a_restart_or_a_hole():
+    from kvsvc.streams.anchor import Anchor
+    from kvsvc.streams.history_reply import merge_catch_up
+    b = Batch(0.0, [drop(99)], 0)
+    anchor = Anchor.at(5, 7_005, {4: 7_004})
+    merged = merge_catch_up(anchor, [(4, b, 7_004), (5, b, 1), (6, b, 7_006), (7, b, 7_007)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([], 5, None)
+    merged = merge_catch_up(anchor, [(2, b, 1), (6, b, 7_006), (6, b, 7_006), (7, b, 7_007),
+                                     (9, b, 7_009)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted, merged.gap) == ([6, 7], None, 9)
+    assert anchor.last == (5, 7_005)                  # judged on a copy: the anchor is unchanged
+    merged = merge_catch_up(anchor, [(6, b, 7_006), (6, b, 8)])
+    assert ([seq for seq, _, _ in merged.apply], merged.restarted) == ([6], 6)

@@ -9,7 +9,6 @@ import math
 
 import pytest
 
-from kvsvc.errors import ConfigError
 from kvsvc.routing.policy import (
     EXCLUDED_NO_DECODE,
     EXCLUDED_NO_LOAD,
@@ -273,7 +272,7 @@ def test_decision_json_shape():
                         "estimated_prefill_ms": None, "predicted_prefill_ms": None,
                         "predicted_ttft_ms": None, "predicted_tpot_ms": None,
                         "ranks": [{"dp_rank": 0, "device_hit_tokens": 40,
-                                   "host_only_hit_tokens": 20, "hit_ratio": 0.5,
+                                   "host_only_hit_tokens": 20, "pending_hit_tokens": 0, "hit_ratio": 0.5,
                                    "reason": None, "completeness": None}]}],
         "excluded": {}}
 
@@ -369,17 +368,12 @@ def test_every_instance_that_is_not_a_candidate_is_listed_with_why():
         assert d.excluded == pools.excluded and d.to_json()["excluded"] == dict(pools.excluded)
 
 
-def test_max_load_age_range():
+def test_max_load_age_is_taken_as_given():
+    # Its range is the settings table's (tests/unit/test_settings.py), checked once there.
     for ok in (0.001, 10, 3600):
         assert CacheAware(max_load_age_s=ok).max_load_age_s == float(ok)
         assert RoundRobin(max_load_age_s=ok).max_load_age_s == float(ok)
-    for bad in (0, -1, 3600.5, float("nan"), True, "10"):
-        for build in (lambda v: CacheAware(max_load_age_s=v),
-                      lambda v: RoundRobin(max_load_age_s=v),
-                      lambda v: make_policy("CAR", max_load_age_s=v)):
-            with pytest.raises(ConfigError) as err:
-                build(bad)
-            assert err.value.field == "max_load_age_s", bad
+        assert make_policy("CAR", max_load_age_s=ok).max_load_age_s == float(ok)
 
 
 # -- construction --------------------------------------------------------------------------------
@@ -395,27 +389,10 @@ def test_make_policy_names_and_ranges(caplog):
     assert isinstance(ttft, TtftPolicy)
     assert (ttft.name, ttft.host_hit_weight, ttft.default_prefill_tokens_per_s) == (
         "TTFT", 0.25, 5000.0)
-    with pytest.raises(ConfigError) as err:
+    # An unknown name is a bug: the settings table admits only these (its ranges and names
+    # are checked there once, tests/unit/test_settings.py).
+    with pytest.raises(ValueError, match="LEAST_LOAD"):
         make_policy("LEAST_LOAD")
-    assert (err.value.field, err.value.message) == (
-        "--load_balance_policy", "must be one of RR, CAR, SLO_AWARE, TTFT, got 'LEAST_LOAD'")
-    for name, kwargs, field in (("SLO_AWARE", {"target_ttft_ms": -1}, "--target_ttft"),
-                                ("SLO_AWARE", {"target_tpot_ms": 10**9}, "--target_tpot"),
-                                ("SLO_AWARE", {"target_tpot_ms": 1.5}, "--target_tpot"),
-                                ("TTFT", {"default_prefill_tokens_per_s": 0},
-                                 "--default_prefill_tokens_per_s"),
-                                ("TTFT", {"default_prefill_tokens_per_s": float("inf")},
-                                 "--default_prefill_tokens_per_s")):
-        with pytest.raises(ConfigError) as err:
-            make_policy(name, **kwargs)
-        assert err.value.field == field
-    for kwargs, field in (({"prefill_lambda": 1.5}, "car_prefill_lambda"),
-                          ({"prefill_lambda": -0.1}, "car_prefill_lambda"),
-                          ({"host_hit_weight": float("nan")}, "car_host_hit_weight"),
-                          ({"host_hit_weight": True}, "car_host_hit_weight")):
-        with pytest.raises(ConfigError) as err:
-            make_policy("CAR", **kwargs)
-        assert err.value.field == field
     # Building a policy warns about nothing: CAR without a KV index is the service's one
     # start-up line (tests/unit/test_cli_flags.py), not repeated by every build.
     with caplog.at_level(logging.WARNING, logger="kvsvc.routing"):

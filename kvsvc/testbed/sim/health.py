@@ -254,6 +254,8 @@ class HealthServer(BackgroundThread):
         self._server.timeout = _POLL_INTERVAL_S
         if self._serving is not None:
             self._serving.open()
+        if self._native is not None:
+            self._native.open()
         log.info("sim %s: serving GET /health%s on %s:%d", self._label,
                  " and OpenAI requests" if self._serving is not None else "", self.host, self.port)
 

@@ -242,6 +242,7 @@ class NativeFront:
         self._ids = itertools.count(1)
         self.linked: set[str] = set()
         self.refuse_links = False
+        self._stopping = threading.Event()
         #: Counters: accepted requests, entries pushed, entries answered ok: false, failed
         #: pushes, links and unlinks received.
         self.counts = {"accepted": 0, "pushed": 0, "refused": 0, "push_failed": 0,
@@ -299,10 +300,13 @@ class NativeFront:
     def serve_connection(self, sock: socket.socket) -> None:
         """Serve baidu_std calls on ``sock`` until the peer closes it (one thread)."""
         conn = codec.Connection(codec.Role.SERVER)
-        sock.settimeout(None)
+        sock.settimeout(0.2)   # to see join() (the engine closing) between calls
         try:
-            while True:
-                data = sock.recv(_RECV_BYTES)
+            while not self._stopping.is_set():
+                try:
+                    data = sock.recv(_RECV_BYTES)
+                except socket.timeout:
+                    continue
                 if not data:
                     return
                 for event in conn.receive_data(data):
@@ -506,13 +510,19 @@ class NativeFront:
             log.info("sim %s: decode of %s ended early (%s)", self.name, sid, exc)
 
     def join(self, timeout_s: float = 5.0) -> int:
-        """Join the request threads (the serving sim must be closing); how many are left."""
+        """Join the request threads (the serving sim must be closing) and end the baidu_std
+        connections; how many request threads are left."""
+        self._stopping.set()
         deadline = time.monotonic() + timeout_s
         with self._lock:
             threads = list(self._threads)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return sum(1 for t in threads if t.is_alive())
+
+    def open(self) -> None:
+        """Serve baidu_std connections (again, after :meth:`join`)."""
+        self._stopping.clear()
 
     def close(self) -> None:
         """Close the connections (after :meth:`join`)."""
