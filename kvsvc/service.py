@@ -120,7 +120,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
                          dp_rank_routing=settings.dp_rank_routing)
-    tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
+    tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
+                                      cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
     # One kept-alive connection per worker thread and instance: a thread proxies one request

@@ -325,6 +325,10 @@ class ServiceSettings(BaseSettings):
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "
         "hit ratio 0 (warned once)", path=True)] = ""
+    tokenizer_cache_tokens: Annotated[int, Field(ge=0, le=1 << 30), Setting(
+        SECTION_ROUTING, "bound of the cache of token ids of prompt segments already seen (a "
+        "conversation's earlier turns are not tokenized again; exact: cut only where the "
+        "result is the whole text's); 0: no cache", unit="tokens")] = 1 << 20
     model: Annotated[str, Setting(
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
         "empty accepts any", env_file=True)] = ""
