@@ -47,7 +47,7 @@ from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
 from kvsvc.settings import ServiceSettings
-from kvsvc.directory import Directory
+from kvsvc.directory import Directory, OverlayLimits
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.models import ModelLister
@@ -120,7 +120,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
                          dp_rank_routing=settings.dp_rank_routing)
-    tokenizer = (PromptTokenizer.load(settings.tokenizer_path)
+    tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
+                                      cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
     in_flight = InFlight()
     # One kept-alive connection per worker thread and instance: a thread proxies one request
@@ -136,6 +137,14 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                   observer=ObserverChain(observers) if len(observers) > 1 else ledger)
     return Router(policy, TokenSource(tokenizer), proxy, in_flight,
                   served_models(settings.model), registry, directory)
+
+
+def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
+    """The bounds of every exact stream's pending blocks (§16), ``None`` with
+    ``--pending_ttl_ms 0`` (off)."""
+    if settings.pending_ttl_ms <= 0:
+        return None
+    return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
 
 
 def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
@@ -222,7 +231,8 @@ class Service:
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = (
-            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots)
+            Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots,
+                      pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None

@@ -109,6 +109,13 @@ CAR_WEIGHT_RANGE = (0.0, 1.0)
 DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
+#: §16 pending prefixes: ``--pending_ttl_ms`` default and closed range (0: off), ms, and
+#: ``--pending_blocks`` default and closed range, blocks per (instance, DP rank).
+DEFAULT_PENDING_TTL_MS = 15_000
+PENDING_TTL_RANGE_MS = (0, 600_000)
+DEFAULT_PENDING_BLOCKS = 65_536
+PENDING_BLOCKS_RANGE = (1, 1 << 22)
+
 #: Sections of ``--help`` and of the README table, in display order.
 SECTION_HTTP = "HTTP and authentication"
 SECTION_INDEX = "KV index (§6-§8)"
@@ -303,10 +310,25 @@ class ServiceSettings(BaseSettings):
     load_scrape_interval_ms: Annotated[int, Field(ge=50, le=60_000), Setting(
         SECTION_ROUTING, "period of the `/metrics` scrapes of `--load_scrape_backends` "
         "instances; keep it well below `--max_load_age_s`", unit="ms")] = 500
+    pending_ttl_ms: Annotated[int, Field(ge=PENDING_TTL_RANGE_MS[0],
+                                         le=PENDING_TTL_RANGE_MS[1]), Setting(
+        SECTION_ROUTING, "pending prefixes (§16): the full blocks of a routed prompt count as "
+        "pending on its exact stream from the dispatch until the stream's events store, remove "
+        "or clear them, or this long after the dispatch (the longest queue plus prefill "
+        "before a block's event must have arrived; docs/routing-overlays.md says why 15000); "
+        "0: off", unit="ms")] = DEFAULT_PENDING_TTL_MS
+    pending_blocks: Annotated[int, Field(ge=PENDING_BLOCKS_RANGE[0],
+                                         le=PENDING_BLOCKS_RANGE[1]), Setting(
+        SECTION_ROUTING, "pending prefixes (§16): blocks pending per (instance, DP rank) at "
+        "most, the least recently routed dropped first")] = DEFAULT_PENDING_BLOCKS
     tokenizer_path: Annotated[str, Setting(
         SECTION_ROUTING, "`tokenizer.json`, or a directory with it and `tokenizer_config.json` "
         "/ `chat_template.jinja`, for text and chat prompts; empty: text requests route with "
         "hit ratio 0 (warned once)", path=True)] = ""
+    tokenizer_cache_tokens: Annotated[int, Field(ge=0, le=1 << 30), Setting(
+        SECTION_ROUTING, "bound of the cache of token ids of prompt segments already seen (a "
+        "conversation's earlier turns are not tokenized again; exact: cut only where the "
+        "result is the whole text's); 0: no cache", unit="tokens")] = 1 << 20
     model: Annotated[str, Setting(
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
         "empty accepts any", env_file=True)] = ""

@@ -13,8 +13,10 @@ Two kinds of values:
   :meth:`~kvsvc.streams.subscriber.StreamSubscriber.counters` (plain ints copied under the
   stream lock, O(1) per stream, never an index traversal), the registry's immutable snapshot,
   discovery's counters, the proxy's retries, the in-flight ledger's counts and the cache
-  audit's predicted-vs-actual counters (:mod:`kvsvc.routing.cache_audit`), all reached
-  through the :class:`~kvsvc.service.Service`. The stream threads never touch a prometheus object.
+  audit's predicted-vs-actual counters (:mod:`kvsvc.routing.cache_audit`) and the baidu_std
+  server's counters (:meth:`~kvsvc.rpc.server.RpcServer.stats`: ``kvsvc_rpc_*``, §13), all
+  reached through the :class:`~kvsvc.service.Service`. The stream threads never touch a
+  prometheus object.
 - **Observed on the request path** with prometheus_client instruments (:class:`Metrics`
   attributes): query and route latency, routing decisions, the chosen P's predicted hit ratio,
   heartbeats by outcome, proxied requests by status, the proxy's request duration and time to
@@ -348,6 +350,7 @@ class ServiceCollector(Collector):
             "Upstream attempts cancelled because the client went away before the response "
             "head (the upstream connection closed, §15).", svc.router.proxy.client_gone())
         yield self._upstream_errors(svc)
+        yield from self._rpc(svc)
         yield from self._cache_audit(svc)
         yield from self._overlays(svc)
         counts = svc.router.in_flight.counts()
@@ -362,6 +365,45 @@ class ServiceCollector(Collector):
         for name, count in sorted(counts.items()):
             family.add_metric((name,), float(count))
         yield family
+
+    @staticmethod
+    def _rpc(svc: Service) -> Iterator[Metric]:
+        """The baidu_std server's counters (§13); nothing without one."""
+        if svc.rpc_server is None:
+            return
+        stats = svc.rpc_server.stats()
+        calls = CounterMetricFamily(
+            "kvsvc_rpc_calls_total", "baidu_std calls answered, by method (XllmRpcService).",
+            labels=("method",))
+        for method, count in sorted(stats.calls.items()):
+            calls.add_metric((method,), count)
+        yield calls
+        errors = CounterMetricFamily(
+            "kvsvc_rpc_errors_total", "baidu_std calls answered with a brpc error code "
+            "(1001 ENOSERVICE, 1002 ENOMETHOD, 1003 EREQUEST, 2001 EINTERNAL).",
+            labels=("code",))
+        for code, count in sorted(stats.errors.items()):
+            errors.add_metric((str(code),), count)
+        yield errors
+        heartbeats = CounterMetricFamily(
+            "kvsvc_rpc_heartbeats_total", "baidu_std heartbeats by outcome (the HTTP ones are "
+            "kvsvc_heartbeats_total).", labels=("outcome",))
+        for outcome in HEARTBEAT_OUTCOMES:
+            heartbeats.add_metric((outcome,), stats.heartbeats.get(outcome, 0))
+        yield heartbeats
+        entries = CounterMetricFamily(
+            "kvsvc_rpc_generation_entries_total", "Generations entries answered, by the "
+            "Status given (false: unknown service_req_id, client gone, cancelled).",
+            labels=("ok",))
+        entries.add_metric(("true",), stats.entries_ok)
+        entries.add_metric(("false",), stats.entries_refused)
+        yield entries
+        yield GaugeMetricFamily("kvsvc_rpc_connections", "baidu_std connections open.",
+                                stats.connections)
+        yield CounterMetricFamily("kvsvc_rpc_broken_streams_total",
+                                  "baidu_std connections closed for a broken stream (not "
+                                  "baidu_std, a body over 64 MiB, an undecodable meta).",
+                                  stats.broken_streams)
 
     @staticmethod
     def _upstream_errors(svc: Service) -> Metric:

@@ -6,7 +6,8 @@ and the simulated engine report it).
 The rule (:func:`audit`, no I/O, tested without sockets):
 
 - **predicted** = the minimum over the chosen P's DP ranks of ``device_hit_tokens +
-  host_only_hit_tokens`` as the policy saw them (:class:`~kvsvc.routing.policy.RankHit`; a rank
+  host_only_hit_tokens + pending_hit_tokens`` as the policy saw them (pending: §16, the blocks
+  this router sent there whose events had not arrived; recorded apart as ``pending``) (:class:`~kvsvc.routing.policy.RankHit`; a rank
   missing, unsynchronized, of a stale incarnation or without tokens counts 0, §11). Host-only
   tokens count whole here: the engine reports the tokens it did not recompute, whatever tier
   they came from (the ``--car_host_hit_weight`` only prices them for the policy). A decision
@@ -31,7 +32,12 @@ The rule (:func:`audit`, no I/O, tested without sockets):
   (an earlier request with the same prefix was prefilled, or its events applied, after the
   query). On an exact stream nothing else can explain a miss: the bench counts these.
   ``approximate index``: a rank's hits came from an approximate index (§14: what this replica
-  routed there, not what the engine holds), so either direction is the approximation's error.
+  routed there, not what the engine holds), so either direction is the approximation's error;
+  ``pending prefix not cached``: the engine reused less than predicted, but at least the exact
+  part: the pending blocks (§16) were not there yet (the prefill computing them had not
+  stored them, was cancelled, or ran after this one).
+- A prediction that counts pending blocks is never ``exact`` (the exact-streams target is
+  about exact hits); its outcomes are counted apart (``pending_outcomes``).
 - Every audited answer is also counted per backend (the P's ``backend_type``, §9) and by the
   completeness of its prediction (``exact``, ``subset``, ``approximate``, or ``none`` when a
   rank counted 0 for a reason): §14's measure of the approximate index's quality per backend.
@@ -76,17 +82,20 @@ CAUSE_EVICTED = "evicted between query and prefill"
 CAUSE_OTHER_RANK = "other DP rank"
 CAUSE_STORED = "stored between query and prefill"
 CAUSE_APPROXIMATE = "approximate index"
+CAUSE_PENDING = "pending prefix not cached"
 #: Every cause of a miss beyond one block, in the order they are tried.
 CAUSES = (CAUSE_NOT_TOKENIZED, CAUSE_INDEX_DISABLED, CAUSE_TOKENIZER, CAUSE_UNSYNCHRONIZED,
-          CAUSE_SUBSET, CAUSE_APPROXIMATE, CAUSE_EVICTED, CAUSE_OTHER_RANK, CAUSE_STORED)
+          CAUSE_SUBSET, CAUSE_APPROXIMATE, CAUSE_PENDING, CAUSE_EVICTED, CAUSE_OTHER_RANK,
+          CAUSE_STORED)
 
 #: The ``completeness`` label of the per-backend counts: what the prediction came from.
 COMPLETENESS_EXACT = "exact"
 COMPLETENESS_SUBSET = "subset"
 COMPLETENESS_APPROXIMATE = "approximate"
+COMPLETENESS_PENDING = "pending"
 COMPLETENESS_NONE = "none"
 COMPLETENESS_LABELS = (COMPLETENESS_EXACT, COMPLETENESS_SUBSET, COMPLETENESS_APPROXIMATE,
-                       COMPLETENESS_NONE)
+                       COMPLETENESS_PENDING, COMPLETENESS_NONE)
 
 OUTCOME_WITHIN = "within_block"
 OUTCOME_OVER = "over"
@@ -115,12 +124,14 @@ class Prediction:
     """What routing predicted for the chosen P (:func:`prediction`).
 
     :ivar instance: the P, ``host:port``.
-    :ivar predicted_tokens: min over ranks of Device + Host-only hit tokens.
+    :ivar predicted_tokens: min over ranks of Device + Host-only + pending hit tokens.
     :ivar best_rank_tokens: max over ranks of the same (for ``other DP rank``).
     :ivar input_tokens: the router's token count of the prompt (0: not tokenized).
     :ivar rank_reasons: each rank's reason for counting 0 (``None``: counted), rank order.
     :ivar subset: a rank's stream answered ``subset`` (§7h).
     :ivar approximate: a rank's hits came from an approximate index (§14).
+    :ivar pending_tokens: the pending part of ``predicted_tokens`` (§16): the rank counted
+        in it, its ``pending_hit_tokens``.
     """
 
     instance: str
@@ -130,12 +141,14 @@ class Prediction:
     rank_reasons: tuple[Optional[str], ...]
     subset: bool
     approximate: bool = False
+    pending_tokens: int = 0
 
     @property
     def exact(self) -> bool:
-        """Every rank synchronized, exact, of the current incarnation and with tokens: the
-        streams the target "within one block for >= 99%" is about."""
-        return (not self.subset and not self.approximate
+        """Every rank synchronized, exact, of the current incarnation and with tokens, and no
+        pending hit counted: the predictions the target "within one block for >= 99%" is
+        about."""
+        return (not self.subset and not self.approximate and not self.pending_tokens
                 and all(r is None for r in self.rank_reasons))
 
     @property
@@ -146,6 +159,8 @@ class Prediction:
             return COMPLETENESS_NONE
         if self.approximate:
             return COMPLETENESS_APPROXIMATE
+        if self.pending_tokens:
+            return COMPLETENESS_PENDING
         return COMPLETENESS_SUBSET if self.subset else COMPLETENESS_EXACT
 
 
@@ -166,6 +181,7 @@ class PredictionRecord:
     :ivar at: ``time.time()`` of the answer's end, seconds.
     :ivar completeness: what the prediction came from (:attr:`Prediction.completeness`).
     :ivar backend: the P's ``backend_type`` (§9), ``""`` when unknown.
+    :ivar pending: the pending part of ``predicted`` (§16), tokens.
     """
 
     instance: str
@@ -181,10 +197,12 @@ class PredictionRecord:
     at: float
     completeness: str = COMPLETENESS_EXACT
     backend: str = ""
+    pending: int = 0
 
     def to_json(self) -> dict:
         """One entry of ``recent_cache_predictions``."""
-        return {"instance": self.instance, "predicted": self.predicted, "actual": self.actual,
+        return {"instance": self.instance, "predicted": self.predicted,
+                "pending": self.pending, "actual": self.actual,
                 "diff": self.diff, "outcome": self.outcome, "cause": self.cause,
                 "exact": self.exact, "completeness": self.completeness,
                 "backend": self.backend, "input_tokens": self.input_tokens,
@@ -201,10 +219,13 @@ def prediction(decision: Optional[Decision], instance: str) -> Optional[Predicti
     if cand is None or not cand.ranks:
         return None
     ranks: Sequence[RankHit] = cand.ranks
-    tokens = [r.device_hit_tokens + r.host_only_hit_tokens for r in ranks]
+    tokens = [r.device_hit_tokens + r.host_only_hit_tokens + r.pending_hit_tokens
+              for r in ranks]
+    worst = min(range(len(ranks)), key=tokens.__getitem__)
     kinds = {str(getattr(r, "completeness", None) or "") for r in ranks}
-    return Prediction(instance, min(tokens), max(tokens), decision.input_tokens,
-                      tuple(r.reason for r in ranks), "subset" in kinds, "approximate" in kinds)
+    return Prediction(instance, tokens[worst], max(tokens), decision.input_tokens,
+                      tuple(r.reason for r in ranks), "subset" in kinds, "approximate" in kinds,
+                      ranks[worst].pending_hit_tokens)
 
 
 def _int(value: Any) -> Optional[int]:
@@ -253,6 +274,9 @@ def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[i
             cause = CAUSE_SUBSET
         elif pred.approximate:
             cause = CAUSE_APPROXIMATE
+        elif (diff < 0 and pred.pending_tokens
+              and cached_tokens >= pred.predicted_tokens - pred.pending_tokens - block_size):
+            cause = CAUSE_PENDING
         elif diff < 0:
             cause = CAUSE_EVICTED
         elif cached_tokens <= pred.best_rank_tokens + block_size \
@@ -262,7 +286,8 @@ def audit(pred: Prediction, cached_tokens: int, engine_prompt_tokens: Optional[i
             cause = CAUSE_STORED
     return PredictionRecord(pred.instance, pred.predicted_tokens, cached_tokens, diff, outcome,
                             cause, pred.exact, pred.input_tokens, engine_prompt_tokens, policy,
-                            time.time() if at is None else at, pred.completeness, backend)
+                            time.time() if at is None else at, pred.completeness, backend,
+                            pred.pending_tokens)
 
 
 def block_sizes(kv_config: Optional[KvEventsConfig]) -> Callable[[str], int]:

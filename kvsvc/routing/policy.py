@@ -93,14 +93,17 @@ class RankHit:
     :ivar dp_rank: the rank, ``0 <= dp_rank < dp_size``.
     :ivar device_hit_tokens: tokens of the reusable prefix on Device (0 when ``reason`` is set).
     :ivar host_only_hit_tokens: tokens of the same prefix only on Host (0 when ``reason`` set).
-    :ivar hit_ratio: ``clamp((device + host_weight * host_only) / input_tokens, 0, 1)``; 0.0
-        when ``reason`` is set.
+    :ivar hit_ratio: ``clamp(hit_tokens / input_tokens, 0, 1)`` with :func:`hit_tokens`
+        ``= device + host_weight * host_only + pending``; 0.0 when ``reason`` is set.
     :ivar reason: ``None``, or why this rank counts 0 (``missing``, ``unsynchronized``,
         ``stale incarnation``, ``no tokens``, ``index disabled``).
     :ivar completeness: what the hits are worth (§7h, §10): the stream's ``"exact"`` or
         ``"subset"`` (a subset's hits are used as they are: never more than the engine holds)
         when they come from its index (``reason`` ``None`` or ``no tokens``); ``None``
-        otherwise.
+        otherwise; ``"approximate"`` for an approximate index (§14).
+    :ivar pending_hit_tokens: tokens of the blocks right after the reusable prefix that this
+        router sent there and whose events have not arrived (§16), apart from the two above
+        (0 when ``reason`` is set).
     """
 
     dp_rank: int
@@ -109,11 +112,13 @@ class RankHit:
     hit_ratio: float
     reason: Optional[str]
     completeness: Optional[str] = None
+    pending_hit_tokens: int = 0
 
     def to_json(self) -> dict:
         """JSON object of this rank."""
         return {"dp_rank": self.dp_rank, "device_hit_tokens": self.device_hit_tokens,
                 "host_only_hit_tokens": self.host_only_hit_tokens,
+                "pending_hit_tokens": self.pending_hit_tokens,
                 "hit_ratio": self.hit_ratio, "reason": self.reason,
                 "completeness": self.completeness}
 
@@ -456,6 +461,17 @@ def _clamp01(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+def hit_tokens(rank: RankHit, host_weight: float) -> float:
+    """The hit term of one (instance, DP rank) (§11, §16): ``device + host_weight * host_only
+    + pending`` tokens, 0 for a rank that counts nothing (``reason`` set). Pending blocks
+    weigh as Device ones: the prefill in flight leaves them on Device (TTFT prices when,
+    :mod:`kvsvc.routing.ttft`)."""
+    if rank.reason:
+        return 0.0
+    return (rank.device_hit_tokens + host_weight * rank.host_only_hit_tokens
+            + rank.pending_hit_tokens)
+
+
 def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
               by_stream: Optional[Mapping[tuple[str, int], StreamMatch]],
               identities: Optional[Identities], host_weight: float) -> tuple[RankHit, ...]:
@@ -467,7 +483,8 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
     :param identities: see :meth:`Policy.choose`.
     :param host_weight: weight of Host-only hit tokens, in [0, 1].
     :returns: ``dp_size`` ranks; a rank missing, unsynchronized or of another incarnation
-        counts 0 with its reason.
+        counts 0 with its reason. A rank's pending hits (§16) are in its ratio, and apart in
+        ``pending_hit_tokens``.
     """
     n_tokens = len(token_ids) if token_ids is not None else 0
     expected = instance_identity(instance)
@@ -492,10 +509,13 @@ def rank_hits(instance: Instance, token_ids: Optional[Sequence[int]],
         if n_tokens == 0:
             out.append(RankHit(rank, 0, 0, 0.0, REASON_NO_TOKENS, completeness))
             continue
-        # §7h: a subset stream's hits count as they are (every block in it is resident).
+        # §7h: a subset stream's hits count as they are (every block in it is resident);
+        # §16: pending ones count apart, in the same hit term (hit_tokens).
         dev, host = match.device_hit_tokens, match.host_only_hit_tokens
-        out.append(RankHit(rank, dev, host, _clamp01((dev + host_weight * host) / n_tokens),
-                           None, completeness))
+        pending = match.pending_hit_tokens
+        out.append(RankHit(rank, dev, host,
+                           _clamp01((dev + host_weight * host + pending) / n_tokens),
+                           None, completeness, pending))
     return tuple(out)
 
 

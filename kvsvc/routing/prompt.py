@@ -14,6 +14,10 @@ variables ``messages``, ``tools``, ``add_generation_prompt`` and the special tok
 chat is encoded without added special tokens (the template carries them); a completion prompt
 is encoded with them, like ``tokenizer(prompt)``.
 
+Repeated text (a conversation's earlier turns) is not tokenized again: the segment token cache
+(:mod:`kvsvc.routing.token_cache`, ``--tokenizer_cache_tokens``) reuses the ids of segments
+already seen, cut only where the result is the whole text's.
+
 Text the service cannot tokenize exactly (no tokenizer, no chat template, a template error)
 gives ``None``: the request routes with hit ratio 0 (never a guessed hit), warned once per kind.
 
@@ -38,6 +42,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvsvc.errors import ConfigError, TemplateError
+from kvsvc.routing.token_cache import SegmentTokenCache
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +117,18 @@ class PromptTokenizer:
     :param tokenizer: a ``tokenizers.Tokenizer``.
     :param chat_template: jinja2 source, ``None`` when the model has none.
     :param special_tokens: template variables such as ``bos_token`` -> text.
+    :param cache_tokens: bound of the segment token cache, token ids
+        (:class:`~kvsvc.routing.token_cache.SegmentTokenCache`); 0: no cache, every text is
+        tokenized whole.
     :raises ConfigError: the template does not compile.
     """
 
     def __init__(self, tokenizer: Any, chat_template: Optional[str] = None,
-                 special_tokens: Optional[Mapping[str, str]] = None) -> None:
+                 special_tokens: Optional[Mapping[str, str]] = None,
+                 cache_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self.cache: Optional[SegmentTokenCache] = (
+            SegmentTokenCache(tokenizer, cache_tokens) if cache_tokens > 0 else None)
         self._special = dict(special_tokens or {})
         self._template: Optional[jinja2.Template] = None
         if chat_template is not None:
@@ -127,10 +138,11 @@ class PromptTokenizer:
                 raise ConfigError(FIELD, f"chat template does not compile: {exc}") from exc
 
     @classmethod
-    def load(cls, path: str) -> "PromptTokenizer":
+    def load(cls, path: str, cache_tokens: int = 0) -> "PromptTokenizer":
         """Load from ``--tokenizer_path`` (see the module docstring).
 
         :param path: a directory with ``tokenizer.json``, or a ``tokenizer.json`` file.
+        :param cache_tokens: the segment token cache's bound (0: none), see the class.
         :raises ConfigError: missing or unreadable files, invalid JSON, a bad template.
         """
         from tokenizers import Tokenizer  # heavy import, only when configured
@@ -167,16 +179,21 @@ class PromptTokenizer:
                     raise ConfigError(FIELD, f"{jinja_file}: {exc.strerror}") from exc
         log.info("tokenizer loaded from %s (chat template %s)", tok_file,
                  "yes" if template is not None else "none")
-        return cls(tokenizer, template, special)
+        return cls(tokenizer, template, special, cache_tokens)
 
     @property
     def has_chat_template(self) -> bool:
         """True when chat messages can be rendered."""
         return self._template is not None
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.cache is not None:
+            return self.cache.encode(text, add_special_tokens)
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a completion prompt, special tokens added (``tokenizer(text)``)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        return self._encode(text, True)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True, tools: Optional[list] = None,
@@ -211,7 +228,7 @@ class PromptTokenizer:
         """
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
                                 tools=tools, extra=extra)
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._encode(text, False)
 
 
 @dataclass(frozen=True, slots=True)

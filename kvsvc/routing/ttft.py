@@ -2,9 +2,13 @@
 
     ``predicted_ttft(P) = queued_ms(P) + prefill_ms(P, uncached)``
 
-with ``uncached = input_tokens - device_hit - host_weight * host_only_hit`` from CAR's hit terms
-(:func:`~kvsvc.routing.policy.rank_hits`: the minimum over DP ranks, subset hits as they are,
-0 hits for a missing, unsynchronized or stale rank), i.e. ``input_tokens * (1 - hit_ratio)``.
+with ``uncached = input_tokens - device_hit - host_weight * host_only_hit - pending_hit`` from
+CAR's hit terms (:func:`~kvsvc.routing.policy.rank_hits`, :func:`~kvsvc.routing.policy.hit_tokens`:
+the minimum over DP ranks, subset hits as they are, 0 hits for a missing, unsynchronized or stale
+rank), i.e. ``input_tokens * (1 - hit_ratio)``. Pending hits (§16: blocks this router sent to
+P whose events have not arrived) are priced as available when the own prefill computing them
+ends: with pending hits, ``queued_ms(P)`` is at least the own backlog (below), which ends
+with that prefill (it was dispatched before this request, on the same FCFS lane).
 The D is chosen as CAR does (§11); scores within :data:`~kvsvc.routing.policy.TIE_EPSILON` ms
 of the minimum rotate among the tied. Cache reuse and queueing are weighed in one unit, time:
 no lambda to tune.
@@ -61,6 +65,7 @@ from kvsvc.routing.policy import (
     RankHit,
     candidate_pools,
     entry_ranking,
+    hit_tokens,
     prefill_entries,
 )
 from kvsvc.routing.predictor import TTFT_FIELD, PredictorCache, TimePredictor, growing_ttft
@@ -81,14 +86,19 @@ log = logging.getLogger(__name__)
 
 
 def uncached_tokens(n_tokens: int, ranks: Sequence[RankHit], host_weight: float) -> float:
-    """``input_tokens - device_hit - host_weight * host_only_hit`` of the rank with the fewest
-    hits (CAR's minimum over DP ranks; a rank with a ``reason`` counts no hit), in
-    ``[0, n_tokens]``; computed from the tokens, not from the ratio, so it is exact."""
+    """``input_tokens - device_hit - host_weight * host_only_hit - pending_hit`` of the rank
+    with the fewest hits (CAR's minimum over DP ranks, :func:`~kvsvc.routing.policy.hit_tokens`;
+    a rank with a ``reason`` counts no hit), in ``[0, n_tokens]``; computed from the tokens,
+    not from the ratio, so it is exact."""
     worst = 0.0
     for r in ranks:
-        hits = 0.0 if r.reason else r.device_hit_tokens + host_weight * r.host_only_hit_tokens
-        worst = max(worst, n_tokens - min(hits, float(n_tokens)))
+        worst = max(worst, n_tokens - min(hit_tokens(r, host_weight), float(n_tokens)))
     return worst
+
+
+def pending_hit_tokens(ranks: Sequence[RankHit]) -> int:
+    """The pending hits (§16) the TTFT price counts on: the fewest over the ranks."""
+    return min((0 if r.reason else r.pending_hit_tokens for r in ranks), default=0)
 
 
 def prefill_ms(predictor: TimePredictor, tokens: float, default_tokens_per_s: float) -> float:
@@ -220,6 +230,11 @@ class TtftPolicy(CacheAware):
             queue = queued_ms(inst, pending,
                               prefill_ms(predictor, n_tokens, self.default_prefill_tokens_per_s),
                               recent, now, e.dp_rank)
+            if pending_hit_tokens(e.ranks):
+                # §16: pending blocks exist once the own prefill computing them ends; one lane
+                # FCFS puts that prefill ahead of this one, so the own backlog is the wait (it
+                # is within queue already unless the queue model changes: kept explicit).
+                queue = max(queue, own_backlog_ms(pending, recent, now))
             rows.append((queue + own, queue, own))
         order, tied = self._pick([r[0] for r in rows], PREFILL_SIDE)
         cands: list[CandidateScore] = [

@@ -14,7 +14,7 @@ Two parts, the rules apart from the sockets:
     :class:`~kvsvc.rpc.generations.GenerationSink` in one call and are answered at once,
     **exactly one Status per entry, in order** whatever the sink returns (an engine aborts on
     another count); ``ok: false`` for an unknown ``service_req_id`` and whatever the sink
-    refuses; without a sink every entry is ``ok: false``;
+    refuses; without a sink, or when the sink raises (logged), every entry is ``ok: false``;
   - ``GetInstanceInfo(InstanceID)`` -> ``InstanceMetaInfo`` from the instance's registration
     (name, rpc_address, type, cluster_ids, dp_size, addrs, ports, incarnation_id,
     register_ts_ms, kv_split_size); an unknown name gives an empty one;
@@ -193,8 +193,13 @@ class XllmRpcHandler:
         entries = req.gens
         answers: list[bool] = []
         if self._sink is not None and len(entries):
-            answers = list(self._sink.deliver([generation_from_proto(g) for g in entries]))
-            if len(answers) != len(entries):
+            try:
+                answers = list(self._sink.deliver([generation_from_proto(g) for g in entries]))
+            except Exception:  # noqa: BLE001 - still one Status per entry (ok: false)
+                log.exception("generation sink failed on %d entries; answering ok: false",
+                              len(entries))
+                answers = []
+            if answers and len(answers) != len(entries):
                 log.error("generation sink answered %d statuses for %d entries; the missing "
                           "ones are ok: false", len(answers), len(entries))
         answers = (answers + [False] * len(entries))[:len(entries)]

@@ -44,6 +44,7 @@ from typing import Callable, Optional, Sequence
 import zmq
 from xxhash import xxh3_64_intdigest
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import ReplayUnanswered, SnapshotError, SnapshotTimeout, StreamError
 from kvsvc.events import Event
@@ -124,14 +125,14 @@ class HistoryAttempt(ReplayAttempt[HistoryReply]):
                      start_seq: int, *, anchor_digest: Optional[int],
                      on_batch: Optional[BatchSink], poller: Optional[zmq.Poller] = None,
                      gate: Optional[SnapshotGate] = None,
-                     urgent: bool = True) -> "HistoryAttempt":
+                     urgent: bool = True, clock: Clock = MONOTONIC) -> "HistoryAttempt":
         """Open a catch-up (``anchor_digest`` and ``on_batch`` given, ``start_seq = L``) or a
         rebuild (``None``, ``start_seq = 0``); as :meth:`ReplayAttempt.open` otherwise.
 
         :raises SnapshotError: the socket could not be created, connected or written.
         """
         attempt = cls.open(context, stream, limits, start_seq, poller=poller, gate=gate,
-                           urgent=urgent)
+                           urgent=urgent, clock=clock)
         # No reply can have been read yet: receive() has not run.
         attempt.configure(anchor_digest, on_batch)
         return attempt
@@ -171,7 +172,7 @@ class HistoryAttempt(ReplayAttempt[HistoryReply]):
             raise SnapshotError(f"history reply: {exc}") from exc
         self._wire_bytes += reply.wire_bytes
         # The wait bound is per message (§7h).
-        self.deadline = time.monotonic() + self._timeout_ms / 1000.0
+        self.deadline = self._clock.now() + self._timeout_ms / 1000.0
         check = self._check
         if reply.is_end:
             self._done = True

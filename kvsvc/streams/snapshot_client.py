@@ -41,6 +41,7 @@ from typing import Generic, Optional, Self, Sequence, TypeVar, Union, cast
 import ormsgpack
 import zmq
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import DecodeError, SnapshotError, SnapshotTimeout, StreamError
 from kvsvc.events import Event
@@ -100,9 +101,9 @@ class ReplayAttempt(Generic[R]):
         while queued). With a poller given to :meth:`open` the attempt keeps the
         registration current itself.
     :ivar start_seq: the ``start_seq`` sent (§7).
-    :ivar deadline: ``time.monotonic()`` value by which the whole reply must have arrived;
+    :ivar deadline: the clock's time by which the whole reply must have arrived;
         infinite while queued for a permit (no request is open then).
-    :ivar requested_at: ``time.monotonic()`` when the request was sent; ``None`` before.
+    :ivar requested_at: the clock's time when the request was sent; ``None`` before.
     """
 
     #: ``ZMQ_RCVHWM`` of the ``DEALER`` (``None``: libzmq's default, 1000 messages). A history
@@ -113,9 +114,12 @@ class ReplayAttempt(Generic[R]):
 
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, start_seq: int,
                  context: zmq.Context, poller: Optional[zmq.Poller],
-                 gate: Optional[SnapshotGate], urgent: bool = True) -> None:
+                 gate: Optional[SnapshotGate], urgent: bool = True,
+                 clock: Clock = MONOTONIC) -> None:
         """Build an attempt without a socket: use :meth:`open` for a real one. Built directly,
-        an attempt only decodes what :meth:`feed` is given (tests of the reply rules)."""
+        an attempt only decodes what :meth:`feed` is given (tests of the reply rules).
+        ``clock`` gives the deadlines' time (:mod:`kvsvc.clock`)."""
+        self._clock = clock
         self.socket: Union[zmq.Socket, int, None] = None
         self.start_seq = start_seq
         self.deadline = float("inf")
@@ -142,7 +146,8 @@ class ReplayAttempt(Generic[R]):
     @classmethod
     def open(cls, context: zmq.Context, stream: StreamConfig, limits: KvEventsConfig,
              start_seq: int, *, poller: Optional[zmq.Poller] = None,
-             gate: Optional[SnapshotGate] = None, urgent: bool = True) -> Self:
+             gate: Optional[SnapshotGate] = None, urgent: bool = True,
+             clock: Clock = MONOTONIC) -> Self:
         """Create the ``DEALER``, connect it to ``stream.replay_endpoint``, and send the
         request: at once without ``gate``, else once connected and holding a permit.
 
@@ -155,15 +160,16 @@ class ReplayAttempt(Generic[R]):
             (or just calls :meth:`receive`).
         :param gate: the directory's :class:`SnapshotGate`; ``None``: no permit needed.
         :param urgent: a recovery (False: a periodic resync, queued behind recoveries).
+        :param clock: the time of :attr:`deadline` and :attr:`requested_at` (the owner's).
         :raises SnapshotError: the socket could not be created, connected or written.
         """
-        attempt = cls(stream, limits, start_seq, context, poller, gate, urgent)
+        attempt = cls(stream, limits, start_seq, context, poller, gate, urgent, clock)
         try:
             attempt._connect(immediate=gate is not None)
             if gate is None:
                 attempt._send_request()
             else:
-                attempt.deadline = time.monotonic() + attempt._timeout_ms / 1000.0
+                attempt.deadline = attempt._clock.now() + attempt._timeout_ms / 1000.0
                 attempt._watch(attempt._dealer, zmq.POLLOUT)
         except BaseException:
             attempt.close()
@@ -203,7 +209,7 @@ class ReplayAttempt(Generic[R]):
             if result is not None or self._closed:
                 # (Closed: a history catch-up's batch ended the attempt from inside feed.)
                 return result
-        self.check_deadline(time.monotonic())
+        self.check_deadline(self._clock.now())
         return None
 
     def _advance(self) -> None:
@@ -215,7 +221,7 @@ class ReplayAttempt(Generic[R]):
             except zmq.ZMQError as exc:
                 raise SnapshotError(f"snapshot socket failed: {exc}") from exc
             if not events & zmq.POLLOUT:  # not connected yet
-                self.check_deadline(time.monotonic())
+                self.check_deadline(self._clock.now())
                 return
             try:
                 ticket = self._ticket = self._gate.request(self._urgent)  # type: ignore[union-attr]
@@ -300,7 +306,7 @@ class ReplayAttempt(Generic[R]):
         except zmq.ZMQError as exc:
             raise SnapshotError(f"snapshot request to {self._stream.replay_endpoint} "
                                 f"failed: {exc}") from exc
-        self.requested_at = time.monotonic()
+        self.requested_at = self._clock.now()
         self.deadline = self.requested_at + self._timeout_ms / 1000.0
         self._watch(self._dealer, zmq.POLLIN)
 

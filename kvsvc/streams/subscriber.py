@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -46,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import zmq
 from xxhash import xxh3_64_intdigest
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import KvEventsConfig, ReplayMode, StreamConfig
 from kvsvc.errors import DecodeError, SnapshotError, StreamError
 from kvsvc.events import Event
@@ -107,6 +107,8 @@ class StreamSubscriber(BackgroundThread):
         thread drains its live socket (one turn); ``None``: a lock of this stream's own.
     :param pending: the stream's pending blocks (§16, :mod:`kvsvc.index.overlay`), settled by
         every live batch applied; ``None``: none.
+    :param clock: the time of every timer rule (:mod:`kvsvc.clock`; a virtual clock in tests,
+        which wakes the thread's poll when it jumps).
 
     :ivar stream_id: the stream's (instance, DP rank).
     :ivar block_size: tokens per block; callers compute query keys with it.
@@ -126,7 +128,7 @@ class StreamSubscriber(BackgroundThread):
     def __init__(self, stream: StreamConfig, limits: KvEventsConfig, context: zmq.Context,
                  gate: Optional[SnapshotGate] = None,
                  live_turns: Optional[threading.Lock] = None,
-                 pending: Optional[BlockOverlay] = None) -> None:
+                 pending: Optional[BlockOverlay] = None, clock: Clock = MONOTONIC) -> None:
         self.stream = stream
         self.limits = limits
         self.stream_id = StreamId(stream.instance_name, stream.dp_rank)
@@ -135,6 +137,7 @@ class StreamSubscriber(BackgroundThread):
         self._name = str(self.stream_id)
         super().__init__(f"kvsvc-stream-{self._name}")
         self._context = context
+        self._clock = clock
         self._gate = gate
         self._live_turns = live_turns if live_turns is not None else threading.Lock()
         self._topic = stream.topic.encode("utf-8")
@@ -194,7 +197,7 @@ class StreamSubscriber(BackgroundThread):
     def counters(self) -> StreamCounters:
         """Copy of the stream's metrics counters (O(1): a few dict copies under the stream
         lock, never an index traversal)."""
-        return self._serving.counters(time.monotonic(), self._recovery.buffered_bytes)
+        return self._serving.counters(self._clock.now(), self._recovery.buffered_bytes)
 
     @property
     def topic_mismatches(self) -> int:
@@ -232,6 +235,7 @@ class StreamSubscriber(BackgroundThread):
         self._wake_pull.setsockopt(zmq.LINGER, 0)
         self._wake_pull.bind(self._wake_endpoint)
         self._poller.register(self._wake_pull, zmq.POLLIN)
+        self._clock.add_waker(self._wake)
         self._live = LiveConnection(self._context, self.stream, self.limits, self._poller,
                                     self._name)
         self._live.open()
@@ -241,7 +245,7 @@ class StreamSubscriber(BackgroundThread):
         log.info("stream %s: subscribed to %s topic %r (replay %s)", self._name,
                  self.stream.endpoint, self.stream.topic, self.stream.replay_endpoint)
         try:
-            self._carry(self._recovery.start(time.monotonic()))
+            self._carry(self._recovery.start(self._clock.now()))
             while not self.stopping:
                 try:
                     self._turn()
@@ -251,13 +255,14 @@ class StreamSubscriber(BackgroundThread):
                     # Only a bug in kvsvc gets here (input errors are StreamErrors).
                     log.exception("stream %s: internal error; recovering", self._name)
                     self._carry(self._recovery.on_internal_error(type(exc).__name__,
-                                                                 time.monotonic()))
+                                                                 self._clock.now()))
         except Exception:
             # A ZMQ failure: keep the stream visibly broken (BackgroundThread logs it).
             self._serving.crashed("internal error: stream thread crashed")
             raise
 
     def _teardown(self) -> None:
+        self._clock.remove_waker(self._wake)
         if self._attempt is not None:
             self._attempt.close()
             self._attempt = None
@@ -289,7 +294,7 @@ class StreamSubscriber(BackgroundThread):
         recovery = self._recovery
         live = self._live
         assert live is not None and self._poller is not None
-        now = time.monotonic()
+        now = self._clock.now()
         self._carry(recovery.tick(now))
         timeout_s = POLL_INTERVAL_MS / 1000.0
         if self._attempt is not None:
@@ -300,12 +305,19 @@ class StreamSubscriber(BackgroundThread):
         if live.reopen_at is not None:
             timeout_s = min(timeout_s, live.reopen_at - now)
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000) + 1)))
-        if self._wake_pull in ready:
-            return  # close(): the loop checks the stop event next
+        wake_pull = self._wake_pull
+        if wake_pull is not None and wake_pull in ready:
+            # close() (the loop checks the stop event next) or a clock that jumped (the next
+            # turn reads it): the wake-ups are consumed so the next poll waits again.
+            while True:
+                try:
+                    wake_pull.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    return
         # Monitor first: a disconnect must be seen before data of a new connection.
         if live.monitor is not None and live.monitor in ready:
             self._on_monitor()
-        if live.reopen_at is not None and time.monotonic() >= live.reopen_at:
+        if live.reopen_at is not None and self._clock.now() >= live.reopen_at:
             live.reopen()
             self._carry(recovery.on_live_opened())
         if live.sub is not None and live.sub in ready:
@@ -324,15 +336,15 @@ class StreamSubscriber(BackgroundThread):
             try:
                 result = attempt.receive()
             except StreamError as exc:
-                self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, time.monotonic()))
+                self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, self._clock.now()))
             else:
                 if result is not None:
                     self._finish_attempt(attempt, result)
         elif attempt is not None:
             try:
-                attempt.check_deadline(time.monotonic())
+                attempt.check_deadline(self._clock.now())
             except StreamError as exc:
-                self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, time.monotonic()))
+                self._carry(recovery.on_snapshot_failed(self._attempt_id, exc, self._clock.now()))
 
     def _carry(self, actions: Sequence[Action], now: Optional[float] = None) -> None:
         """Carry out the machine's actions, in order: the serving ones on the serving state
@@ -343,7 +355,7 @@ class StreamSubscriber(BackgroundThread):
         """
         if not actions:
             return
-        for action in self._carrier.carry(actions, time.monotonic() if now is None else now):
+        for action in self._carrier.carry(actions, self._clock.now() if now is None else now):
             if type(action) is AbandonSnapshot:
                 if action.attempt == self._attempt_id and self._attempt is not None:
                     self._attempt.close()  # unregisters it and returns its gate permit
@@ -363,18 +375,19 @@ class StreamSubscriber(BackgroundThread):
                 self._attempt = HistoryAttempt.open_history(
                     self._context, self.stream, self.limits, request.start_seq,
                     anchor_digest=request.anchor_digest, on_batch=sink, poller=self._poller,
-                    gate=self._gate, urgent=request.urgent)
+                    gate=self._gate, urgent=request.urgent, clock=self._clock)
             else:
                 self._attempt = SnapshotAttempt.open(self._context, self.stream, self.limits,
                                                      request.start_seq, poller=self._poller,
-                                                     gate=self._gate, urgent=request.urgent)
+                                                     gate=self._gate, urgent=request.urgent,
+                                                     clock=self._clock)
         except SnapshotError as exc:
             self._carry(self._recovery.on_snapshot_failed(request.attempt, exc,
-                                                          time.monotonic()))
+                                                          self._clock.now()))
             return
         # Only now is the stream RECOVERING (and the request logged): a failed open leaves it
         # UNSYNCHRONIZED with the failure as its reason.
-        self._carry(self._recovery.on_snapshot_opened(request.attempt, time.monotonic()))
+        self._carry(self._recovery.on_snapshot_opened(request.attempt, self._clock.now()))
 
     def _history_sink(self, attempt_id: int) -> Callable[[int, Sequence[Event], int, int], None]:
         """The catch-up batches of history attempt ``attempt_id`` go to the rules (§7h); what
@@ -384,7 +397,7 @@ class StreamSubscriber(BackgroundThread):
 
         def sink(seq: int, events: Sequence[Event], digest: int, wire_bytes: int) -> None:
             self._carry(recovery.on_history_batch(attempt_id, seq, events, digest, wire_bytes,
-                                                  time.monotonic()))
+                                                  self._clock.now()))
 
         return sink
 
@@ -395,7 +408,7 @@ class StreamSubscriber(BackgroundThread):
         attempt_id = self._attempt_id
         self._drain()
         self._carry(self._recovery.on_snapshot_complete(attempt_id, result, attempt.requested_at,
-                                                        time.monotonic()))
+                                                        self._clock.now()))
 
     def _drain(self) -> None:
         """Handle pending monitor events, then pending live messages (bounded)."""
@@ -417,11 +430,11 @@ class StreamSubscriber(BackgroundThread):
             if event is None:
                 return
             if event == HANDSHAKE_SUCCEEDED:
-                now = time.monotonic()
+                now = self._clock.now()
                 live.handshake(now)
                 self._carry(recovery.on_live_up(now))
             elif event == DISCONNECTED:
-                now = time.monotonic()
+                now = self._clock.now()
                 reason = live.disconnected(now)
                 self._carry(recovery.on_live_down(reason, now))
                 if live.sub is None:
@@ -448,7 +461,7 @@ class StreamSubscriber(BackgroundThread):
         except DecodeError as exc:
             self._serving.note_live(None)
             self._carry(self._recovery.on_live_error(DecodeErrorReason.FRAME, str(exc), None,
-                                                     time.monotonic()))
+                                                     self._clock.now()))
             return
         seq = frame.seq
         history = self._history
@@ -457,10 +470,10 @@ class StreamSubscriber(BackgroundThread):
         except DecodeError as exc:
             self._serving.note_live(None)
             self._carry(self._recovery.on_live_error(DecodeErrorReason.PAYLOAD,
-                                                     f"seq {seq}: {exc}", seq, time.monotonic()))
+                                                     f"seq {seq}: {exc}", seq, self._clock.now()))
             return
         # §7h anchor: the digest of every batch's payload bytes, as published (history only).
-        now = time.monotonic()
+        now = self._clock.now()
         self._serving.note_live(now)
         # §7h anchor: the digest of every batch's payload bytes, as published (history only).
         actions = self._recovery.on_live_batch(

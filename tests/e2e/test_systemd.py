@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.server import GRACEFUL_TIMEOUT_S, STREAM_TIMEOUT_S
 from tests.support.publisher import removed, stored
-from tests.support.util import wait_for
+from tests.support.util import free_port, wait_for
 from tests.support.systemd import BS, Deployment, ENV_TEMPLATE, INSTANCE, KVSVC_BIN, ROOT, Running, TOKEN, UNIT, command, one, read_env_file, unit, wait_healthy
 
 INSTALL_DIR = "/opt/kvsvc"
@@ -97,7 +97,8 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine, etcd_server):
     # The template's etcd is 127.0.0.1:2379; the test's etcd runs on a free port.
     dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port,
-                     {"KVSVC_ETCD_ADDR": etcd_server.addr})
+                     {"KVSVC_ETCD_ADDR": etcd_server.addr,
+                      "KVSVC_RPC_PORT": str(free_port()), "KVSVC_RPC_HOST": "127.0.0.1"})
     raw_engine.set_snapshot([stored([1, 2], None, range(8), BS)], watermark=None)
 
     pre = subprocess.run(command(one(dep.svc, "ExecStartPre"), dep.creds), env=dep.env,
@@ -204,7 +205,8 @@ def test_template_as_shipped_routes_completions(tmp_path, raw_engine, etcd_serve
     assert 0 < int(template["KVSVC_MAX_IN_FLIGHT_REQUESTS"]) < int(
         template["KVSVC_WORKER_THREADS"])
     dep = Deployment(tmp_path, raw_engine.event_port, raw_engine.replay_port,
-                     {"KVSVC_ETCD_ADDR": etcd_server.addr})
+                     {"KVSVC_ETCD_ADDR": etcd_server.addr,
+                      "KVSVC_RPC_PORT": str(free_port()), "KVSVC_RPC_HOST": "127.0.0.1"})
     with upstreams("json") as (up,):
         etcd.put(f"XLLM:DEFAULT:{up.name}", json.dumps(
             {"name": up.name, "type": 0, "incarnation_id": "inc-1"}))

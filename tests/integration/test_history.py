@@ -12,9 +12,11 @@ from typing import Optional
 import ormsgpack
 import pytest
 
+from kvsvc.clock import VirtualClock
 from kvsvc.config import ReplayMode
 from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.frame import END_MARKER
+from kvsvc.streams.recovery import LIVE_SILENCE_GRACE_S
 from kvsvc.streams.state import Completeness, StreamState
 from kvsvc.streams.subscriber import StreamSubscriber
 from tests.support.subscriber import BS, SEED, blk, hits
@@ -46,6 +48,14 @@ class Harness(SnapshotHarness):
 @pytest.fixture
 def h(zmq_ctx):
     harness = Harness(zmq_ctx)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def vh(zmq_ctx):
+    """As ``h``, with the subscribers' timers on a virtual clock (``vh.clock.advance``)."""
+    harness = Harness(zmq_ctx, VirtualClock())
     yield harness
     harness.close()
 
@@ -197,13 +207,14 @@ def test_empty_reply_then_first_live_seq_above_0_is_a_subset(h):
     assert (hits(sub, 1, 2, 3), hits(sub, 4)) == ((True, 0, 0), (True, 4, 0))
 
 
-def test_periodic_catch_up_finds_a_lost_tail_batch(h):
-    pub = h.publisher()
+def test_periodic_catch_up_finds_a_lost_tail_batch(vh):
+    pub = vh.publisher()
     pub.publish([put(1)])
-    sub = h.subscriber(pub, resync_interval_ms=1000)
+    sub = vh.subscriber(pub, resync_interval_ms=1000)
     synced_at(sub, 0)
     pub.wait_subscribed()
     pub.publish([drop(1)], live=False)     # the last batch, lost: a stale index meanwhile
+    vh.clock.advance(1.0)                  # the resync interval
     wait_for(lambda: sub.status().resync_differences == 1, 5.0, what="periodic catch-up")
     assert pub.requests == [0, 0]
     assert hits(sub, 1) == (True, 0, 0)
@@ -313,10 +324,10 @@ def test_stall_past_the_per_message_timeout_retries(h):
     assert (pub.requests, sub.counters().snapshot_attempts["timeout"]) == ([0, 0], 1)
 
 
-def test_periodic_catch_up_with_a_bad_reply_keeps_serving(h, caplog):
-    pub = h.publisher()
+def test_periodic_catch_up_with_a_bad_reply_keeps_serving(vh, caplog):
+    pub = vh.publisher()
     pub.publish([put(1)])
-    sub = h.subscriber(pub, resync_interval_ms=1000)
+    sub = vh.subscriber(pub, resync_interval_ms=1000)
     synced_at(sub, 0)
     pub.wait_subscribed()
     pub.publish([put(2, 1)])
@@ -325,6 +336,7 @@ def test_periodic_catch_up_with_a_bad_reply_keeps_serving(h, caplog):
     anchor = pub.buffer[1][1]
     pub.reply_frames = lambda start_seq: [[b"", _u64(1), anchor], [b"", _u64(2), b"\xc1"],
                                           list(END_MARKER)]
+    vh.clock.advance(1.0)                  # the resync interval
     wait_for(lambda: sub.counters().snapshot_attempts["error"] == 1, 5.0, what="bad resync")
     assert (sub.status().state, hits(sub, 1, 2)) == (SYNC, (True, 8, 0))
     assert "payload is not valid MessagePack" in caplog.text
@@ -399,13 +411,16 @@ def test_reply_with_a_hole_keeps_what_arrived_and_catches_up(h):
     assert (sub.status().completeness, hits(sub, 1, 2, 3, 4, 5, 6)) == (EXACT, (True, 24, 0))
 
 
-def test_silent_live_channel_stops_serving(h):
-    pub = h.publisher(topic=b"kv-events")        # the stream's topic "" sees other topics only
+def test_silent_live_channel_stops_serving(vh):
+    pub = vh.publisher(topic=b"kv-events")       # the stream's topic "" sees other topics only
     pub.publish([put(1)])
-    sub = h.subscriber(pub, resync_interval_ms=1000)
+    sub = vh.subscriber(pub, resync_interval_ms=1000)
     synced_at(sub, 0)
     pub.wait_subscribed()
     pub.publish([drop(1)])                       # dropped for its topic (§1): never applied live
+    vh.clock.advance(1.0)                        # the resync interval: seq 1 was never applied
+    wait_for(lambda: sub.status().resync_differences == 1, what="the catch-up")
+    vh.clock.advance(LIVE_SILENCE_GRACE_S)       # ... and no live batch within the grace period
     wait_for(lambda: sub.counters().recoveries_started["live_silent"] == 1, 8.0,
              what="live channel silent")
     st = sub.status()

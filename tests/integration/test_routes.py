@@ -334,7 +334,7 @@ def test_route_endpoint_reports_hits_and_picks_the_cached_instance(etcd_server, 
         # cached: hit 8/10, queue 1/2: 0.5 * 0.2 + 0.5 * 0.5 = 0.35; cold: 0.5 + 0.5 = 1.0.
         by_name = {c["name"]: c for c in got["candidates"]}
         assert by_name[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
-                                             "host_only_hit_tokens": 0, "hit_ratio": 0.8,
+                                             "host_only_hit_tokens": 0, "pending_hit_tokens": 0, "hit_ratio": 0.8,
                                              "reason": None, "completeness": "exact"}]
         assert by_name[cold]["ranks"][0]["reason"] == "missing"
         assert (by_name[cached]["queue_cost"], by_name[cold]["queue_cost"]) == (0.5, 1.0)
@@ -383,7 +383,7 @@ def test_route_entries_show_completeness_and_car_uses_subset_hits_as_they_are(et
             Completeness.SUBSET)
         subset = route()
         assert subset[cached]["ranks"] == [{"dp_rank": 0, "device_hit_tokens": 8,
-                                            "host_only_hit_tokens": 0, "hit_ratio": 0.8,
+                                            "host_only_hit_tokens": 0, "pending_hit_tokens": 0, "hit_ratio": 0.8,
                                             "reason": None, "completeness": "subset"}]
         assert (subset[cached]["hit_ratio"], subset[cached]["score"]) == (
             exact[cached]["hit_ratio"], exact[cached]["score"])

@@ -356,3 +356,41 @@ def test_master_failover_engines_follow_the_new_master(etcd_server, etcd):
             thread.join(10)
         client.close()
         etcd_reader.close()
+
+
+def test_metrics_show_the_baidu_std_counters(etcd_server, etcd):
+    from kvsvc.http.app import create_app
+    from kvsvc.http.extensions import EXTENSION
+    from tests.support.metrics import scrape
+
+    lease = etcd.grant_lease(60)
+    etcd.put(f"XLLM:DEFAULT:{NAME}", json.dumps(REGISTRATIONS[f"XLLM:DEFAULT:{NAME}"]),
+             lease_id=lease)
+    port = free_port()
+    settings = load_service_settings(etcd_addr=etcd_server.addr, host="127.0.0.1",
+                                     port=free_port(), rpc_host="127.0.0.1", rpc_port=port)
+    app = create_app(settings, None)
+    svc = app.extensions[EXTENSION]
+    svc.start(timeout_s=10.0)
+    client = RpcClient()
+    try:
+        svc.registry.wait_for(lambda s: NAME in s.instances, timeout_s=10.0)
+        target = f"127.0.0.1:{port}"
+        assert heartbeat(client, target) is True
+        assert heartbeat(client, target, name="127.0.0.1:1") is False
+        assert generations(client, target, ["x", "y"]) == [False, False]
+        with pytest.raises(RpcCallFailed):
+            client.call(target, SERVICE_NAME, "Nope", b"")
+        m = scrape(app.test_client())
+        assert m.value("kvsvc_rpc_calls_total", method="Heartbeat") == 2
+        assert m.value("kvsvc_rpc_calls_total", method="Generations") == 1
+        assert m.value("kvsvc_rpc_errors_total", code="1002") == 1
+        assert m.value("kvsvc_rpc_heartbeats_total", outcome="ok") == 1
+        assert m.value("kvsvc_rpc_heartbeats_total", outcome="unknown_instance") == 1
+        assert m.value("kvsvc_rpc_heartbeats_total", outcome="stale_incarnation") == 0
+        assert m.value("kvsvc_rpc_generation_entries_total", ok="false") == 2
+        assert m.value("kvsvc_rpc_connections") == 1
+        assert m.value("kvsvc_rpc_broken_streams_total") == 0
+    finally:
+        client.close()
+        svc.close(timeout_s=10.0)

@@ -10,9 +10,11 @@ from typing import Optional
 import pytest
 import zmq
 
+from kvsvc.clock import VirtualClock
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.errors import LifecycleError, SnapshotError, SnapshotTimeout
 from kvsvc.index.keys import prompt_keys
+from kvsvc.streams.recovery import BACKOFF_INITIAL_S, LIVE_SILENCE_GRACE_S, PROBE_RESYNC_S
 from kvsvc.streams.frame import END_MARKER, encode_live, encode_reply, parse_snapshot_request
 from kvsvc.streams.snapshot_client import SnapshotAttempt
 from kvsvc.streams.state import StreamState
@@ -27,6 +29,15 @@ SYNC = StreamState.SYNCHRONIZED
 @pytest.fixture
 def h(zmq_ctx):
     harness = Harness(zmq_ctx)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def vh(zmq_ctx):
+    """A harness whose subscribers' timers run on a virtual clock: the test moves time with
+    ``vh.clock.advance`` (resync intervals, grace periods, replay timeouts take no real time)."""
+    harness = Harness(zmq_ctx, VirtualClock())
     yield harness
     harness.close()
 
@@ -249,15 +260,16 @@ def test_old_seq_with_nothing_seen_on_the_connection_recovers(h):
     assert hits(sub, 7) == (True, 4, 0)
 
 
-def test_resync_behind_the_applied_seq_invalidates(h):
+def test_resync_behind_the_applied_seq_invalidates(vh):
     """A periodic resync whose watermark is behind the applied seq means the engine's counter
     restarted unseen: the serving index is stale and must go, not just the attempt."""
-    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=9,
+    pub, sub = start_synced(vh, [stored([1], None, blk(1), BS)], watermark=9,
                             resync_interval_ms=1000)
     assert hits(sub, 1) == (True, 4, 0)
     pub.hold_replies()
     pub.set_snapshot([], watermark=2)              # the restarted engine: 3 batches, no blocks
     pub.release_replies(budget=1)                  # lets exactly the resync reply through
+    vh.clock.advance(1.0)                          # the resync interval
     st = error_contains(sub, "snapshot watermark 2 is behind applied seq 9", timeout_s=5.0)
     assert (st.sequence, st.device_blocks) == (None, 0)
     pub.release_replies()
@@ -406,12 +418,13 @@ def test_all_blocks_cleared_batch_synchronizes_without_snapshot(h):
     assert (st.device_blocks, st.recoveries, pub.requests) == (1, 1, [0])
 
 
-def test_periodic_resync_catches_silently_dropped_tail_event(h):
-    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+def test_periodic_resync_catches_silently_dropped_tail_event(vh):
+    pub, sub = start_synced(vh, [stored([1], None, blk(1), BS)], watermark=0,
                             resync_interval_ms=1000)
     # Seq 1 stores block 2 but never reaches the subscriber, and nothing follows it.
     pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
     pub.skip()
+    vh.clock.advance(1.0)                            # the resync interval
     st = wait_for(lambda: (s := sub.status()).resync_differences == 1 and s, timeout_s=5,
                   what="resync")
     assert (st.state, st.sequence, st.device_blocks, st.recoveries) == (SYNC, 1, 2, 1)
@@ -422,23 +435,25 @@ def test_periodic_resync_catches_silently_dropped_tail_event(h):
     assert hits(sub, 1, 2, 3) == (True, 12, 0)
 
 
-def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(h):
+def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(vh):
     """A live channel that never delivers (here: the engine publishes another topic, which
     ZMQ filters before kvsvc sees it) while snapshots work: the periodic resync shows batches
     up to its watermark that never arrived, none arrives within the grace period, so the
     stream stops serving (the resync index would go stale) and takes no more snapshots until
     a live batch arrives; then it recovers and is exact."""
-    pub = h.publisher(topic=b"other")
+    pub = vh.publisher(topic=b"other")
     pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=None)
-    sub = h.subscriber(pub, topic="kv", resync_interval_ms=1000)
+    sub = vh.subscriber(pub, topic="kv", resync_interval_ms=1000)
     pub.wait_subscribed()
     synced_at(sub, None)
     assert hits(sub, 1) == (True, 4, 0)
     pub.publish([removed([1])])                      # seq 0: filtered out, never received
     pub.publish([stored([2], None, blk(2), BS)])     # seq 1: likewise
     pub.set_snapshot([stored([2], None, blk(2), BS)], watermark=1)
-    st = error_contains(sub, "live channel silent: the engine published up to seq 1",
-                        timeout_s=10)
+    vh.clock.advance(1.0)                            # the resync interval: seq 1 is missing
+    wait_for(lambda: silence_check(sub) is not None, what="the grace period armed")
+    vh.clock.advance(LIVE_SILENCE_GRACE_S)           # ... and nothing arrives within it
+    st = error_contains(sub, "live channel silent: the engine published up to seq 1")
     assert "topic 'kv'" in st.error and (st.sequence, st.device_blocks) == (None, 0)
     assert hits(sub, 2) == (False, 0, 0) and hits(sub, 1) == (False, 0, 0)
     assert "since seq 0" in st.error
@@ -456,36 +471,43 @@ def test_silent_live_channel_unsynchronizes_until_a_live_batch_arrives(h):
     assert hits(sub, 2, 3) == (True, 8, 0) and hits(sub, 1) == (True, 0, 0)
 
 
-def test_dead_live_channel_found_by_the_probe_resync_not_a_whole_interval_later(h):
+def test_dead_live_channel_found_by_the_probe_resync_not_a_whole_interval_later(vh):
     """Recovered from a snapshot with a watermark while nothing arrived on the live connection:
     the first resync comes after PROBE_RESYNC_S, not resync_interval_ms, so a wrong topic stops
     serving within seconds."""
-    pub = h.publisher(topic=b"other")
+    pub = vh.publisher(topic=b"other")
     pub.set_snapshot([stored([1], None, blk(1), BS)], watermark=4)
     pub.next_seq = 5
-    sub = h.subscriber(pub, topic="kv", resync_interval_ms=600_000)
+    sub = vh.subscriber(pub, topic="kv", resync_interval_ms=600_000)
     pub.wait_subscribed()
     synced_at(sub, 4)
     pub.publish([removed([1])])                      # seq 5: filtered out by ZMQ
     pub.set_snapshot([], watermark=5)
-    st = error_contains(sub, "live channel silent: the engine published up to seq 5",
-                        timeout_s=10)
+    vh.clock.advance(PROBE_RESYNC_S)                 # not the 600 s interval
+    wait_for(lambda: silence_check(sub) is not None, what="the probe resync's grace period")
+    assert pub.requests == [0, 5]
+    vh.clock.advance(LIVE_SILENCE_GRACE_S)
+    st = error_contains(sub, "live channel silent: the engine published up to seq 5")
     assert st.device_blocks == 0 and hits(sub, 1) == (False, 0, 0)
     assert pub.requests == [0, 5]                    # the recovery, then the probe resync
 
 
-def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(h):
+def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(vh):
     """The check counts live messages from when it was armed: a batch covered by resync R1
     that arrives late, after R2 was requested and before R2's swap, still proves the channel
     alive (the swap of R2 must not reset what R1's check compares with)."""
-    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+    clock = vh.clock
+    pub, sub = start_synced(vh, [stored([1], None, blk(1), BS)], watermark=0,
                             resync_interval_ms=1000)
     pub.publish([stored([2], 1, blk(2), BS)])        # seq 1, received: the connection is live
     synced_at(sub, 1)
     pub.hold_replies()
+    clock.advance(1.0)
     wait_for(lambda: len(pub.requests) == 2, timeout_s=5, what="R0 requested")
     pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
     pub.release_replies(budget=1)                    # R0 matches: nothing to check
+    wait_for(lambda: sub.counters().snapshot_attempts["ok"] == 2, what="R0 done")
+    clock.advance(1.0)
     wait_for(lambda: len(pub.requests) == 3, timeout_s=5, what="R1 requested")
     snap = [stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS),
             stored([3], 2, blk(3), BS)]
@@ -494,11 +516,14 @@ def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(h):
     pub.release_replies(budget=1)                    # R1: ahead of the applied seq 1
     wait_for(lambda: silence_check(sub) is not None, timeout_s=5, what="R1 check armed")
     armed = silence_check(sub)
+    clock.advance(1.0)                               # within R1's grace period (2 s)
     wait_for(lambda: len(pub.requests) == 4, timeout_s=5, what="R2 requested")
     pub.send_raw([pub.topic, (2).to_bytes(8, "big"),
                   encode_batch([stored([3], 2, blk(3), BS)], 0)])
     wait_for(lambda: sub.duplicates_dropped == 1, timeout_s=5, what="late seq 2 received")
     pub.release_replies()                            # R2 swaps
+    wait_for(lambda: sub.counters().snapshot_attempts["ok"] == 4, what="R2 swapped")
+    clock.advance(LIVE_SILENCE_GRACE_S - 1.0)        # R1's grace period ends
     wait_for(lambda: silence_check(sub) is None and len(pub.requests) >= 5, timeout_s=8,
              what="check ended, R2 swapped")
     st = sub.status()
@@ -506,18 +531,20 @@ def test_a_second_resync_does_not_hide_a_late_batch_from_the_first_check(h):
     assert armed.live_messages < sub.live_messages and hits(sub, 1, 2, 3) == (True, 12, 0)
 
 
-def test_resync_ahead_with_batches_arriving_late_stays_synchronized(h):
+def test_resync_ahead_with_batches_arriving_late_stays_synchronized(vh):
     """The batches a resync watermark covers may arrive after the reply: within the grace
     period they prove the live channel alive (dropped as covered), no false alarm."""
-    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+    pub, sub = start_synced(vh, [stored([1], None, blk(1), BS)], watermark=0,
                             resync_interval_ms=1000)
     pub.set_snapshot([stored([1], None, blk(1), BS), stored([2], 1, blk(2), BS)], watermark=1)
     pub.skip()                                       # seq 1 lost on the wire for now
+    vh.clock.advance(1.0)                            # the resync interval
     st = wait_for(lambda: (s := sub.status()).resync_differences == 1 and s, timeout_s=5,
                   what="resync ahead of the applied seq")
     assert silence_check(sub) is not None            # the grace period runs
     pub.publish([stored([3], 2, blk(3), BS)])        # seq 2 arrives within it
     synced_at(sub, 2)
+    vh.clock.advance(LIVE_SILENCE_GRACE_S)           # the grace period ends
     wait_for(lambda: silence_check(sub) is None, timeout_s=5, what="check passed")
     st = sub.status()
     assert (st.state, st.recoveries, sub.counters().recoveries_started["live_silent"]) == \
@@ -642,21 +669,37 @@ def _rebound(h: Harness, ports: tuple[int, int]) -> Optional[ProtocolPublisher]:
         return None
 
 
-def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(h):
+def test_a_new_connection_does_not_wait_out_the_old_engines_backoff(vh):
     """Snapshots that keep failing back off to seconds; the engine is then replaced by a
     healthy one: its first snapshot is requested within the first backoff step of the new
-    connection, not after what the old engine's failures earned (fresh-eyes review: 0.5-3 s)."""
-    pub = h.publisher()
+    connection, not after what the old engine's failures earned (fresh-eyes review: 0.5-3 s).
+    On a virtual clock: time moves by each backoff step only, so the new engine's snapshot
+    cannot come from the old 3.2 s backoff running out."""
+    pub = vh.publisher()
     ports = (pub.event_port, pub.replay_port)
     pub.set_snapshot([stored([1], None, blk(1, 2), 8)], watermark=0)   # block_size 8 != 4
-    sub = h.subscriber(pub)
-    # The 6th failure schedules the next attempt 3.2 s later.
-    wait_for(lambda: sub.counters().snapshot_attempts["error"] >= 6, 10.0, what="6 failures")
+    sub = vh.subscriber(pub)
+    for n in range(1, 7):                            # backoff 0.1, 0.2, ... 1.6 s, then 3.2 s
+        wait_for(lambda: sub.counters().snapshot_attempts["error"] >= n, what=f"failure {n}")
+        if n < 6:
+            vh.clock.advance(BACKOFF_INITIAL_S * 2 ** (n - 1))
+    assert sub.counters().snapshot_attempts["error"] == 6
     pub.close()
     error_contains(sub, "disconnected")
-    pub2 = wait_for(lambda: _rebound(h, ports), 5.0, what="ports released by the old engine")
+    pub2 = wait_for(lambda: _rebound(vh, ports), 5.0, what="ports released by the old engine")
     pub2.set_snapshot([stored([5], None, blk(5), BS)], watermark=None)
-    st = synced_at(sub, None, timeout_s=2.0)
+
+    def next_attempt_in() -> Optional[float]:
+        due = sub.debug_view().recovery.next_attempt_at
+        return None if due is None else due - vh.clock.now()
+
+    # Once the new connection is up, the next attempt is due within the first backoff step
+    # (the old engine's was 3.2 s away).
+    due_in = wait_for(lambda: (d := next_attempt_in()) is not None
+                      and d <= BACKOFF_INITIAL_S + 1e-9 and [d],
+                      what="an attempt due within the first backoff step")[0]
+    vh.clock.advance(max(0.0, due_in))
+    st = synced_at(sub, None)
     assert (st.device_blocks, hits(sub, 5)) == (1, (True, 4, 0))
 
 
@@ -825,11 +868,16 @@ def test_lifecycle(h, zmq_ctx):
         t.name for t in __import__("threading").enumerate()]
 
 
-def test_failed_resync_keeps_serving(h):
-    pub, sub = start_synced(h, [stored([1], None, blk(1), BS)], watermark=0,
+def test_failed_resync_keeps_serving(vh):
+    pub, sub = start_synced(vh, [stored([1], None, blk(1), BS)], watermark=0,
                             resync_interval_ms=1000, replay_timeout_ms=100)
     pub.drop_end_marker = True
-    wait_for(lambda: len(pub.requests) >= 3, timeout_s=5, what="two failed resyncs")
+    for n in (1, 2):                                 # the interval, then the reply timeout
+        vh.clock.advance(1.0)
+        wait_for(lambda: len(pub.requests) == 1 + n, what=f"resync {n} requested")
+        vh.clock.advance(0.1)
+        wait_for(lambda: sub.counters().snapshot_attempts["timeout"] == n,
+                 what=f"resync {n} timed out")
     st = sub.status()
     assert (st.state, st.error, st.sequence, st.recoveries, st.resync_differences) == (
         SYNC, None, 0, 1, 0)

@@ -1,11 +1,14 @@
 """A harness of real :class:`~kvsvc.streams.subscriber.StreamSubscriber` objects fed by
 :mod:`tests.support.publisher` engines (block size 4, seed 1024; block contents named by small
-integers, :func:`blk`) and :func:`hits` (what a prompt matches)."""
+integers, :func:`blk`) and :func:`hits` (what a prompt matches). A harness given a
+:class:`~kvsvc.clock.VirtualClock` runs its subscribers' timers on it: the test moves time with
+``clock.advance`` instead of waiting for a resync interval or a grace period."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import KvEventsConfig, StreamConfig
 from kvsvc.index.keys import prompt_keys
 from kvsvc.streams.subscriber import StreamSubscriber
@@ -29,8 +32,9 @@ class Harness:
     publisher_class: type = ProtocolPublisher
     stream_options: dict = {}
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, clock: Clock = MONOTONIC):
         self.ctx = ctx
+        self.clock = clock
         self.objs: list = []
 
     def publisher(self, ports: Optional[tuple[int, int]] = None, **kw):
@@ -44,7 +48,7 @@ class Harness:
         cfg = StreamConfig(instance_name="10.0.0.1:8000", dp_rank=pub.dp_rank, block_size=BS,
                            endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
                            topic=topic, hash_seed=SEED, **self.stream_options)
-        sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx)
+        sub = StreamSubscriber(cfg, KvEventsConfig(**limits), self.ctx, clock=self.clock)
         self.objs.append(sub)
         if start:
             sub.start()

@@ -163,7 +163,7 @@ def test_observer_counts_outcomes_causes_histogram_and_recent():
     assert list(snap.bucket_counts) == expect
     assert [r.diff for r in snap.recent] == [-64, 64, -16]   # the last 3, oldest first
     assert snap.recent[1].to_json() == {
-        "instance": "p:1", "predicted": 0, "actual": 64, "diff": 64, "outcome": "under",
+        "instance": "p:1", "predicted": 0, "pending": 0, "actual": 64, "diff": 64, "outcome": "under",
         "cause": CAUSE_UNSYNCHRONIZED, "exact": False, "completeness": "none", "backend": "",
         "input_tokens": 100, "engine_prompt_tokens": 100, "policy": "CAR",
         "at": snap.recent[1].to_json()["at"]}

@@ -46,11 +46,11 @@ def test_subset_hits_count_as_they_are_in_each_rank():
                      RankHit(1, 60, 0, 0.6, None, "exact"),
                      RankHit(2, 0, 0, 0.0, REASON_UNSYNCHRONIZED, None))
     assert [r.to_json() for r in ranks] == [
-        {"dp_rank": 0, "device_hit_tokens": 40, "host_only_hit_tokens": 20, "hit_ratio": 0.5,
+        {"dp_rank": 0, "device_hit_tokens": 40, "host_only_hit_tokens": 20, "pending_hit_tokens": 0, "hit_ratio": 0.5,
          "reason": None, "completeness": "subset"},
-        {"dp_rank": 1, "device_hit_tokens": 60, "host_only_hit_tokens": 0, "hit_ratio": 0.6,
+        {"dp_rank": 1, "device_hit_tokens": 60, "host_only_hit_tokens": 0, "pending_hit_tokens": 0, "hit_ratio": 0.6,
          "reason": None, "completeness": "exact"},
-        {"dp_rank": 2, "device_hit_tokens": 0, "host_only_hit_tokens": 0, "hit_ratio": 0.0,
+        {"dp_rank": 2, "device_hit_tokens": 0, "host_only_hit_tokens": 0, "pending_hit_tokens": 0, "hit_ratio": 0.0,
          "reason": "unsynchronized", "completeness": None}]
 
 

@@ -272,7 +272,7 @@ def test_decision_json_shape():
                         "estimated_prefill_ms": None, "predicted_prefill_ms": None,
                         "predicted_ttft_ms": None, "predicted_tpot_ms": None,
                         "ranks": [{"dp_rank": 0, "device_hit_tokens": 40,
-                                   "host_only_hit_tokens": 20, "hit_ratio": 0.5,
+                                   "host_only_hit_tokens": 20, "pending_hit_tokens": 0, "hit_ratio": 0.5,
                                    "reason": None, "completeness": None}]}],
         "excluded": {}}
 

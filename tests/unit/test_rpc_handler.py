@@ -1,0 +1,91 @@
+"""The XllmRpcService rules without sockets (§13): what each call answers when there is no
+registry or no sink, a sink that answers the wrong number of statuses, unknown services and
+methods, undecodable messages and a handler that raises."""
+
+from __future__ import annotations
+
+from kvsvc.cluster.heartbeat import HeartbeatIntake
+from kvsvc.cluster.rejections import HeartbeatRejections
+from kvsvc.rpc import codec, messages
+from kvsvc.rpc.codec import BadCall, Request
+from kvsvc.rpc.server import SERVICE_NAME, XllmRpcHandler
+
+
+class Sink:
+    def __init__(self, answers):
+        self.answers = answers
+        self.got = []
+
+    def deliver(self, gens):
+        self.got.append([g.service_req_id for g in gens])
+        return list(self.answers)
+
+
+def handler(sink=None) -> XllmRpcHandler:
+    return XllmRpcHandler(HeartbeatIntake(None, HeartbeatRejections()), None, sink)
+
+
+def call(h: XllmRpcHandler, method: str, msg=None, service: str = SERVICE_NAME,
+         raw: bytes | None = None):
+    data = raw if raw is not None else (messages.serialize(msg) if msg is not None else b"")
+    return h.handle(Request(1, service, method, data))
+
+
+def gens(*ids: str):
+    req = messages.DisaggStreamGenerations()
+    for sid in ids:
+        req.gens.add(service_req_id=sid)
+    return req
+
+
+def test_status_set_is_always_as_long_as_the_entries():
+    for answers, want in (([True], [True, False, False]),             # too few: padded
+                          ([True, True, True, True, True], [True] * 3),  # too many: cut
+                          ([True, False, True], [True, False, True])):
+        sink = Sink(answers)
+        reply = call(handler(sink), "Generations", gens("a", "b", "c"))
+        assert reply.error_code == 0
+        got = [s.ok for s in messages.parse(messages.StatusSet, reply.message).all_status]
+        assert got == want and sink.got == [["a", "b", "c"]]
+    # No sink: every entry refused; no entry: an empty set, the sink not called.
+    reply = call(handler(None), "Generations", gens("a", "b"))
+    assert [s.ok for s in messages.parse(messages.StatusSet, reply.message).all_status] == [
+        False, False]
+    sink = Sink([])
+    assert call(handler(sink), "Generations", gens()).message == b"" and sink.got == []
+
+
+def test_without_registry():
+    h = handler()
+    hb = messages.HeartbeatRequest(name="127.0.0.1:1")
+    assert messages.parse(messages.Status, call(h, "Heartbeat", hb).message).ok is False
+    info = call(h, "GetInstanceInfo", messages.InstanceID(name="127.0.0.1:1"))
+    assert info.error_code == 0 and info.message == b""
+    for method in ("GetStaticDecodeList", "GetStaticPrefillList"):
+        assert call(h, method, messages.InstanceID()).message == b""
+    assert messages.parse(messages.Status, call(h, "Hello", messages.Empty()).message).ok
+    assert h.counters()[2] == {"no_registry": 1}
+
+
+def test_errors():
+    h = handler()
+    r = call(h, "Hello", service="other.Service")
+    assert (r.error_code, r.error_text) == (codec.ENOSERVICE, "Fail to find service=other.Service")
+    r = call(h, "RegisterInstance", messages.InstanceID())
+    assert r.error_code == codec.ENOMETHOD and "RegisterInstance" in r.error_text
+    r = call(h, "Generations", raw=b"\x0a\x05ab")
+    assert r.error_code == codec.EREQUEST and "Fail to parse request message" in r.error_text
+    r = h.bad_call(BadCall(3, codec.EREQUEST, "lz4 not supported", SERVICE_NAME, "Hello"))
+    assert (r.error_code, r.error_text) == (codec.EREQUEST, "lz4 not supported")
+
+    class Broken:
+        def deliver(self, gens):
+            raise RuntimeError("sink bug")
+
+    r = call(handler(Broken()), "Generations", gens("a", "b"))   # still one Status per entry
+    assert r.error_code == 0
+    assert [s.ok for s in messages.parse(messages.StatusSet, r.message).all_status] == [
+        False, False]
+    calls, errors, _, _, _ = h.counters()
+    assert calls["Hello"] == 2 and errors == {codec.ENOSERVICE: 1, codec.ENOMETHOD: 1,
+                                              codec.EREQUEST: 2}
