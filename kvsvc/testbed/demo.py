@@ -359,7 +359,10 @@ class ServiceProcess:
             if self._proc.poll() is not None:
                 raise LifecycleError(f"service exited with {self._proc.returncode}:\n{self.log_tail()}")
             try:
-                r = self.session.get(self.base_url + "/ready", timeout=2.0)
+                # The warm-up gate: the demo and the benches need the index, not only a
+                # candidate (§15's /ready alone does not wait for streams).
+                r = self.session.get(self.base_url + "/ready?streams=synchronized",
+                                     timeout=2.0)
                 body = r.json() if r.status_code in (200, 503) else {}
                 warming = (r.status_code == 503 and warming_ok and body.get("running")
                            and all(w.startswith("stream ") for w in body.get("waiting_for", [])))
