@@ -31,9 +31,10 @@ from kvsvc.streams.serving import ServingState
 class ApplyFailureSink(Protocol):
     """What the carrier tells when an :class:`ApplyEvents` was refused (the rules)."""
 
-    def on_apply_failed(self, seq: int, error: StreamError,
+    def on_apply_failed(self, action: ApplyEvents, error: StreamError,
                         now: float) -> tuple[Action, ...]:
-        """Batch ``seq`` was refused with ``error``; returns what to do instead."""
+        """``action`` (the very object the rules returned) was refused with ``error``;
+        returns what to do instead."""
 
 
 class ActionCarrier:
@@ -63,9 +64,8 @@ class ActionCarrier:
             if kind is ApplyEvents:
                 failure = serving.apply(action)  # type: ignore[arg-type]
                 if failure is not None:
-                    seq = action.seq  # type: ignore[union-attr]
-                    attempts.extend(self.carry(self._rules.on_apply_failed(seq, failure, now),
-                                               now))
+                    answer = self._rules.on_apply_failed(action, failure, now)  # type: ignore[arg-type]
+                    attempts.extend(self.carry(answer, now))
                     break
             elif kind in ATTEMPT_ACTIONS:
                 attempts.append(action)  # type: ignore[arg-type]

@@ -147,8 +147,11 @@ class HistoryIndex(AttemptRules[RequestHistory, Buffered, tuple[float, int]]):
         self._request: Optional[RequestHistory] = None   # of the attempt in flight
         self._caught_up = 0           # batches a periodic catch-up applied before live did
         self._live_at_check = 0       # live messages at the last swap or catch-up end
-        # (first seq, mode before) of a catch-up's buffered tail just asked to be applied.
-        self._tail: Optional[tuple[int, Mode]] = None
+        # The ApplyEvents a catch-up's buffered tail asked for, and the mode before it.
+        self._tail: Optional[tuple[list[ApplyEvents], Mode]] = None
+        # Buffered batches handed over again (no replay answer): each ApplyEvents asked for
+        # with the batches after it, so a refused one does not lose those (they go on).
+        self._replayed: list[tuple[ApplyEvents, list[Buffered]]] = []
         # (self._buffer holds (seq, batch, digest); self._silence is (deadline, live count).)
 
     @property
@@ -192,16 +195,18 @@ class HistoryIndex(AttemptRules[RequestHistory, Buffered, tuple[float, int]]):
 
     # ------------------------------------------------------------------ the working index
 
-    def _apply_held(self, seq: int, batch: Batch, digest: int) -> None:
+    def _apply_held(self, seq: int, batch: Batch, digest: int) -> ApplyEvents:
         """Apply batch ``seq`` (contiguous) to the working index and move the anchor; should
-        the index refuse it, ``on_apply_failed`` follows."""
+        the index refuse it, ``on_apply_failed`` follows. :returns: the action asked for."""
         subset = self._completeness is SUBSET
         events = batch.events
         self._tail = None
-        self._out.append(ApplyEvents(seq, events, subset))
+        action = ApplyEvents(seq, events, subset)
+        self._out.append(action)
         self._anchor.advance(seq, digest)
         if subset and starts_cleared(events):
             self._set_completeness(EXACT, f"seq {seq} starts with AllBlocksCleared")
+        return action
 
     def _install(self, index: TierIndex, sequence: Optional[int], digest: Optional[int],
                  digests: dict[int, int], completeness: Completeness, mode: Mode, *,
@@ -551,15 +556,22 @@ class HistoryRecovery(HistoryIndex):
         self._timers.failed(now)
         return self._take()
 
-    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[Action, ...]:
-        """The working index refused batch ``seq`` (§5; the serving state discarded it)
-        (:data:`MODE_TABLE`, ``refused batch``)."""
-        reason, label = self._refused(seq, error)
+    def on_apply_failed(self, action: ApplyEvents, error: StreamError,
+                        now: float) -> tuple[Action, ...]:
+        """The working index refused batch ``action.seq`` (§5; the serving state discarded
+        it) (:data:`MODE_TABLE`, ``refused batch``)."""
+        reason, label = self._refused(action.seq, error)
         tail = self._tail
-        if tail is not None and seq >= tail[0]:
+        if tail is not None and any(a is action for a in tail[0]):
             # Refused in a catch-up's buffered tail: the stream had not served again yet.
             self._mode = tail[1]
+        rest = next((after for a, after in self._replayed if a is action), None)
+        self._tail = None
+        self._replayed = []
         _TABLE[self._mode, Input.REFUSED](self, reason, trigger_of(label), now)
+        if rest:
+            # (As each buffered batch was handed over on its own: the next ones go on.)
+            self._replay_buffered(rest, now)
         return self._take()
 
     def _stream_error(self, reason: str, trigger: RecoveryTrigger, now: float) -> None:
@@ -677,10 +689,15 @@ class HistoryRecovery(HistoryIndex):
         """No replay answer: the live-only subset starts from the first batch received (§7h),
         so the batches buffered during the unanswered rebuild are handed over again (as live
         batches, not counted a second time)."""
-        for seq, batch, digest in buffered:
+        self._replayed = []
+        out = self._out
+        for i, (seq, batch, digest) in enumerate(buffered):
             if self._mode in SERVES and self._expected is not None and seq < self._expected:
                 continue  # (as before: an older seq of a buffer in order cannot happen)
+            mark = len(out)
             _TABLE[self._mode, Input.LIVE_BATCH](self, seq, batch, digest, 0, now)
+            self._replayed += [(a, buffered[i + 1:]) for a in out[mark:]
+                               if type(a) is ApplyEvents]
 
     # ------------------------------------------------------------------ disconnect
 
@@ -816,9 +833,9 @@ class HistoryRecovery(HistoryIndex):
             return
         merged = merge_catch_up(self._anchor, buffered)
         for seq, batch, digest in merged.apply:
-            tail = self._tail
-            self._apply_held(seq, batch, digest)
-            self._tail = (seq, before) if tail is None else tail
+            asked = [] if self._tail is None else self._tail[0]
+            asked.append(self._apply_held(seq, batch, digest))
+            self._tail = (asked, before)
         if merged.restarted is not None:
             self._discard_and_rebuild(f"live seq {merged.restarted} differs from the batch "
                                       "replayed: the engine restarted",

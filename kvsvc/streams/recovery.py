@@ -33,7 +33,7 @@ next. It holds no socket, starts no thread and never reads the clock: every inpu
 ``on_snapshot_complete(id, result, ...)``      the end marker of attempt ``id`` arrived (§7)
 ``on_snapshot_failed(id, exc, now)``           attempt ``id`` failed (timeout, malformed, ...)
 ``on_internal_error(name, now)``               a bug-class exception escaped a turn
-``on_apply_failed(seq, error, now)``           the index refused batch ``seq``'s events
+``on_apply_failed(action, error, now)``        the index refused an ``ApplyEvents`` it asked for
 ``tick(now)``                                  time passed (call at each loop turn)
 =============================================  ==============================================
 
@@ -349,10 +349,12 @@ class RecoveryRules(Protocol):
         """Called when a bug-class exception (``error_name``, its class name) escaped a turn;
         may return an abandon; the recovery comes later through :meth:`tick`."""
 
-    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[Action, ...]:
-        """Called when the index refused the :class:`~kvsvc.streams.actions.ApplyEvents` of
-        batch ``seq`` with ``error`` (the serving state stopped serving it; the actions after
-        it were dropped); may return any actions."""
+    def on_apply_failed(self, action: ApplyEvents, error: StreamError,
+                        now: float) -> tuple[Action, ...]:
+        """Called when the index refused ``action`` (the very
+        :class:`~kvsvc.streams.actions.ApplyEvents` object returned) with ``error`` (the
+        serving state stopped serving it; the actions after it were dropped); may return any
+        actions."""
 
 
 class RecoveryTimers:
@@ -828,11 +830,12 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
             self._on_live_unsynchronized(seq, batch, wire_bytes, prev_max, now)
         return self._take()
 
-    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple[Action, ...]:
-        """The serving index refused live batch ``seq`` (§5: an unknown parent, a hash
+    def on_apply_failed(self, action: ApplyEvents, error: StreamError,
+                        now: float) -> tuple[Action, ...]:
+        """The serving index refused live batch ``action.seq`` (§5: an unknown parent, a hash
         conflict, capacity): the serving state discarded it; counted, and a recovery starts
         (trigger from the error's label)."""
-        reason, label = self._refused(seq, error)
+        reason, label = self._refused(action.seq, error)
         self._mode = Mode.REBUILDING
         self._expected = None
         self._log_unsynchronized(reason, trigger_of(label))

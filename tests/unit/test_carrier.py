@@ -30,8 +30,8 @@ class Rules:
     def __init__(self) -> None:
         self.refused: list[tuple[int, str, float]] = []
 
-    def on_apply_failed(self, seq: int, error: StreamError, now: float) -> tuple:
-        self.refused.append((seq, str(error), now))
+    def on_apply_failed(self, action: ApplyEvents, error: StreamError, now: float) -> tuple:
+        self.refused.append((action.seq, str(error), now))
         return (CountRecovery(RecoveryTrigger.INDEX_ERROR), RequestSnapshot(2, 0, True))
 
 
