@@ -81,7 +81,7 @@ from kvsvc.streams.actions import (
     SnapshotOk,
     SwapIndex,
 )
-from kvsvc.streams.anchor import Anchor, Judgement, starts_cleared
+from kvsvc.streams.anchor import RECENT_DIGESTS, Anchor, Judgement, starts_cleared
 from kvsvc.streams.counters import (
     NOT_INDEXED,
     RecoveryTrigger,
@@ -498,6 +498,18 @@ class HistoryRecovery(HistoryIndex):
         :param wire_bytes: the message's wire size (buffer accounting).
         """
         self._live_messages += 1
+        anchor = self._anchor
+        if (self._mode is SERVING and seq == anchor.expected and self._completeness is EXACT
+                and not self._out and (self._request is None or self._request.catch_up)):
+            # The hot path, the SERVING cell's contiguous case on an exact index with no
+            # rebuild in flight, inline: one action, the anchor moved (as Anchor.advance).
+            self._tail = None
+            anchor.expected = seq + 1
+            anchor.digest = digest
+            recent = anchor.recent
+            recent[seq] = digest
+            recent.pop(seq - RECENT_DIGESTS, None)
+            return (ApplyEvents(seq, batch.events, False),)
         _TABLE[self._mode, Input.LIVE_BATCH](self, seq, batch, digest, wire_bytes, now)
         return self._take()
 
