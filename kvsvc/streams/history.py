@@ -878,6 +878,7 @@ class HistoryRecovery(HistoryIndex):
     def _tick_silent(self, now: float) -> None:
         """nothing: no request until a live message arrives"""
 
+
 _R = HistoryRecovery
 #: Each mode's handlers, in the order of :class:`Input`.
 _ROWS: dict[Mode, tuple[Handler, ...]] = {
