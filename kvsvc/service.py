@@ -119,7 +119,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_ttft_ms=settings.target_ttft,
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
-                         dp_rank_routing=settings.dp_rank_routing)
+                         dp_rank_routing=settings.dp_rank_routing,
+                         ttft_work_weight=settings.ttft_work_weight)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
