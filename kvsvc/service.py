@@ -40,7 +40,7 @@ from typing import Callable, Optional, Protocol
 
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
-from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
+from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
@@ -269,7 +269,9 @@ class Service:
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
         self.pd_links: Optional[PdLinks] = None
         if settings.xllm_dispatch == "native" and self.registry is not None:
-            self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
+            registry = self.registry
+            self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
+                registration=lambda name: registration_fields(registry.registration(name))))
             self.router.excluded = self.pd_links.excluded
         # §15: the instances' own model lists decide which serve a request's model; with
         # --model empty they are also /v1/models.

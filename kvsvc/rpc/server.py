@@ -66,7 +66,7 @@ SERVICE_NAME = f"{messages.SERVICE_PACKAGE}.XllmRpcService"
 SERVICE_SHORT_NAME = "XllmRpcService"
 #: States in which an instance is listed by GetStatic*List (xllm-service: schedulable).
 _SCHEDULABLE = (InstanceState.ACTIVE, InstanceState.LEASE_LOST)
-#: How long a connection thread waits in one poll before it looks at the stop flag, seconds.
+#: How long the accept thread waits in one poll before it looks at the stop flag, seconds.
 _POLL_S = 0.2
 _RECV_BYTES = 256 * 1024
 
@@ -355,6 +355,11 @@ class RpcServer(BackgroundThread):
         with self._lock:
             self._conns[sock] = thread
         thread.start()
+        if self.stopping:   # close() may have shut the others down before this one was listed
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _teardown(self) -> None:
         if self._listener is not None:
@@ -377,15 +382,12 @@ class RpcServer(BackgroundThread):
     # -- a connection thread ----------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        # Blocking reads: close() shuts the socket down, which ends a blocked recv with b"".
         conn = codec.Connection(codec.Role.SERVER, self._max_body_size)
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
         handler = self.handler
         log.debug("baidu_std connection from %s", peer)
         try:
             while not self.stopping:
-                if not poller.poll(_POLL_S * 1000):
-                    continue
                 try:
                     data = sock.recv(_RECV_BYTES)
                 except OSError:
