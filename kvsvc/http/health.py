@@ -2,21 +2,29 @@
 
 - ``GET /health``: liveness, always 200 ``{"status": "ok"}``; touches nothing (no etcd, no
   upstream, no stream lock).
-- ``GET /ready``: "this replica should receive traffic". 200 once (a) the service runs, (b) the
-  registry, when configured, has been listed successfully once (before that there is nothing to
-  route on: etcd down at boot means 503 until the first list), and (c) the replica has warmed
-  up: every configured stream synchronized once (the static streams of the §8 config, or, with
-  discovery, the streams of its first plan made from a listed registry; a stream removed
-  meanwhile is no longer waited for). Warm-up is kept once reached (:class:`Readiness`), so
-  after it ``/ready`` stays 200 while the service runs: through an etcd outage, routing on the
-  last registry snapshot (``registry.routing_on_last_snapshot``, ``stale_for_s``), and through
-  later stream losses (each stream's state says those). Load balancers take readiness
-  replica by replica: a cause shared by every replica (etcd, an engine) must not drain them all
-  while completions still work. 503 before, with ``waiting_for`` naming what is missing
-  (``"service start"``, ``"registry first list"``, ``"discovery first plan"``,
-  ``"stream <instance>/dp<rank> first synchronization"``).
+- ``GET /ready``: "this replica should receive traffic" (§15, a probe's rule). 200 once the
+  router can route: (a) the service runs, (b) the registry, when configured, has been listed
+  successfully once (before that there is nothing to route on: etcd down at boot means 503
+  until the first list), and (c) with a registry, at least one instance is a routing
+  candidate now (:meth:`~kvsvc.routing.router.Router.prefill_candidates`: schedulable, with a
+  current load report). Streams never gate it: a stream that has not synchronized (an engine
+  started without KV events, a stream in recovery) is reported in ``streams`` and
+  ``unsynchronized_streams``, and only lowers its instance's hits (§11). Through an etcd
+  outage it stays 200 while candidates remain (routing on the last registry snapshot,
+  ``registry.routing_on_last_snapshot``, ``stale_for_s``). 503 otherwise, with
+  ``waiting_for`` naming what is missing (``"service start"``, ``"registry first list"``,
+  ``"a routing candidate"``). What to alert on instead: docs/real-clusters.md.
+- ``GET /ready?streams=synchronized``: the stricter warm-up gate for tooling that must wait
+  for the index (the demo, benchmarks, tests): also 503 until every configured stream
+  synchronized once (the static streams of the §8 config, or, with discovery, the streams of
+  its first plan made from a listed registry; a stream removed meanwhile is no longer waited
+  for; ``"discovery first plan"``, ``"stream <instance>/dp<rank> first synchronization"``),
+  kept once reached (:class:`Readiness`), and without the candidate condition.
 
-  The body: ``ready``, ``running``, ``index_enabled``, ``warmed_up``, ``waiting_for``,
+  The body: ``ready``, ``running``, ``index_enabled``, ``warmed_up`` (every configured stream
+  synchronized once), ``waiting_for``, ``unsynchronized_streams`` (``instance/dp<rank>`` of
+  every stream not synchronized now), with a registry ``candidates`` (the routing
+  candidates now),
   ``heartbeat_rejections`` (sender -> reason, since_s, count; see
   :class:`~kvsvc.cluster.rejections.HeartbeatRejections`), with a registry also ``registry``
   (``fresh``, ``is_master``, ``generation``, ``instances``, ``listed_once``,
@@ -63,40 +71,57 @@ def blueprint() -> flask.Blueprint:
     return bp
 
 
+#: ``waiting_for`` entry of a registry without a routing candidate.
+WAITING_CANDIDATE = "a routing candidate"
+
+
 class Readiness:
-    """The warm-up latch of one app (see the module docstring): once every configured stream
-    was synchronized and the registry listed, it stays warm. Thread-safe (request threads)."""
+    """The readiness rule and the warm-up latch of one app (see the module docstring): once
+    every configured stream was synchronized and the registry listed, it stays warm.
+    Thread-safe (request threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._warmed_up = False
 
-    def evaluate(self, svc: Service, statuses: list[StreamStatus]) -> list[str]:
+    def evaluate(self, svc: Service, statuses: list[StreamStatus],
+                 streams_required: bool = False) -> list[str]:
         """What ``svc`` still needs before it should receive traffic, ``[]`` when ready.
         Reaching warm-up is logged once (INFO).
 
         :param svc: the app's service.
         :param statuses: the directory's stream statuses (as shown in the body).
+        :param streams_required: the warm-up gate (``?streams=synchronized``): every
+            configured stream synchronized once, instead of a routing candidate.
         """
         waiting: list[str] = []
         if not svc.running:
             waiting.append("service start")
         if svc.registry is not None and svc.registry.last_listed_at() is None:
             waiting.append("registry first list")
+        missing = self._warm_up(svc, statuses, not waiting)
+        if streams_required:
+            waiting.extend(missing)
+        elif svc.registry is not None and not waiting and not svc.router.prefill_candidates():
+            waiting.append(WAITING_CANDIDATE)
+        return waiting
+
+    def _warm_up(self, svc: Service, statuses: list[StreamStatus], base_ok: bool) -> list[str]:
+        """The warm-up set's streams still missing their first synchronization (``[]`` once
+        warm); latches (and logs) warm-up when nothing is missing and ``base_ok``."""
         with self._lock:
             if self._warmed_up:
-                return waiting
-        waiting.extend(_warm_up_missing(svc, statuses))
-        if waiting:
-            return waiting
+                return []
+        missing = _warm_up_missing(svc, statuses)
+        if missing or not base_ok:
+            return missing
         with self._lock:
             first = not self._warmed_up
             self._warmed_up = True
         if first:
-            log.info("ready: %s, %d streams synchronized once; /ready now stays 200 through "
-                     "etcd outages and stream losses", "registry listed"
+            log.info("warmed up: %s, %d streams synchronized once", "registry listed"
                      if svc.registry is not None else "no registry", len(statuses))
-        return waiting
+        return []
 
     @property
     def warmed_up(self) -> bool:
@@ -152,7 +177,8 @@ def _ready() -> tuple[flask.Response, int]:
     readiness: Readiness = current_app.extensions[READINESS_EXTENSION]
     directory = svc.directory
     statuses = directory.statuses() if directory is not None else []
-    waiting = readiness.evaluate(svc, statuses)
+    strict = flask.request.args.get("streams") == "synchronized"
+    waiting = readiness.evaluate(svc, statuses, streams_required=strict)
     ready = not waiting
     modes = directory.replay_modes() if directory is not None else {}
     streams = [stream_json(st, modes.get(st.stream)) for st in statuses]
@@ -162,6 +188,8 @@ def _ready() -> tuple[flask.Response, int]:
         "index_enabled": directory is not None,
         "warmed_up": readiness.warmed_up,
         "waiting_for": waiting,
+        "unsynchronized_streams": [str(st.stream) for st in statuses
+                                   if st.state is not StreamState.SYNCHRONIZED],
         "heartbeat_rejections": svc.heartbeat_rejections.to_json(),
     }
     # The registry and discovery parts appear only when configured.
@@ -179,6 +207,7 @@ def _ready() -> tuple[flask.Response, int]:
         # ``not_candidates``: registered instances the router does not route to now, with
         # why (instance -> reason; the router's own rule, §11).
         body["not_candidates"] = svc.router.not_candidates()
+        body["candidates"] = list(svc.router.prefill_candidates())
     if svc.discovery is not None and directory is not None:
         body["discovery"] = {"excluded": dict(svc.discovery.excluded()),
                              "other_backends": dict(svc.discovery.other_backends())}

@@ -199,6 +199,15 @@ class Router:
         return dataclasses.replace(snapshot, instances=MappingProxyType(
             {n: i for n, i in snapshot.instances.items() if n not in excluded}))
 
+    def prefill_candidates(self) -> tuple[str, ...]:
+        """The instances a request could be routed to now (the P side of
+        :func:`~kvsvc.routing.policy.candidate_pools`, by name; ``()`` without a registry):
+        what ``/ready`` requires one of (§15)."""
+        if self._registry is None:
+            return ()
+        pools = candidate_pools(self._view(), time.monotonic(), self.policy.max_load_age_s)
+        return tuple(i.name for i in pools.prefill)
+
     def not_candidates(self) -> dict[str, str]:
         """Every registered instance that is not a candidate now -> why (§11), by the rule
         :meth:`decide` uses (:func:`~kvsvc.routing.policy.candidate_pools`); ``{}`` without a

@@ -30,22 +30,31 @@ class GenerationSink(Protocol):
 def generation_from_proto(msg: Any) -> Generation:
     """The value of one parsed ``xllm.proto.DisaggStreamGeneration`` (absent fields are
     their defaults; ``usage`` is ``None`` when the entry carries none)."""
-    outputs = tuple(
-        GenOutput(o.index, o.text, tuple(o.token_ids), o.finish_reason,
-                  tuple(LogProbEntry(p.log_prob_data.token, p.log_prob_data.token_id,
-                                     p.log_prob_data.logprob,
-                                     tuple((t.token, t.token_id, t.logprob)
-                                           for t in p.top_logprobs))
-                        for p in o.logprobs))
-        for o in msg.outputs)
+    # On the Generations path (every token of every request): one attribute read per field,
+    # no generator where the repeated field is empty (logprobs mostly are).
+    outputs = []
+    for o in msg.outputs:
+        lps = o.logprobs
+        outputs.append(GenOutput(
+            o.index, o.text, tuple(o.token_ids), o.finish_reason,
+            tuple(_logprob(p) for p in lps) if lps else ()))
     usage = None
     if msg.HasField("usage"):
         u = msg.usage
         usage = GenUsage(u.num_prompt_tokens, u.num_generated_tokens, u.num_total_tokens,
                          u.num_cached_tokens)
-    status = msg.gen_status
-    return Generation(msg.service_req_id, msg.req_id, status.status_code, status.status_msg,
-                      outputs, usage, msg.finished, msg.finished_on_prefill_instance)
+    code, text = 0, ""
+    if msg.HasField("gen_status"):
+        status = msg.gen_status
+        code, text = status.status_code, status.status_msg
+    return Generation(msg.service_req_id, msg.req_id, code, text, tuple(outputs), usage,
+                      msg.finished, msg.finished_on_prefill_instance)
+
+
+def _logprob(p: Any) -> LogProbEntry:
+    d = p.log_prob_data
+    return LogProbEntry(d.token, d.token_id, d.logprob,
+                        tuple((t.token, t.token_id, t.logprob) for t in p.top_logprobs))
 
 
 def generation_to_proto(gen: Generation, with_status: bool = False) -> Any:

@@ -66,7 +66,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, TextIO
+from typing import Any, Mapping, Optional, Sequence, TextIO
 
 import requests
 
@@ -77,7 +77,9 @@ from kvsvc.testbed.ports import free_instance_port as free_instance_port
 from kvsvc.testbed.ports import free_port_run as free_port_run
 from kvsvc.testbed.sim.engine import SimEngine
 from kvsvc.testbed.sim.flavors import Flavor
+from kvsvc.testbed.sim.native import rpc_heartbeat
 from kvsvc.testbed.sim.registration import EtcdRegistration, Load
+from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import load_trace, request_tokens
 from kvsvc.settings import add_flag, add_log_level
 
@@ -117,6 +119,12 @@ class DemoOptions:
     :param flavor: engine flavor (:class:`~kvsvc.testbed.sim.flavors.Flavor` value); ``vllm``
         and ``sglang`` run history streams (module docstring).
     :param buffer_steps: history flavors: each rank's replay buffer, batches.
+    :param xllm: ``http``, or ``native``: the engines are xLLM engines with service routing
+        (§13: heartbeats over baidu_std; the service runs ``--xllm_dispatch native`` with a
+        baidu_std port) and, after the replay, ``native_answers`` streamed completions are
+        sent through the service and their answers (written from the engines' Generations)
+        checked token by token.
+    :param native_answers: requests of that check.
     """
 
     requests: int = 2000
@@ -137,6 +145,8 @@ class DemoOptions:
     replay_port_offset: int = 30000
     flavor: str = "xllm"
     buffer_steps: int = 10_000
+    xllm: str = "http"
+    native_answers: int = 16
 
     @property
     def history(self) -> bool:
@@ -173,10 +183,15 @@ class DemoReport:
     :param subset_missed_tokens: true reusable tokens that ``subset`` answers did not report.
     :param history: the engines answer history (§7h); the verdict then also checks the split.
     :param warmup_requests: requests executed before the service started (late join).
+    :param native_ok: ``xllm`` ``native``: answers through the service that were complete and
+        equal to the engine's output.
+    :param native_failed: ``xllm`` ``native``: answers that were not.
     """
 
     requests: int = 0
     streams: int = 0
+    native_ok: int = 0
+    native_failed: int = 0
     comparisons: int = 0
     exact: int = 0
     false_hits: int = 0
@@ -214,6 +229,8 @@ class DemoReport:
         """The demo's verdict: all exact without chaos, no false hit with chaos; on history
         engines also every answer said to be exact equal to the truth."""
         if self.history and (self.false_hits or self.exact_mismatches):
+            return False
+        if self.native_failed:
             return False
         return self.false_hits == 0 if chaos else self.exact == self.comparisons
 
@@ -259,6 +276,9 @@ class DemoReport:
                  f"{c['exact'] + c['absent'] - self.exact_mismatches}/{c['exact'] + c['absent']}"),
                 ("tokens missed by subset answers", f"{self.subset_missed_tokens}"),
             ]
+        if self.native_ok or self.native_failed:
+            rows.append(("native answers (Generations -> SSE) complete and equal",
+                         f"{self.native_ok}/{self.native_ok + self.native_failed}"))
         rows += [
             ("elapsed", f"{self.elapsed_s:.1f} s"),
             ("verdict", "PASS" if self.passed(chaos) else "FAIL"),
@@ -339,7 +359,10 @@ class ServiceProcess:
             if self._proc.poll() is not None:
                 raise LifecycleError(f"service exited with {self._proc.returncode}:\n{self.log_tail()}")
             try:
-                r = self.session.get(self.base_url + "/ready", timeout=2.0)
+                # The warm-up gate: the demo and the benches need the index, not only a
+                # candidate (§15's /ready alone does not wait for streams).
+                r = self.session.get(self.base_url + "/ready?streams=synchronized",
+                                     timeout=2.0)
                 body = r.json() if r.status_code in (200, 503) else {}
                 warming = (r.status_code == 503 and warming_ok and body.get("running")
                            and all(w.startswith("stream ") for w in body.get("waiting_for", [])))
@@ -477,7 +500,9 @@ def _build_engines(opts: DemoOptions) -> list[SimEngine]:
             f"127.0.0.1:{port}", port + opts.event_port_offset, port + opts.replay_port_offset,
             dp_size=dp, block_size=opts.block_size, device_blocks=opts.device_blocks,
             host_blocks=opts.host_blocks, seed=opts.seed + i, http_port=port,
-            flavor=opts.flavor, buffer_steps=opts.buffer_steps))
+            flavor=opts.flavor, buffer_steps=opts.buffer_steps,
+            serving=ServingConfig(time_scale=100.0) if opts.xllm == "native" else None,
+            native=opts.xllm == "native"))
     return engines
 
 
@@ -505,7 +530,11 @@ def _register(engines: list[SimEngine], etcd_addr: str, token: str) -> list[Etcd
         # vLLM and SGLang send no heartbeats (§15): the service scrapes their /metrics.
         reg = EtcdRegistration(etcd_addr, eng.name, eng.dp_size, functools.partial(_load, eng),
                                token=token, backend_type=eng.flavor.backend_type,
-                               heartbeats=eng.flavor.value == "xllm")
+                               heartbeats=eng.flavor.value == "xllm",
+                               heartbeat=(rpc_heartbeat(eng.native.client)
+                                          if eng.native is not None else None))
+        if eng.native is not None:
+            eng.native.set_master(reg.master)
         regs.append(reg)
         reg.start()
     for reg in regs:
@@ -560,8 +589,11 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
             cfg = discovery_config(opts)
             cfg_path = Path(tmp) / "kv_events.json"
             cfg_path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+            native_args = (["--xllm_dispatch", "native", "--rpc_port", str(free_port_run(1)),
+                            "--rpc_host", "127.0.0.1"] if opts.xllm == "native" else [])
             service = ServiceProcess(cfg_path, free_port_run(1), token,
-                                     Path(tmp) / "service.log", etcd_addr=etcd_addr)
+                                     Path(tmp) / "service.log", etcd_addr=etcd_addr,
+                                     extra_args=native_args)
             ready = service.start(opts.ready_timeout_s,
                                   {(e.name, r) for e in engines for r in range(e.dp_size)})
             modes = {st.get("replay_mode", "snapshot") for st in ready["streams"]}
@@ -573,6 +605,8 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
                   f"{service.base_url}, {len(trace)} {opts.trace} requests"
                   f"{' (chaos)' if opts.chaos else ''}", file=out, flush=True)
             _replay(opts, trace, engines, regs, service, report, out)
+            if opts.xllm == "native":
+                _check_native(opts, trace, engines, service, report)
             report.recoveries_reported = service.recoveries()
             report.resync_differences = service.resync_differences()
         finally:
@@ -597,6 +631,32 @@ def run_demo(opts: DemoOptions, out: Optional[TextIO] = None) -> DemoReport:
     for line in report.false_hit_examples:
         print(f"  false hit: {line}", file=out)
     return report
+
+
+def _check_native(opts: DemoOptions, trace: list, engines: list[SimEngine],
+                  service: ServiceProcess, report: DemoReport) -> None:
+    """Send ``native_answers`` streamed completions through the service (§13: dispatched over
+    baidu_std, answered from the engines' Generations) and count those whose SSE answer is
+    complete (``[DONE]``) and equal to the engine's output (``" t0 t1 ..."``)."""
+    service.wait_routable({e.name for e in engines}, opts.ready_timeout_s)
+    want = "".join(f" t{i}" for i in range(8))
+    with requests.Session() as http:
+        http.trust_env = False
+        for req in trace[:opts.native_answers]:
+            body: dict[str, Any] = {"model": "sim", "max_tokens": 8, "stream": True,
+                                    "prompt": request_tokens(req, opts.block_size) or [1]}
+            try:
+                r = http.post(service.base_url + "/v1/completions", json=body, timeout=30)
+                events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+                text = "".join(c.get("text", "") for e in events[:-1]
+                               for c in json.loads(e).get("choices", []))
+                good = r.status_code == 200 and events[-1:] == ["[DONE]"] and text == want
+            except (requests.RequestException, ValueError):
+                good = False
+            if good:
+                report.native_ok += 1
+            else:
+                report.native_failed += 1
 
 
 def _warm_up(opts: DemoOptions, trace: list, engines: list[SimEngine]) -> None:
@@ -748,6 +808,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--flavor", default=d.flavor, choices=[f.value for f in Flavor],
              help="engine flavor (kvsvc sim --flavor): vllm and sglang answer replays with "
                   "history (§7h), their streams run replay_mode history")
+    add_flag(parser, "--xllm", default=d.xllm, choices=("http", "native"),
+             help="native: xLLM engines with service routing (§13); after the replay, "
+                  "answers written from their Generations are checked through the service")
     add_flag(parser, "--buffer-steps", type=int, default=d.buffer_steps,
              help="vllm/sglang engines: batches kept for history replay")
     add_flag(parser, "--etcd", "--etcd_addr", dest="etcd", default=d.etcd,
@@ -768,7 +831,8 @@ def run(args: argparse.Namespace) -> int:
         opts = DemoOptions(requests=args.requests, engines=args.engines, chaos=args.chaos,
                            seed=args.seed, trace=args.trace, device_blocks=args.device_blocks,
                            host_blocks=args.host_blocks, wait_timeout_s=args.wait_timeout_s,
-                           etcd=args.etcd, flavor=args.flavor, buffer_steps=args.buffer_steps)
+                           etcd=args.etcd, flavor=args.flavor, buffer_steps=args.buffer_steps,
+                           xllm=args.xllm)
         report = run_demo(opts)
     except KeyboardInterrupt:
         print("kvsvc demo: interrupted; everything stopped", file=sys.stderr)

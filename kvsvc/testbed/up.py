@@ -397,7 +397,9 @@ class LocalCluster:
                   "",
                   "Add your own engine to this cluster:",
                   f"  kvsvc sim --serve --etcd {self.etcd_addr} "
-                  f"--internal-api-token-file {shlex.quote(str(self.token_file))}"]
+                  f"--internal-api-token-file {shlex.quote(str(self.token_file))}"
+                  + (" --native" if o.xllm == "native" else "")
+                  + ("" if o.kv_events else " --kv-events off")]
         return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import argparse
 import io
 import json
 import random
+import re
 
 import pytest
 
@@ -122,3 +123,16 @@ def test_demo_vllm_chaos_catches_up_from_history(trace):
     assert (rep.false_hits, rep.exact_mismatches) == (0, 0) and rep.passed(chaos=True)
     assert rep.by_completeness["subset"] == 0        # history from seq 0 was always there
     assert "[chaos] request 27: engine sim-0 restarted" in out.getvalue()
+
+
+def test_demo_native_xllm_engines_answer_from_generations(trace):
+    """``kvsvc demo --xllm native`` (§13): the engines heartbeat over baidu_std, the index
+    stays exact, and answers through the service, written from the engines' Generations,
+    equal the engines' output."""
+    out = io.StringIO()
+    rep = run_demo(DemoOptions(requests=30, engines=2, trace=trace, device_blocks=48,
+                               host_blocks=48, xllm="native", native_answers=8), out)
+    assert rep.exact == rep.comparisons == 90 and rep.false_hits == 0
+    assert (rep.native_ok, rep.native_failed) == (8, 0) and rep.passed(chaos=False)
+    assert re.search(r"native answers \(Generations -> SSE\) complete and equal +8/8",
+                     out.getvalue())

@@ -159,7 +159,7 @@ def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_ser
                      what="stream synchronized")
             eng.execute(TOKENS)
             wait_for(lambda: answers(app)[(name, 0)] == (True, 0, 8), what="hit")
-            r = client.get("/ready")
+            r = client.get("/ready?streams=synchronized")
             body = r.get_json()
             assert r.status_code == 200 and body["ready"] is True
             assert (body["registry"]["fresh"], body["registry"]["instances"]) == (True, 1)
@@ -169,9 +169,9 @@ def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_ser
             # etcd down: the last snapshot is kept, streams go on serving, the replica stays
             # ready (every replica shares etcd: 503 would drain them all at once).
             etcd_server.stop()
-            wait_for(lambda: not client.get("/ready").get_json()["registry"]["fresh"],
+            wait_for(lambda: not client.get("/ready?streams=synchronized").get_json()["registry"]["fresh"],
                      timeout_s=15.0, what="registry not fresh")
-            r = client.get("/ready")
+            r = client.get("/ready?streams=synchronized")
             body = r.get_json()
             assert (r.status_code, body["ready"], body["registry"]["fresh"],
                     body["registry"]["routing_on_last_snapshot"], body["registry"]["instances"],
@@ -179,9 +179,9 @@ def test_deregistration_removes_streams_and_etcd_outage_keeps_readiness(etcd_ser
             assert body["registry"]["stale_for_s"] > 0
             assert answers(app)[(name, 0)] == (True, 0, 8)
             etcd_server.start()
-            wait_for(lambda: client.get("/ready").get_json()["registry"]["fresh"],
+            wait_for(lambda: client.get("/ready?streams=synchronized").get_json()["registry"]["fresh"],
                      timeout_s=15.0, what="registry fresh again")
-            body = client.get("/ready").get_json()
+            body = client.get("/ready?streams=synchronized").get_json()
             assert (body["ready"], body["registry"]["routing_on_last_snapshot"],
                     body["registry"]["stale_for_s"]) == (True, False, None)
             assert answers(app)[(name, 0)] == (True, 0, 8)
@@ -206,11 +206,11 @@ def test_ready_waits_for_the_first_plans_streams_then_stays_through_a_replacemen
             directory = app.extensions[EXTENSION].directory
             wait_for(lambda: directory.stream_ids() == [StreamId(name, 0)], timeout_s=10.0,
                      what="stream discovered")
-            r = client.get("/ready")
+            r = client.get("/ready?streams=synchronized")
             body = r.get_json()
             assert (r.status_code, body["ready"], body["warmed_up"], body["waiting_for"]) == (
                 503, False, False, [f"stream {name}/dp0 first synchronization"])
-            wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=10.0,
+            wait_for(lambda: client.get("/ready?streams=synchronized").status_code == 200, timeout_s=10.0,
                      what="ready after the first synchronization")
             assert answers(app)[(name, 0)][0] is True
 
@@ -219,7 +219,7 @@ def test_ready_waits_for_the_first_plans_streams_then_stays_through_a_replacemen
             new_identity = reg.reincarnate()
             wait_for(lambda: directory.identity(StreamId(name, 0)) == new_identity,
                      what="stream replaced")
-            r = client.get("/ready")
+            r = client.get("/ready?streams=synchronized")
             body = r.get_json()
             assert answers(app)[(name, 0)][0] is False
             assert (r.status_code, body["ready"], body["warmed_up"]) == (200, True, True)
@@ -289,7 +289,7 @@ def serve_process(etcd_addr: str, port: int, cfg: Path, log_path: Path) -> subpr
 
 def ready_body(port: int) -> Optional[dict]:
     try:
-        return requests.get(f"http://127.0.0.1:{port}/ready", timeout=2.0).json()
+        return requests.get(f"http://127.0.0.1:{port}/ready?streams=synchronized", timeout=2.0).json()
     except (requests.RequestException, ValueError):
         return None
 

@@ -61,9 +61,9 @@ def test_serve_ready_query_and_sigint(tmp_path, zmq_ctx, servers):
                          "--internal_api_token_file", str(token_file)])
         servers.append(server)
         server.wait_healthy()
-        wait_for(lambda: server.get("/ready").status_code == 200, timeout_s=20,
+        wait_for(lambda: server.get("/ready?streams=synchronized").status_code == 200, timeout_s=20,
                  interval_s=0.05, what="/ready 200")
-        assert server.get("/ready").json()["streams"] == [{
+        assert server.get("/ready?streams=synchronized").json()["streams"] == [{
             "instance_name": INSTANCE, "dp_rank": 0, "state": "synchronized",
             "synchronized_once": True, "sequence": None, "error": None,
             "device_blocks": 2, "host_blocks": 0, "recoveries": 1, "resync_differences": 0,
@@ -120,7 +120,7 @@ def test_serve_index_disabled_sigterm(tmp_path, servers):
                     env={**serve_env(), "KVSVC_INTERNAL_API_TOKEN": TOKEN})
     servers.append(server)
     server.wait_healthy()
-    wait_for(lambda: server.get("/ready").status_code == 200, timeout_s=20, interval_s=0.05,
+    wait_for(lambda: server.get("/ready?streams=synchronized").status_code == 200, timeout_s=20, interval_s=0.05,
              what="/ready 200")
     r = server.post(QUERY, headers=AUTH, json={"token_ids": [1, 2, 3]})
     assert (r.status_code, r.json()) == (200, {"matches": []})

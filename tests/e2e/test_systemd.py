@@ -118,7 +118,7 @@ def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine, et
         message = notify.recv(4096).decode()
         assert message.splitlines()[0] == "READY=1"
         wait_healthy(run, dep.base)
-        wait_for(lambda: requests.get(dep.base + "/ready", timeout=2).status_code == 200,
+        wait_for(lambda: requests.get(dep.base + "/ready?streams=synchronized", timeout=2).status_code == 200,
                  timeout_s=15, what="/ready 200")
         raw_engine.wait_subscribed()
         raw_engine.publish([stored([3], 2, range(8, 12), BS)])                  # seq 0
@@ -126,7 +126,7 @@ def test_exec_lines_as_written_notify_ready_and_metrics(tmp_path, raw_engine, et
         raw_engine.publish([removed([3])])                                      # 2
 
         def seq2() -> bool:
-            body = requests.get(dep.base + "/ready", timeout=2).json()
+            body = requests.get(dep.base + "/ready?streams=synchronized", timeout=2).json()
             return body["streams"][0]["sequence"] == 2
         wait_for(seq2, timeout_s=10, what="seq 2 applied")
         auth = {"X-Internal-Token": TOKEN}

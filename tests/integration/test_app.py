@@ -184,12 +184,12 @@ def test_health_is_ok_even_before_start():
 def test_ready_503_before_start_lists_streams():
     event_port, replay_port = free_ports(2)
     with running_app(one_stream_config(event_port, replay_port), start=False) as app:
-        r = app.test_client().get("/ready")
+        r = app.test_client().get("/ready?streams=synchronized")
         assert r.status_code == 503
         assert r.get_json() == {
             "ready": False, "running": False, "index_enabled": True, "warmed_up": False,
             "waiting_for": ["service start", f"stream {INSTANCE}/dp0 first synchronization"],
-            "heartbeat_rejections": {},
+            "unsynchronized_streams": [f"{INSTANCE}/dp0"], "heartbeat_rejections": {},
             "streams": [{"instance_name": INSTANCE, "dp_rank": 0, "state": "unsynchronized",
                          "synchronized_once": False, "sequence": None,
                          "error": "not started", "device_blocks": 0, "host_blocks": 0,
@@ -203,10 +203,11 @@ def test_index_disabled_answers_no_matches_and_is_ready(caplog):
             client = app.test_client()
             r = post(client, {"token_ids": [1, 2, 3]})
             assert (r.status_code, r.get_json()) == (200, {"matches": []})
-            r = client.get("/ready")
+            r = client.get("/ready?streams=synchronized")
             assert (r.status_code, r.get_json()) == (200, {
                 "ready": True, "running": True, "index_enabled": False, "warmed_up": True,
-                "waiting_for": [], "heartbeat_rejections": {}, "streams": []})
+                "waiting_for": [], "unsynchronized_streams": [], "heartbeat_rejections": {},
+                "streams": []})
             # Validation still applies with the index disabled.
             assert post(client, {"token_ids": [-5]}).status_code == 400
     disabled = [r for r in caplog.records if "index disabled" in r.getMessage()]

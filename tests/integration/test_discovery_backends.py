@@ -225,7 +225,7 @@ def test_ready_lists_instances_of_other_backends(etcd_server):
         client = app.test_client()
 
         def skipped() -> dict | None:
-            body = client.get("/ready").get_json()
+            body = client.get("/ready?streams=synchronized").get_json()
             return body if body["discovery"]["other_backends"] else None
 
         body = wait_for(skipped, timeout_s=10.0, what="vllm instance skipped")

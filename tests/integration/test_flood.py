@@ -85,7 +85,7 @@ class Flooder:
 
 
 def stream_status(server: Server, name: str) -> dict:
-    body = server.get("/ready").json()
+    body = server.get("/ready?streams=synchronized").json()
     return next(s for s in body["streams"] if s["instance_name"] == name)
 
 
@@ -118,7 +118,7 @@ def test_flood_stays_within_memory_bound(tmp_path, zmq_ctx):
                         env={**serve_env(), "KVSVC_INTERNAL_API_TOKEN": TOKEN,
                              "KVSVC_LOG_LEVEL": "warning"})
         server.wait_healthy()
-        wait_for(lambda: server.get("/ready").status_code == 200, timeout_s=20, interval_s=0.05,
+        wait_for(lambda: server.get("/ready?streams=synchronized").status_code == 200, timeout_s=20, interval_s=0.05,
                  what="/ready 200")
         for p in pubs:
             p.wait_subscribed(timeout_s=10)

@@ -262,7 +262,7 @@ def test_refused_heartbeats_log_one_warning_a_reminder_a_minute_and_info_when_ac
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"heartbeats from {who} refused: {cause}")
 
-    for answer in (client.get("/ready"),
+    for answer in (client.get("/ready?streams=synchronized"),
                    client.post(ROUTE_PATH, headers=HEADERS, json={"token_ids": [1, 2, 3]})):
         assert answer.status_code == 200, answer.get_json()
         listed = answer.get_json()["heartbeat_rejections"]
@@ -294,7 +294,7 @@ def test_refused_heartbeats_log_one_warning_a_reminder_a_minute_and_info_when_ac
     infos = rejection_lines(caplog, "INFO")
     assert infos == [f"heartbeats from {name} accepted again, after 5 refused over 61.0 s "
                      f"({cause.split(':')[0]})"]
-    assert client.get("/ready").get_json()["heartbeat_rejections"] == {}
+    assert client.get("/ready?streams=synchronized").get_json()["heartbeat_rejections"] == {}
     assert post(client, body(name=name)).status_code == 200
     assert len(rejection_lines(caplog, "INFO")) == 1
 
@@ -307,7 +307,7 @@ def test_refused_heartbeat_without_a_readable_name_is_its_remote_address(registe
     assert post(client, body(name="x\nFAKE LINE"), {"X-Internal-Token": "nope"}).status_code == 401
     (line,) = rejection_lines(caplog, "WARNING")
     assert line.startswith("heartbeats from unidentified sender 127.0.0.1 refused: token mismatch")
-    listed = client.get("/ready").get_json()["heartbeat_rejections"]
+    listed = client.get("/ready?streams=synchronized").get_json()["heartbeat_rejections"]
     assert listed["unidentified sender 127.0.0.1"]["count"] == 2
 
 

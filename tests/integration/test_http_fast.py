@@ -35,7 +35,7 @@ def synced_app(zmq_ctx):
     try:
         with running_app(one_stream_config(event_port, replay_port, block_size=BS)) as app:
             client = app.test_client()
-            wait_for(lambda: client.get("/ready").status_code == 200, timeout_s=10,
+            wait_for(lambda: client.get("/ready?streams=synchronized").status_code == 200, timeout_s=10,
                      interval_s=0.02, what="stream synchronized")
             yield app
     finally:

@@ -70,7 +70,7 @@ def test_previous_masters_load_ages_out_on_a_replica(etcd_server, etcd):
             " s old (max_load_age_s 2)"), reason
         assert float(reason.split()[2]) >= max_age  # one decimal: 2.04 s shows as 2.0
         assert stale["reason"] == "no schedulable instance with a current load report"
-        ready = client.get("/ready").get_json()
+        ready = client.get("/ready?streams=synchronized").get_json()
         assert list(ready["not_candidates"]) == [NAME]
         assert ready["not_candidates"][NAME].endswith(" s old (max_load_age_s 2)")
         # Re-lists (every 5 s) of the same revision do not make the value young again.
@@ -92,7 +92,7 @@ def test_new_master_never_routes_on_loads_read_from_etcd(etcd_server, etcd, capl
         answer = route(client)
         assert answer["prefill"] is None
         assert answer["excluded"] == {NAME: "no load report yet"}
-        assert client.get("/ready").get_json()["not_candidates"] == {NAME: "no load report yet"}
+        assert client.get("/ready?streams=synchronized").get_json()["not_candidates"] == {NAME: "no load report yet"}
         # The stale value is not left for the next process to adopt.
         wait_for(lambda: etcd.get(LOAD_KEY) is None, timeout_s=10.0)
         assert heartbeat(client, 0.4, waiting=2).status_code == 200

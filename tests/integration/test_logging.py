@@ -104,7 +104,7 @@ def test_serve_logs_json_no_token_no_line_per_request(tmp_path, zmq_ctx, access_
         run = Running(command(one(dep.svc, "ExecStart"), dep.creds), dep.env,
                       tmp_path / "serve.log")
         wait_healthy(run, dep.base)
-        wait_for(lambda: requests.get(dep.base + "/ready", timeout=2).status_code == 200,
+        wait_for(lambda: requests.get(dep.base + "/ready?streams=synchronized", timeout=2).status_code == 200,
                  timeout_s=15, what="/ready 200")
         # The synchronized line may follow /ready's 200 by a moment: count lines after it.
         wait_for(lambda: "synchronized (" in run.log(), timeout_s=5, what="synchronized line")

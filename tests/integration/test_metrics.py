@@ -286,7 +286,7 @@ def test_health_touches_neither_registry_nor_directory(monkeypatch):
     svc = app.extensions[EXTENSION]
     try:
         client = app.test_client()
-        ready = client.get("/ready")
+        ready = client.get("/ready?streams=synchronized")
         assert ready.status_code == 503
         body = ready.get_json()
         assert body["registry"]["fresh"] is False
@@ -317,14 +317,14 @@ def test_ready_static_streams_need_a_first_sync_and_a_first_registry_list(raw_en
     try:
         client = app.test_client()
         wait_for(lambda: raw_engine.requests, timeout_s=10, what="snapshot request")
-        first = client.get("/ready")
+        first = client.get("/ready?streams=synchronized")
         assert first.status_code == 503
         assert first.get_json()["streams"][0]["synchronized_once"] is False
         assert first.get_json()["waiting_for"] == [
             "registry first list", f"stream {INSTANCE}/dp0 first synchronization"]
         raw_engine.release_replies()
         wait_for(lambda: status(app).synchronized_once, timeout_s=10, what="synchronized")
-        r = client.get("/ready")
+        r = client.get("/ready?streams=synchronized")
         body = r.get_json()
         assert (r.status_code, body["ready"], body["registry"]["fresh"],
                 body["streams"][0]["state"], body["streams"][0]["synchronized_once"],

@@ -1,5 +1,7 @@
-"""``GET /ready`` as "this replica should receive traffic" (§10, issue 13), with a real etcd and
-a real stream (tests/support/publisher.py engine): 503 before the registry's first list (etcd down at
+"""``GET /ready`` (§10, §15, issues 13 and 20), with a real etcd and a real stream
+(tests/support/publisher.py engine). The probe's rule: 200 once the router can route (registry
+listed, at least one routing candidate), a stream that never synchronizes reported, not fatal.
+The warm-up gate ``?streams=synchronized``: 503 before the registry's first list (etcd down at
 boot: nothing to route on) and before warm-up (every configured stream synchronized once), each
 missing piece named in ``waiting_for``; after warm-up 200 through an etcd outage (paused etcd:
 every request hangs), routing on the last snapshot and saying so, and while a stream is out of
@@ -18,6 +20,7 @@ from kvsvc.http.internal import QUERY_PATH
 from kvsvc.streams.state import Completeness, StreamId
 from tests.support.metrics import scrape
 from tests.support.publisher import stored
+from tests.support.routes import NS, register, running
 from tests.support.util import free_ports, wait_for
 
 INSTANCE = "127.0.0.1:9400"
@@ -36,8 +39,58 @@ def started(etcd_addr: str, raw_engine=None) -> flask.Flask:
 
 
 def ready(client) -> tuple[int, dict]:
+    """The warm-up gate (``?streams=synchronized``)."""
+    r = client.get("/ready?streams=synchronized")
+    return r.status_code, r.get_json()
+
+
+def probe(client) -> tuple[int, dict]:
+    """The probe's ``/ready``."""
     r = client.get("/ready")
     return r.status_code, r.get_json()
+
+
+def test_probe_ready_with_a_candidate_although_its_stream_never_synchronizes(etcd_server, etcd):
+    """An engine started without KV events: its stream never synchronizes, completions route
+    fine. /ready is 503 only while no instance is a candidate, then 200 with the stream's
+    state in the body; the warm-up gate still waits for the stream."""
+    dead_event, dead_replay = free_ports(2)   # nothing listens: never synchronized
+    kv = parse_kv_events_config({
+        "streams": [{"instance_name": INSTANCE, "block_size": 4,
+                     "endpoint": f"tcp://127.0.0.1:{dead_event}",
+                     "replay_endpoint": f"tcp://127.0.0.1:{dead_replay}"}],
+        "replay_timeout_ms": 300})
+    with running(etcd_server, kv) as app:
+        client = app.test_client()
+        wait_for(lambda: probe(client)[1]["registry"]["listed_once"], timeout_s=10.0,
+                 what="registry listed")
+        status, body = probe(client)
+        assert (status, body["ready"], body["waiting_for"], body["candidates"]) == (
+            503, False, ["a routing candidate"], [])
+        register(app, etcd, INSTANCE)   # registered, with a heartbeat: a candidate
+        status, body = probe(client)
+        assert (status, body["ready"], body["waiting_for"], body["candidates"]) == (
+            200, True, [], [INSTANCE])
+        assert body["unsynchronized_streams"] == [f"{INSTANCE}/dp0"]
+        assert body["streams"][0]["synchronized_once"] is False
+        assert body["warmed_up"] is False
+        status, body = ready(client)
+        assert (status, body["waiting_for"]) == (503, [STREAM])
+        # Its load ages out (no heartbeat for max_load_age_s): no candidate, 503 again.
+        etcd.delete(f"/{NS}/XLLM:DEFAULT:{INSTANCE}")
+        wait_for(lambda: probe(client)[0] == 503, timeout_s=30.0, interval_s=0.1,
+                 what="no candidate once the instance is gone")
+
+
+def test_probe_ready_without_a_registry_is_the_service_running(raw_engine):
+    app = started("", raw_engine)
+    svc = app.extensions[EXTENSION]
+    try:
+        status, body = probe(app.test_client())
+        assert (status, body["waiting_for"]) == (200, [])
+        assert "candidates" not in body
+    finally:
+        svc.close(timeout_s=10.0)
 
 
 @pytest.mark.etcd_fresh

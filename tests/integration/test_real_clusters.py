@@ -2,7 +2,7 @@
 engines' streams, and simulated vLLM engines with ``--dp 2`` serving over loopback HTTP that
 send no heartbeat. Their load comes only from the scrape thread reading their ``/metrics``;
 DP-rank routing sends a repeated prompt to the rank that holds its prefix (the answer's cached
-tokens equal the prediction), while the minimum rule predicts 0 for it."""
+tokens equal the prediction), while the minimum rule sees no exact hit on the other rank.""" 
 
 from __future__ import annotations
 
@@ -140,11 +140,15 @@ def test_min_rule_predicts_nothing_for_a_prefix_on_one_rank(etcd_server, etcd):
 
         decision = wait_for(indexed, 10.0, 0.05, "the index to hold the prefix")
         assert decision["prefill_dp_rank"] is None
-        assert decision["candidates"][0]["dp_rank"] is None
-        assert decision["candidates"][0]["hit_ratio"] == 0.0   # the minimum over ranks
+        cand = decision["candidates"][0]
+        assert cand["dp_rank"] is None and len(cand["ranks"]) == 2
+        # The exact hits: 16 on the rank that ran it, none on the other, whose minimum (§11)
+        # is what the rule counts (pending blocks, §16, are recorded on every rank of an
+        # instance sent no rank, and may add to both).
+        exact = {r["dp_rank"]: r["device_hit_tokens"] for r in cand["ranks"]}
+        assert exact == {rank: 16, 1 - rank: 0}
         r = answer(app, prompt)
         assert "x-data-parallel-rank" not in {k.lower() for k in r.headers.keys()}
-        assert r.headers["x-kvsvc-predicted-cached-tokens"] == "0"
 
 
 def test_a_dead_metrics_endpoint_reports_no_load(etcd_server, etcd):

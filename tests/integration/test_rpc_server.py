@@ -394,3 +394,86 @@ def test_metrics_show_the_baidu_std_counters(etcd_server, etcd):
     finally:
         client.close()
         svc.close(timeout_s=10.0)
+
+
+_MASTER_CHILD = """
+import sys, threading
+from kvsvc.service import Service
+from kvsvc.settings import load_service_settings
+svc = Service(load_service_settings(etcd_addr=sys.argv[1], host="127.0.0.1", port=int(sys.argv[2]),
+                                    rpc_host="127.0.0.1", rpc_port=int(sys.argv[3])), None)
+svc.start(timeout_s=10.0)
+svc.registry.wait_for(lambda s: s.is_master, 10)
+print("master", flush=True)
+threading.Event().wait(120)
+"""
+
+
+def test_master_killed_engines_follow_the_new_master_within_5_s(etcd_server, etcd):
+    """The master process is killed (SIGKILL: no resignation); its lease expires, the other
+    replica takes the key, and an engine following the key has its heartbeats accepted by the
+    new master within 5 s of the kill (lease TTL 3 s + one 1 s election turn)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvsvc.cluster.etcd import EtcdClient
+
+    lease = etcd.grant_lease(60)
+    etcd.put(f"XLLM:DEFAULT:{NAME}", json.dumps(REGISTRATIONS[f"XLLM:DEFAULT:{NAME}"]),
+             lease_id=lease)
+    port_a, port_b = free_port(), free_port()
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MASTER_CHILD, etcd_server.addr, str(free_port()), str(port_a)],
+        stdout=subprocess.PIPE, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "KVSVC_LOG_LEVEL": "warning"})
+    client = RpcClient(ClientSettings(connect_timeout_s=0.3, timeout_s=0.5))
+    reader = EtcdClient(etcd_server.addr)
+    results: list[tuple[float, str, bool]] = []
+    stop = threading.Event()
+
+    def engine() -> None:
+        while not stop.wait(0.1):
+            try:
+                kv = reader.get(MASTER_KEY)
+            except Exception:  # noqa: BLE001 - etcd read failed: try again
+                continue
+            if kv is None:
+                continue
+            master = kv.value.decode()
+            try:
+                ok = heartbeat(client, master)
+            except (RpcUnreachable, RpcCallFailed):
+                ok = False
+            results.append((time.monotonic(), master, ok))
+
+    thread = threading.Thread(target=engine, name="test-engine")
+    try:
+        assert child.stdout.readline() == b"master\n"
+        with service(etcd_server.addr, port_b) as b:
+            b.registry.wait_for(lambda s: NAME in s.instances, 10)
+            thread.start()
+            wait_for(lambda: any(ok and m.endswith(f":{port_a}") for _, m, ok in results), 5,
+                     what="engine heartbeats the first master")
+            child.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            child.wait(5)
+            wait_for(lambda: any(ok and m.endswith(f":{port_b}") for _, m, ok in results), 10,
+                     what="engine heartbeats the new master")
+            took = next(t for t, m, ok in results if ok and m.endswith(f":{port_b}")) - t0
+            print(f"engine's first heartbeat accepted by the new master {took:.2f} s after "
+                  "SIGKILL of the old one")
+            assert took <= 5.0
+            assert etcd.get(MASTER_KEY).value.decode() == f"127.0.0.1:{port_b}"
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(10)
+        if child.poll() is None:
+            child.kill()
+            child.wait(5)
+        client.close()
+        reader.close()

@@ -69,7 +69,7 @@ def real_service(tmp_path, zmq_ctx) -> Iterator[tuple[Server, ProtocolPublisher]
         server = Server(tmp_path, http_port, ["--kv_events_config_file", str(cfg)],
                         env={**serve_env(), "KVSVC_INTERNAL_API_TOKEN": TOKEN})
         server.wait_healthy()
-        wait_for(lambda: server.get("/ready").status_code == 200, timeout_s=20, interval_s=0.05,
+        wait_for(lambda: server.get("/ready?streams=synchronized").status_code == 200, timeout_s=20, interval_s=0.05,
                  what="/ready 200")
         wait_for(lambda: len(group_pids(server.pgid)) == 2, timeout_s=10, what="arbiter + worker")
         yield server, pub
