@@ -290,7 +290,8 @@ class Service:
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
-            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations),
+            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
+                                     self.pd_links.excluded if self.pd_links else None),
                       settings.rpc_host, settings.rpc_port)
             if self.rpc_address is not None else None)
         self._lock = threading.Lock()
