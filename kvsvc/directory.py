@@ -599,6 +599,19 @@ class Directory:
                 out[sid] = ("pending", sub.pending.stats())
         return out
 
+    def sweep_overlays(self, now: Optional[float] = None) -> int:
+        """Drop the expired entries of every overlay (§14, §16): a dispatch sweeps its own
+        overlay, this sweeps the idle ones (discovery calls it every refresh), so their memory
+        and ``kvsvc_overlay_blocks`` follow the TTL.
+
+        :param now: monotonic seconds (default: the directory's clock).
+        :returns: blocks dropped.
+        """
+        view = self._current()
+        now = self._clock() if now is None else now
+        dropped = sum(a.overlay.sweep(now) for a in view.approximate.values())
+        return dropped + sum(overlay.sweep(now) for _, overlay, _ in view.pending_slots)
+
     def approximate_backend(self, stream_id: StreamId) -> Optional[str]:
         """The backend of the approximate index ``stream_id``; ``None`` when it is none."""
         approx = self._current().approximate.get(stream_id)

@@ -41,7 +41,7 @@ from typing import Callable, Optional, Protocol
 from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
-from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
+from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
@@ -120,7 +120,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_ttft_ms=settings.target_ttft,
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
-                         dp_rank_routing=settings.dp_rank_routing)
+                         dp_rank_routing=settings.dp_rank_routing,
+                         ttft_work_weight=settings.ttft_work_weight)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
@@ -182,6 +183,14 @@ def startup_warnings(settings: ServiceSettings,
     if not settings.etcd_addr:
         lines.append("etcd_addr is empty: no instance registry, so no routing candidate: "
                      "every OpenAI request is answered 503")
+    if settings.xllm_dispatch == "native":
+        if settings.etcd_addr and not settings.rpc_port:
+            lines.append("xllm_dispatch is native but rpc_port is 0: xLLM engines have no "
+                         "baidu_std port to send their Generations to, so every request "
+                         "dispatched to them times out (upstream_read_timeout_s)")
+        if not settings.tokenizer_path:
+            lines.append("xllm_dispatch is native without tokenizer_path: xLLM engines take "
+                         "token ids only, so text and chat prompts sent to them get 400")
     return lines
 
 
@@ -274,7 +283,9 @@ class Service:
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
         self.pd_links: Optional[PdLinks] = None
         if settings.xllm_dispatch == "native" and self.registry is not None:
-            self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
+            registry = self.registry
+            self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
+                registration=lambda name: registration_fields(registry.registration(name))))
             self.router.excluded = self.pd_links.excluded
         # §15: the instances' own model lists decide which serve a request's model; with
         # --model empty they are also /v1/models.
@@ -285,7 +296,8 @@ class Service:
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
-            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations),
+            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
+                                     self.pd_links.excluded if self.pd_links else None),
                       settings.rpc_host, settings.rpc_port)
             if self.rpc_address is not None else None)
         self._lock = threading.Lock()

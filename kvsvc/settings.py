@@ -109,6 +109,9 @@ CAR_WEIGHT_RANGE = (0.0, 1.0)
 DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
+#: TTFT policy's work term (``--ttft_work_weight``): default and closed range.
+DEFAULT_TTFT_WORK_WEIGHT = 0.0
+TTFT_WORK_WEIGHT_RANGE = (0.0, 10.0)
 #: §16 pending prefixes: ``--pending_ttl_ms`` default and closed range (0: off), ms, and
 #: ``--pending_blocks`` default and closed range, blocks per (instance, DP rank).
 DEFAULT_PENDING_TTL_MS = 15_000
@@ -310,6 +313,11 @@ class ServiceSettings(BaseSettings):
     load_scrape_interval_ms: Annotated[int, Field(ge=50, le=60_000), Setting(
         SECTION_ROUTING, "period of the `/metrics` scrapes of `--load_scrape_backends` "
         "instances; keep it well below `--max_load_age_s`", unit="ms")] = 500
+    ttft_work_weight: Annotated[float, Field(ge=TTFT_WORK_WEIGHT_RANGE[0],
+                                             le=TTFT_WORK_WEIGHT_RANGE[1]), Setting(
+        SECTION_ROUTING, "TTFT: weight of the prefill work a candidate adds beyond the "
+        "best-cached candidate's (the delay it imposes on the requests behind it there); 0: "
+        "§12's predicted TTFT alone (docs/routing-overlays.md)")] = DEFAULT_TTFT_WORK_WEIGHT
     pending_ttl_ms: Annotated[int, Field(ge=PENDING_TTL_RANGE_MS[0],
                                          le=PENDING_TTL_RANGE_MS[1]), Setting(
         SECTION_ROUTING, "pending prefixes (§16): the full blocks of a routed prompt count as "

@@ -437,6 +437,8 @@ class Discovery(BackgroundThread):
                 self._first_plan = frozenset(plan.streams)
             self._log_exclusions(plan.excluded)
             self._log_other_backends(plan.other_backends)
+            # Idle overlays expire here too (§14, §16): a dispatch only sweeps its own.
+            self._directory.sweep_overlays()
             self._refreshes += 1
             with self._counter_lock:
                 for kind, sids in (("added", result.added), ("replaced", result.replaced),

@@ -34,7 +34,8 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
                 target_ttft_ms: int = DEFAULT_TARGET_TTFT_MS,
                 target_tpot_ms: int = DEFAULT_TARGET_TPOT_MS,
                 default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
-                dp_rank_routing: bool = True) -> Policy:
+                dp_rank_routing: bool = True,
+                ttft_work_weight: float = 0.0) -> Policy:
     """The policy selected by ``--load_balance_policy`` (xllm-service's names, plus TTFT).
 
     :param name: ``RR``, ``CAR``, ``SLO_AWARE`` or ``TTFT``.
@@ -47,6 +48,7 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     :param target_tpot_ms: ``--target_tpot``, SLO_AWARE.
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, TTFT.
     :param dp_rank_routing: ``--dp_rank_routing`` (§15), CAR and TTFT.
+    :param ttft_work_weight: ``--ttft_work_weight``, TTFT.
     :raises ValueError: ``name`` is none of :class:`~kvsvc.settings.PolicyName` (a bug: the
         setting's validator admits only those).
     """
@@ -69,10 +71,10 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
         return slo
     if name == PolicyName.TTFT:
         ttft = TtftPolicy(ledger, host_hit_weight, default_prefill_tokens_per_s,
-                          max_load_age_s, dp_rank_routing)
+                          max_load_age_s, dp_rank_routing, ttft_work_weight)
         log.info("routing policy TTFT (host hit weight %.3f, default prefill %g tokens/s, "
-                 "max load age %g s, DP-rank routing %s)", ttft.host_hit_weight,
-                 ttft.default_prefill_tokens_per_s, ttft.max_load_age_s,
-                 "on" if ttft.dp_rank_routing else "off")
+                 "max load age %g s, DP-rank routing %s, work weight %g)",
+                 ttft.host_hit_weight, ttft.default_prefill_tokens_per_s, ttft.max_load_age_s,
+                 "on" if ttft.dp_rank_routing else "off", ttft.work_weight)
         return ttft
     raise ValueError(f"no routing policy {name!r}")

@@ -42,6 +42,13 @@ predicted when it was dispatched, plus the requests of other senders that P's la
   recent), else ``prefill_ms(P, input_tokens)`` of the request being routed (a queued request
   of unknown size costs a full prefill of this size).
 
+The work term (``--ttft_work_weight`` ``w``, default 0: §12 exactly): a candidate's score is
+``predicted_ttft(P) + w * (prefill_ms(P, uncached) - min over candidates of the same)``. The
+predicted TTFT is the request's own; the prefill a colder candidate must compute beyond the
+best-cached one's is also time every request queued behind it there waits (the prefix the
+request would have reused is recomputed, the lane busy meanwhile), which the request's own TTFT
+does not count. ``predicted_ttft_ms`` stays the TTFT; ``score`` is what was compared.
+
 Nothing here does I/O; the choice reads the ledger's snapshot (copied under its lock) and the
 registry's.
 """
@@ -182,6 +189,9 @@ class TtftPolicy(CacheAware):
     :param dp_rank_routing: ``--dp_rank_routing``: score (instance, DP rank) pairs of the
         backends that honour a rank (§15), each with its rank's hits, own pending prefills
         and reported queue.
+    :param work_weight: ``--ttft_work_weight`` ``w`` >= 0: a candidate's score is its
+        predicted TTFT plus ``w`` times the prefill it adds beyond the best-cached candidate's
+        (module docstring); 0: §12's predicted TTFT alone.
 
     The values arrive valid (the settings table's ranges, checked once there).
     """
@@ -192,8 +202,9 @@ class TtftPolicy(CacheAware):
                  host_hit_weight: float = 0.5,
                  default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
-                 dp_rank_routing: bool = True) -> None:
+                 dp_rank_routing: bool = True, work_weight: float = 0.0) -> None:
         super().__init__(0.5, host_hit_weight, max_load_age_s, dp_rank_routing)
+        self.work_weight = float(work_weight)
         self.default_prefill_tokens_per_s = float(default_prefill_tokens_per_s)
         self.ledger = ledger
         self.predictors = PredictorCache(
@@ -236,9 +247,15 @@ class TtftPolicy(CacheAware):
                 # is within queue already unless the queue model changes: kept explicit).
                 queue = max(queue, own_backlog_ms(pending, recent, now))
             rows.append((queue + own, queue, own))
-        order, tied = self._pick([r[0] for r in rows], PREFILL_SIDE)
+        scores = [r[0] for r in rows]
+        if self.work_weight and rows:
+            # The work term (module docstring): the prefill a candidate adds beyond the
+            # best-cached one delays the requests that queue behind it there.
+            least = min(r[2] for r in rows)
+            scores = [r[0] + self.work_weight * (r[2] - least) for r in rows]
+        order, tied = self._pick(scores, PREFILL_SIDE)
         cands: list[CandidateScore] = [
-            entries[i].candidate(in_flight, entries[i].hit_ratio, None, rows[i][0], i in tied,
+            entries[i].candidate(in_flight, entries[i].hit_ratio, None, scores[i], i in tied,
                                  estimated_prefill_ms=rows[i][1],
                                  predicted_prefill_ms=rows[i][2], predicted_ttft_ms=rows[i][0])
             for i in order]

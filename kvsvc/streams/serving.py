@@ -287,8 +287,9 @@ class ServingState:
         """
         events = action.events
         pending = self.pending
-        # Collected only while blocks are pending (§16): otherwise nothing is settled.
-        changes = self._changes if pending is not None and len(pending) else None
+        # Collected whenever the stream has a pending set (§16), even while it is empty: a
+        # dispatch may add the very blocks this batch stores while it is applied.
+        changes = self._changes if pending is not None else None
         with self._lock:
             try:
                 if changes is None:

@@ -87,7 +87,8 @@ def test_approximate_indexes_count_against_max_streams():
 
 def test_discovery_follows_the_instances_lifecycle():
     source = Source(inst("10.0.0.1:8000"))
-    d = Directory(CFG)
+    clock = {"t": 1000.0}
+    d = Directory(CFG, clock=lambda: clock["t"])
     disc = Discovery(source, d, DISC, CFG)
     r = disc.refresh()
     sid = StreamId("10.0.0.1:8000", 0)
@@ -105,6 +106,13 @@ def test_discovery_follows_the_instances_lifecycle():
     r = disc.refresh()
     assert r.replaced == (sid,) and d.identity(sid) == "inc-2"
     assert [m.device_hit_tokens for m in d.query(tokens(2))] == [0]
+    # An idle index expires on discovery's refresh (not only on its next dispatch).
+    _, pk = d.query_prompt(tokens(3))
+    d.record_dispatch(sid.instance_name, [(0, 0)], pk)
+    assert d.overlay_stats()[sid][1].blocks == 3
+    clock["t"] += DISC.approximate_ttl_s
+    disc.refresh()
+    assert d.overlay_stats()[sid][1].blocks == 0
     # SUSPECT: dropped.
     source.value = snap(inst("10.0.0.1:8000", inc="inc-2", state=InstanceState.SUSPECT))
     r = disc.refresh()

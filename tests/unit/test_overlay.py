@@ -189,7 +189,7 @@ def test_live_batches_settle_the_streams_pending_blocks():
     assert len(pending) == 0
 
 
-def test_nothing_is_collected_while_nothing_is_pending():
+def test_an_empty_pending_set_settles_nothing_and_the_collector_is_reused():
     state, pending = serving_with_pending()
     assert state.apply(ApplyEvents(0, [stored([1, 2], tokens(2))])) is None
     assert pending.stats().settled == 0 and state._changes.keys == []

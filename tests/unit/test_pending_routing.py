@@ -135,3 +135,22 @@ def test_audit_counts_pending_predictions_apart_and_names_their_misses():
     assert snap_.by_backend == {("vllm", "pending", "within_block"): 1,
                                 ("vllm", "pending", "over"): 2}
     assert snap_.recent[0].to_json()["pending"] == 400
+
+
+def test_ttft_work_weight_counts_the_prefill_a_colder_candidate_adds():
+    def choose(weight: float):
+        ledger = RequestMetricsLedger()
+        ledger.on_dispatch(RequestInfo(1, "a:1", "", N, 150.0, "TTFT", dispatched_at=NOW))
+        policy = TtftPolicy(ledger, work_weight=weight)
+        m = [match("a:1", dev=800), match("b:1")]
+        return policy.choose(TOKENS, snap(inst("a:1"), inst("b:1")), m, now=NOW)
+
+    # §12 alone: a waits 150 ms then computes 200 tokens (170 ms); b computes 1000 (100 ms).
+    d = choose(0.0)
+    assert d.prefill.name == "b:1"
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 170.0, "b:1": 100.0}
+    # Weight 1: b's 80 ms of extra prefill (the prefix a holds, recomputed) count once more.
+    d = choose(1.0)
+    assert d.prefill.name == "a:1"
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 170.0, "b:1": 180.0}
+    assert d.prefill_candidate("b:1").predicted_ttft_ms == pytest.approx(100.0)

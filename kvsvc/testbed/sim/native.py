@@ -241,6 +241,8 @@ class NativeFront:
         self._threads: set[threading.Thread] = set()
         self._ids = itertools.count(1)
         self.linked: set[str] = set()
+        #: The last ``InstanceClusterInfo`` received per linked peer (JSON form).
+        self.link_infos: dict[str, dict] = {}
         self.refuse_links = False
         self._stopping = threading.Event()
         #: Counters: accepted requests, entries pushed, entries answered ok: false, failed
@@ -333,9 +335,11 @@ class NativeFront:
             with self._lock:
                 if method == "LinkInstance":
                     self.linked.add(peer)
+                    self.link_infos[peer] = dict(doc)
                     self.counts["links"] += 1
                 else:
                     self.linked.discard(peer)
+                    self.link_infos.pop(peer, None)
                     self.counts["unlinks"] += 1
             log.info("sim %s: %s %s", self.name, method, peer)
             return {"ok": True}
