@@ -182,6 +182,14 @@ def startup_warnings(settings: ServiceSettings,
     if not settings.etcd_addr:
         lines.append("etcd_addr is empty: no instance registry, so no routing candidate: "
                      "every OpenAI request is answered 503")
+    if settings.xllm_dispatch == "native":
+        if settings.etcd_addr and not settings.rpc_port:
+            lines.append("xllm_dispatch is native but rpc_port is 0: xLLM engines have no "
+                         "baidu_std port to send their Generations to, so every request "
+                         "dispatched to them times out (upstream_read_timeout_s)")
+        if not settings.tokenizer_path:
+            lines.append("xllm_dispatch is native without tokenizer_path: xLLM engines take "
+                         "token ids only, so text and chat prompts sent to them get 400")
     return lines
 
 
@@ -282,7 +290,8 @@ class Service:
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
-            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations),
+            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
+                                     self.pd_links.excluded if self.pd_links else None),
                       settings.rpc_host, settings.rpc_port)
             if self.rpc_address is not None else None)
         self._lock = threading.Lock()

@@ -20,7 +20,8 @@ Two parts, the rules apart from the sockets:
     register_ts_ms, kv_split_size); an unknown name gives an empty one;
   - ``GetStaticDecodeList`` / ``GetStaticPrefillList(InstanceID)`` -> ``InstanceIDs``: the
     schedulable (``ACTIVE`` or ``LEASE_LOST``) instances registered DECODE, resp. PREFILL or
-    DEFAULT, in name order (xllm-service's ``InstanceMgr``);
+    DEFAULT, in name order (xllm-service's ``InstanceMgr``), less those whose P/D link failed
+    (no candidate, §13);
   - ``Hello(Empty)`` -> ``Status{ok: true}``;
   - the service by its full name or the short ``XllmRpcService`` (brpc accepts both); another
     service: ENOSERVICE ``Fail to find service=<name>``; another method (``RegisterInstance``
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from kvsvc.cluster.heartbeat import HeartbeatIntake, HeartbeatOutcome
 from kvsvc.cluster.model import InstanceState, InstanceType, RegistrySnapshot
@@ -111,13 +112,18 @@ class XllmRpcHandler:
     :param heartbeats: the service's heartbeat intake.
     :param registry: where GetInstanceInfo and the static lists read, ``None`` without one.
     :param sink: where Generations entries go (``Service.generations``), ``None``: refused.
+    :param excluded: the instances that are no candidate (a failed P/D link, §13:
+        :meth:`~kvsvc.cluster.pd_links.PdLinks.excluded`), left out of the static lists;
+        ``None``: none.
     """
 
     def __init__(self, heartbeats: HeartbeatIntake, registry: Optional[Registry],
-                 sink: Optional[GenerationSink]) -> None:
+                 sink: Optional[GenerationSink],
+                 excluded: Optional[Callable[[], Mapping[str, str]]] = None) -> None:
         self._heartbeats = heartbeats
         self._registry = registry
         self._sink = sink
+        self._excluded = excluded
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
         self._errors: Counter[int] = Counter()
@@ -236,8 +242,10 @@ class XllmRpcHandler:
         out = messages.InstanceIDs()
         if self._registry is not None:
             snap: RegistrySnapshot = self._registry.snapshot()
+            excluded = self._excluded() if self._excluded is not None else {}
             out.names.extend(sorted(n for n, i in snap.instances.items()
-                                    if i.type in types and i.state in _SCHEDULABLE))
+                                    if i.type in types and i.state in _SCHEDULABLE
+                                    and n not in excluded))
         return out
 
     def _decode_list(self, req: Any) -> Any:

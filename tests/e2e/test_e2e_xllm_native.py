@@ -373,3 +373,31 @@ def test_pd_one_prefill_one_decode(tmp_path, etcd_server) -> None:
         d.close()
         p.close()
         server.stop()
+
+
+def test_the_official_openai_sdk(cluster) -> None:
+    """The official ``openai`` SDK through kvsvc to a native xLLM engine: completions and a
+    streamed chat with usage."""
+    import openai
+
+    server, _, _, _ = cluster
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+                           timeout=BOUND_S)
+    try:
+        done = client.completions.create(model="sim", prompt=PROMPT, max_tokens=4)
+        assert done.choices[0].text == expected(4)
+        assert done.choices[0].finish_reason == "length"
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        parts: list[str] = []
+        usage = None
+        for chunk in client.chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hello world"}],
+                max_tokens=3, stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+        assert "".join(parts) == expected(3)
+        assert usage is not None and usage.completion_tokens == 3
+    finally:
+        client.close()
