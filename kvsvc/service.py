@@ -38,6 +38,7 @@ import logging
 import threading
 from typing import Callable, Optional, Protocol
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
 from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
@@ -124,7 +125,7 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
-    in_flight = InFlight()
+    in_flight = InFlight(registry.clock.now if registry is not None else MONOTONIC.now)
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
     observers: list[RequestObserver] = [ledger]
@@ -199,6 +200,9 @@ class Service:
 
     :param settings: validated service settings (the internal token is read from them here).
     :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
+    :param clock: the registry's clock (:mod:`kvsvc.clock`): the §9 timers, the loads'
+        ``received_at``, and the router's load ages and in-flight dates judged on it; real by
+        default, a virtual one in tests.
     :raises ConfigError: discovery enabled without ``--etcd_addr``, bad registry or routing
         settings, an unreadable token file or tokenizer.
 
@@ -233,7 +237,7 @@ class Service:
     """
 
     def __init__(self, settings: ServiceSettings,
-                 kv_config: Optional[KvEventsConfig] = None) -> None:
+                 kv_config: Optional[KvEventsConfig] = None, clock: Clock = MONOTONIC) -> None:
         self.settings = settings
         self.token: Optional[str] = settings.token()
         self.kv_config = kv_config
@@ -244,7 +248,9 @@ class Service:
                       pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
-        self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
+        # The registry's clock dates the loads; the router judges their age on it (§11).
+        self.registry: Optional[Registry] = (Registry(reg_settings, clock) if reg_settings
+                                             else None)
         self.discovery: Optional[Discovery] = None
         if (kv_config is not None and kv_config.discovery is not None
                 and kv_config.discovery.enabled and self.registry is not None

@@ -77,6 +77,9 @@ def write_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
+        # tokenizer_class: what transformers' AutoTokenizer (aiperf, guidellm) needs to load
+        # a local directory without a model config.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": 131072}, indent=2),
         encoding="utf-8")
