@@ -91,7 +91,8 @@ def read_body() -> bytes:
 
 
 def read_query_body() -> bytes:
-    """The current query request's raw body, read straight from ``wsgi.input``.
+    """The current request's raw body (the query endpoint's and the proxied OpenAI
+    endpoints'), read straight from ``wsgi.input``.
 
     A body of known ``Content-Length`` within ``MAX_CONTENT_LENGTH`` is read with one
     ``read(length)`` call (what WSGI promises to support), skipping werkzeug's limited-stream
