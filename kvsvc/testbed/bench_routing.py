@@ -94,6 +94,7 @@ from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.sim.cli import add_latency_flags
 from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
+from kvsvc.routing.cache_audit import COMPLETENESS_PENDING
 from kvsvc.testbed.tokenizer import build_tokenizer, single_token_words, text_of_tokens, write_tokenizer
 from kvsvc.settings import add_flag, add_log_level
 
@@ -325,6 +326,8 @@ class AuditFigures:
     :param exact_within: the part of them within one block.
     :param causes: miss cause -> answers off by more than one block.
     :param unaudited: reason -> answers not audited.
+    :param pending_audited: answers whose prediction counted pending blocks (§16), audited
+        apart from the exact ones.
     """
 
     audited: int = 0
@@ -334,6 +337,7 @@ class AuditFigures:
     exact_within: int = 0
     causes: dict[str, int] = field(default_factory=dict)
     unaudited: dict[str, int] = field(default_factory=dict)
+    pending_audited: int = 0
 
     @property
     def mae_tokens(self) -> float:
@@ -355,7 +359,7 @@ def audit_figures(text: str) -> AuditFigures:
     """The :class:`AuditFigures` of one ``/metrics`` exposition of the service."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    audited = within = exact_audited = exact_within = 0
+    audited = within = exact_audited = exact_within = pending_audited = 0
     abs_error = 0.0
     causes: dict[str, int] = {}
     unaudited: dict[str, int] = {}
@@ -375,8 +379,11 @@ def audit_figures(text: str) -> AuditFigures:
                 causes[cause] = causes.get(cause, 0) + n
             elif smp.name == "kvsvc_cache_predictions_unaudited_total":
                 unaudited[smp.labels.get("reason", "")] = n
+            elif (smp.name == "kvsvc_cache_predictions_by_backend_total"
+                  and smp.labels.get("completeness") == COMPLETENESS_PENDING):
+                pending_audited += n
     return AuditFigures(audited, within, abs_error, exact_audited, exact_within, causes,
-                        unaudited)
+                        unaudited, pending_audited)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

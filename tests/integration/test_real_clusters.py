@@ -112,8 +112,10 @@ def test_dp_rank_routing_sends_the_prompt_to_the_rank_holding_its_prefix(etcd_se
         rank = next(r for r in (0, 1) if holder.resident(r))
 
         def routed_to_holder() -> dict:
+            # Pending hits (§16) send it there at once; wait for the stored blocks' events.
             d = route(app, prompt)
-            return d if (d["prefill"], d["prefill_dp_rank"]) == (target, rank) else {}
+            held = d["candidates"] and d["candidates"][0]["ranks"][0]["device_hit_tokens"] == 32
+            return d if held and (d["prefill"], d["prefill_dp_rank"]) == (target, rank) else {}
 
         decision = wait_for(routed_to_holder, 10.0, 0.05, "the index to hold the prefix")
         best = decision["candidates"][0]
