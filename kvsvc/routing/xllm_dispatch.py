@@ -431,8 +431,16 @@ class GenerationsBody(UpstreamBody):
                 if self.broken is None:  # the registry failed it (overflow)
                     self.broken = exc.message
                 raise
-            self.heard(gen.tokens)
-            data = asm.feed(gen)
+            # Every entry already queued goes out in one write (an engine sends a step's
+            # tokens in a burst; one syscall and one chunk instead of several).
+            gens = [gen, *self._pending.drain()]
+            parts = []
+            for g in gens:
+                self.heard(g.tokens)
+                parts.append(asm.feed(g))
+                if asm.done:
+                    break
+            data = b"".join(parts)
             if data:
                 if self.first_data_at is None:
                     self.first_data_at = time.monotonic()

@@ -425,6 +425,11 @@ class RpcServer(BackgroundThread):
                         sock.sendall(b"".join(out))
                     except OSError:
                         return
+                if conn.broken is not None:   # the calls before the break were answered
+                    with self._lock:
+                        self._broken += 1
+                    log.warning("baidu_std connection from %s closed: %s", peer, conn.broken)
+                    return
         finally:
             with self._lock:
                 self._conns.pop(sock, None)

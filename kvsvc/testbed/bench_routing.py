@@ -94,6 +94,7 @@ from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.sim.cli import add_latency_flags
 from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
+from kvsvc.testbed.tokenizer import build_tokenizer, single_token_words, text_of_tokens, write_tokenizer
 from kvsvc.settings import add_flag, add_log_level
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,10 @@ class BenchOptions:
     :param flavor: the engines' ``--flavor`` (``vllm`` and ``sglang`` send no heartbeats: the
         service scrapes their ``/metrics``, §15, every heartbeat interval).
     :param dp: DP ranks per engine (``--dp``).
+    :param prompts: ``tokens`` (token-id prompts) and/or ``text`` (the same prompts as text,
+        :func:`~kvsvc.testbed.tokenizer.text_of_tokens`, tokenized by engines and router with
+        the testbed's shared tokenizer), each a run per policy (issue 20: text within 5 points
+        of the token-id hit).
     :param dp_rank_routing: the service's ``--dp_rank_routing`` values, each a run per policy
         (``(True, False)``: DP-rank routing against the minimum rule in the same bench).
     """
@@ -213,6 +218,11 @@ class BenchOptions:
     flavor: str = "xllm"
     dp: int = 1
     dp_rank_routing: tuple[bool, ...] = (True,)
+    prompts: tuple[str, ...] = ("tokens",)
+
+
+#: Label suffix of a run whose prompts were text through the shared tokenizer.
+TEXT_RUN = " text"
 
 
 @dataclass
@@ -606,10 +616,13 @@ def _select(trace: list[TraceRequest], opts: BenchOptions) -> list[TraceRequest]
     return out[:opts.max_requests] if opts.max_requests > 0 else out
 
 
-def _bodies(reqs: Sequence[TraceRequest], block_size: int, stream: bool = True) -> list[bytes]:
+def _bodies(reqs: Sequence[TraceRequest], block_size: int, stream: bool = True,
+            words: Optional[list[str]] = None) -> list[bytes]:
+    """Request bodies; with ``words`` the prompts are text (:func:`text_of_tokens`)."""
     extra: dict = ({"stream": True, "stream_options": {"include_usage": True}} if stream
                    else {})
-    return [json.dumps({"model": MODEL, "prompt": request_tokens(r, block_size),
+    return [json.dumps({"model": MODEL, "prompt": request_tokens(r, block_size) if words is None
+                        else text_of_tokens(request_tokens(r, block_size), words),
                         "max_tokens": max(1, r.output_length), **extra},
                        separators=(",", ":")).encode()
             for r in reqs]
@@ -627,8 +640,10 @@ class EngineProcesses:
     """
 
     def __init__(self, opts: BenchOptions, etcd_addr: str, token: str, log_dir: Path,
-                 event_port_offset: int, replay_port_offset: int) -> None:
+                 event_port_offset: int, replay_port_offset: int,
+                 tokenizer_path: Optional[Path] = None) -> None:
         self._opts = opts
+        self._tokenizer_path = tokenizer_path
         self._etcd_addr = etcd_addr
         self._token = token
         self._log_dir = log_dir
@@ -677,6 +692,8 @@ class EngineProcesses:
                 argv.append("--native")
             if not o.kv_events:
                 argv += ["--kv-events", "off"]
+            if self._tokenizer_path is not None:
+                argv += ["--tokenizer-path", str(self._tokenizer_path)]
             log_file = open(self._log_dir / f"sim-{i}.log", "w", encoding="utf-8")
             self._logs.append(log_file)
             self._procs.append(subprocess.Popen(argv, env=env, stdout=log_file,
@@ -727,25 +744,27 @@ class EngineProcesses:
 
 def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             bodies: Sequence[bytes], policy: str, lam: Optional[float], etcd_addr: str,
-            tmp: Path, load: float = 1.0, dp_rank_routing: bool = True) -> RunResult:
+            tmp: Path, load: float = 1.0, dp_rank_routing: bool = True,
+            tokenizer_path: Optional[Path] = None) -> RunResult:
     """One replay of ``reqs`` at ``load`` times their arrival rate with fresh engines and a
     fresh service running ``policy``.
 
     :raises LifecycleError: an engine or the service did not start.
     """
     result = RunResult(trace_name, policy_label(policy, lam)
-                       + ("" if dp_rank_routing else MIN_RULE),
+                       + ("" if dp_rank_routing else MIN_RULE)
+                       + ("" if tokenizer_path is None else TEXT_RUN),
                        ideal_ratio=ideal_hit_ratio(reqs).token_ratio, load=load,
                        target_ttft_ms=opts.target_ttft_ms)
     token = secrets.token_hex(16)
     demo_opts = DemoOptions(block_size=opts.block_size, refresh_interval_ms=200,
                             resync_interval_ms=5000, flavor=opts.flavor)
     label = ((f"{policy}_{lam}" if lam is not None else policy) + f"_x{load:g}"
-             + ("" if dp_rank_routing else "_min"))
+             + ("" if dp_rank_routing else "_min") + ("" if tokenizer_path is None else "_text"))
     run_dir = tmp / label
     run_dir.mkdir(parents=True, exist_ok=True)
     engines = EngineProcesses(opts, etcd_addr, token, run_dir, demo_opts.event_port_offset,
-                              demo_opts.replay_port_offset)
+                              demo_opts.replay_port_offset, tokenizer_path)
     service: Optional[ServiceProcess] = None
     client: Optional[_Client] = None
     try:
@@ -767,6 +786,8 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
         args += ["--dp_rank_routing", "true" if dp_rank_routing else "false",
                  "--load_scrape_interval_ms",
                  str(max(50, round(1000.0 * opts.heartbeat_interval_s / opts.time_scale)))]
+        if tokenizer_path is not None:
+            args += ["--tokenizer_path", str(tokenizer_path)]
         if opts.xllm == "native":
             args += ["--xllm_dispatch", "native", "--rpc_port", str(free_port_run(1)),
                      "--rpc_host", "127.0.0.1"]
@@ -926,18 +947,24 @@ def run_bench(opts: BenchOptions, out: Optional[TextIO] = None) -> list[RunResul
                 etcd = LocalEtcd(name="kvsvc-bench-routing")
                 etcd.start()
                 etcd_addr = etcd.addr
+            tokenizer_dir = write_tokenizer(Path(tmp) / "tokenizer")
+            words = single_token_words(build_tokenizer())
             for name, reqs in selected.items():
-                bodies = _bodies(reqs, opts.block_size, opts.stream)
+                by_prompts = {kind: _bodies(reqs, opts.block_size, opts.stream,
+                                            words if kind == "text" else None)
+                              for kind in opts.prompts}
                 print(f"bench-routing: {name}: {len(reqs)} requests "
                       f"({(reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000:.0f} trace s) "
                       f"at {opts.time_scale:g}x", file=out, flush=True)
                 for load in opts.load_levels:
-                    for (policy, lam), by_rank in ((p, d) for p in opts.policies
-                                                   for d in opts.dp_rank_routing):
+                    for (policy, lam), by_rank, kind in ((p, d, k) for p in opts.policies
+                                                         for d in opts.dp_rank_routing
+                                                         for k in opts.prompts):
                         logs = Path(opts.log_dir) / name if opts.log_dir else Path(tmp)
                         logs.mkdir(parents=True, exist_ok=True)
-                        r = run_one(opts, name, reqs, bodies, policy, lam, etcd_addr, logs,
-                                    load, by_rank)
+                        r = run_one(opts, name, reqs, by_prompts[kind], policy, lam, etcd_addr,
+                                    logs, load, by_rank,
+                                    tokenizer_dir if kind == "text" else None)
                         results.append(r)
                         print(f"  x{load:g} {r.policy:<18} hit {100 * r.hit_ratio:5.1f}% "
                               f"({100 * r.of_ideal:5.1f}% of ideal), TTFT p50/p90/p99 "
@@ -1177,6 +1204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--dp-rank-routing", default="on", choices=("on", "off", "both"),
              help="the service's --dp_rank_routing; both: each policy once with and once "
                   "without (the minimum over ranks), in the same bench")
+    add_flag(parser, "--prompts", default="tokens", choices=("tokens", "text", "both"),
+             help="token-id prompts, the same prompts as text through the testbed's shared "
+                  "tokenizer (engines and router), or both in one run")
     add_flag(parser, "--no-stream", action="store_true",
              help="non-streamed requests (the router then hears only each answer's end)")
     add_flag(parser, "--xllm", default=d.xllm, choices=("http", "native"),
@@ -1284,7 +1314,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                         stream=not args.no_stream, xllm=args.xllm,
                         kv_events=args.kv_events == "on", flavor=args.flavor, dp=args.dp,
                         dp_rank_routing={"on": (True,), "off": (False,),
-                                         "both": (True, False)}[args.dp_rank_routing])
+                                         "both": (True, False)}[args.dp_rank_routing],
+                        prompts={"tokens": ("tokens",), "text": ("text",),
+                                 "both": ("tokens", "text")}[args.prompts])
 
 
 def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],

@@ -401,3 +401,34 @@ def test_the_official_openai_sdk(cluster) -> None:
         assert usage is not None and usage.completion_tokens == 3
     finally:
         client.close()
+
+
+def test_pd_instance_whose_link_fails_is_no_candidate_until_linked(tmp_path,
+                                                                   etcd_server) -> None:
+    """D refuses LinkInstance: the instance whose registration needed that link (whichever
+    of the two kvsvc registered second) is no candidate until a later link succeeds."""
+    server, _ = _serve(tmp_path, etcd_server.addr)
+    p = NativeEngine(etcd_server.addr, RegisteredType.PREFILL)
+    d = NativeEngine(etcd_server.addr, RegisteredType.DECODE)
+    d.native.refuse_links = True   # D answers LinkInstance ok: false
+    try:
+        p.start()
+        d.start()
+
+        def failed() -> set[str]:
+            out = server.get("/ready").json().get("not_candidates", {})
+            return {n for n, why in out.items() if why == "P/D link failed"}
+        got = wait_for(lambda: failed() & {p.name, d.name}, BOUND_S, 0.1,
+                       "an instance excluded for its failed link")
+        assert len(got) == 1 and d.native.linked == set()
+        (victim,) = got
+        side = "P" if victim == p.name else "D"
+        assert not _candidates(server, {victim}, side)
+        d.native.refuse_links = False
+        wait_for(lambda: d.native.linked == {p.name}, BOUND_S, 0.1, "a later link succeeded")
+        wait_for(lambda: _candidates(server, {victim}, side), BOUND_S, 0.1, "a candidate again")
+        assert not failed()
+    finally:
+        d.close()
+        p.close()
+        server.stop()

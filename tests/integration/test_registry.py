@@ -185,7 +185,10 @@ def test_malformed_registrations_ignored_others_unaffected(registry, etcd, caplo
     assert sorted(snap.instances) == [good, last]
     # Re-lists (1 s period) must not log the same bad revision again: wait for two of them.
     gen = registry.snapshot().generation
-    _until(time.monotonic() + 2.2)
+    for n in (1, 2):
+        before = registry.last_listed_at()
+        wait_for(lambda: (registry.last_listed_at() or 0.0) > (before or 0.0), timeout_s=5.0,
+                 what=f"re-list {n}")
     # A malformed PUT over a good registration drops that instance, nothing else.
     etcd.put(key(good), "{broken")
     snap = registry.wait_for(lambda s: good not in s.instances, 5)
@@ -281,14 +284,6 @@ def test_heartbeat_during_lease_lost_delays_suspect(vregistry, etcd, health, cap
     registry.wait_for(lambda s: s.instances[health].state is InstanceState.SUSPECT, 5)
     assert f"{health} LEASE_LOST -> SUSPECT (no heartbeat for {GRACE_S:.1f}s)" in caplog.text
     assert registry.snapshot().instances[health].load.waiting_requests_num == 2
-
-
-def _until(deadline: float) -> None:
-    """Let wall-clock time pass (heartbeat pacing, re-list periods): the only places where the
-    thing under test is the passing of time itself, not a condition to wait for."""
-    remaining = deadline - time.monotonic()
-    if remaining > 0:
-        threading.Event().wait(remaining)
 
 
 def test_probe_failure_suspect_then_removed(vregistry, etcd, caplog):
