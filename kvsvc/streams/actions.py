@@ -82,10 +82,13 @@ class RequestHistory:
 # ---------------------------------------------------------------------------- serving state
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ApplyEvents:
     """Apply live batch ``seq`` (or a catch-up's replayed one, §7h) to the stream's index
     (serving, or kept while it catches up), under the lock.
+
+    Not ``frozen`` (treat it as read-only all the same): one is made per live batch, and a
+    frozen dataclass sets each field through ``object.__setattr__``, three times the cost.
 
     :param orphans: the index is a subset (§7h): an unknown parent makes an orphan (§5 snapshot
         rule) instead of an error.
@@ -237,5 +240,3 @@ NO_ACTIONS: tuple = ()
 COUNT_DUPLICATE = CountDuplicate()
 #: The one :class:`SetRecovering`.
 SET_RECOVERING = SetRecovering()
-#: The attempt action types (what the carrier hands back to the subscriber).
-ATTEMPT_ACTIONS = frozenset({RequestSnapshot, RequestHistory, AbandonSnapshot})

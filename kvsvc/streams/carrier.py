@@ -18,14 +18,19 @@ from typing import Protocol, Sequence
 
 from kvsvc.errors import StreamError
 from kvsvc.streams.actions import (
-    ATTEMPT_ACTIONS,
     NO_ACTIONS,
+    AbandonSnapshot,
     Action,
     ApplyEvents,
     AttemptAction,
     Log,
+    RequestHistory,
+    RequestSnapshot,
 )
 from kvsvc.streams.serving import ServingState
+
+
+ATTEMPT_TYPES = (RequestSnapshot, RequestHistory, AbandonSnapshot)
 
 
 class ApplyFailureSink(Protocol):
@@ -58,20 +63,25 @@ class ActionCarrier:
         if not actions:
             return NO_ACTIONS
         serving = self._serving
+        first = actions[0]
+        if len(actions) == 1 and type(first) is ApplyEvents:
+            # The hot path: one in-order live batch.
+            failure = serving.apply(first)
+            if failure is None:
+                return NO_ACTIONS
+            return self.carry(self._rules.on_apply_failed(first, failure, now), now)
         attempts: list[AttemptAction] = []
         for action in actions:
-            kind = type(action)
-            if kind is ApplyEvents:
-                failure = serving.apply(action)  # type: ignore[arg-type]
+            if isinstance(action, ApplyEvents):
+                failure = serving.apply(action)
                 if failure is not None:
-                    answer = self._rules.on_apply_failed(action, failure, now)  # type: ignore[arg-type]
-                    attempts.extend(self.carry(answer, now))
+                    attempts.extend(self.carry(self._rules.on_apply_failed(action, failure, now),
+                                               now))
                     break
-            elif kind in ATTEMPT_ACTIONS:
-                attempts.append(action)  # type: ignore[arg-type]
-            elif kind is Log:
-                logging.getLogger(action.logger).log(  # type: ignore[union-attr]
-                    action.level, action.msg, *action.args)  # type: ignore[union-attr]
+            elif isinstance(action, ATTEMPT_TYPES):
+                attempts.append(action)
+            elif isinstance(action, Log):
+                logging.getLogger(action.logger).log(action.level, action.msg, *action.args)
             else:
-                serving.perform(action)  # type: ignore[arg-type]
+                serving.perform(action)
         return tuple(attempts) if attempts else NO_ACTIONS

@@ -81,7 +81,7 @@ from kvsvc.streams.actions import (
     SnapshotOk,
     SwapIndex,
 )
-from kvsvc.streams.anchor import Anchor, Judgement, starts_cleared
+from kvsvc.streams.anchor import RECENT_DIGESTS, Anchor, Judgement, starts_cleared
 from kvsvc.streams.counters import (
     NOT_INDEXED,
     RecoveryTrigger,
@@ -362,6 +362,65 @@ class HistoryIndex(AttemptRules[RequestHistory, Buffered, tuple[float, int]]):
         self._log(log, INFO, "stream %s: live channel alive again; catching up", self._name)
         self._timers.next_attempt_at = now
 
+    def _catch_up_done(self, reply: CatchUpReply, duration: float, now: float) -> None:
+        """Finish a catch-up (§7h): the buffered tail follows, then the stream serves again
+        (a periodic one counts what live never brought)."""
+        request = self._request
+        assert request is not None
+        self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
+        if not reply.continuous:
+            self._discard_and_rebuild(f"catch-up from seq {request.start_seq} failed: "
+                                      f"{reply.reason}; rebuilding",
+                                      RecoveryTrigger.HISTORY_MISMATCH, now)
+            return
+        before = self._mode
+        caught_up = self._caught_up
+        buffered = self._buffer
+        self._abandon_attempt()
+        if reply.truncated:
+            # The engine dropped part of its reply: what arrived is applied; ask for the rest.
+            self._log(log, INFO, "stream %s: %s; catching up again from seq %d", self._name,
+                      reply.reason, self._expected - 1)  # type: ignore[operator]
+            self._caught_up = caught_up
+            self._begin_attempt()
+            return
+        merged = merge_catch_up(self._anchor, buffered)
+        for seq, batch, digest in merged.apply:
+            asked = [] if self._tail is None else self._tail[0]
+            asked.append(self._apply_held(seq, batch, digest))
+            self._tail = (asked, before)
+        if merged.restarted is not None:
+            self._discard_and_rebuild(f"live seq {merged.restarted} differs from the batch "
+                                      "replayed: the engine restarted",
+                                      RecoveryTrigger.HISTORY_MISMATCH, now)
+            return
+        if merged.gap is not None:
+            # Published after the reply and lost on the way: ask again from here.
+            self._log(log, INFO, "stream %s: catch-up ended at seq %d, buffered live seq %d: "
+                      "catching up again", self._name,
+                      self._expected - 1, merged.gap)  # type: ignore[operator]
+            self._begin_attempt()
+            return
+        self._timers.synchronized(now, probe=False)
+        live_messages = self._live_messages
+        silent = live_messages == self._live_at_check
+        self._live_at_check = live_messages
+        if before in SERVES:
+            if caught_up:
+                self._out.append(CountResyncDifference(caught_up))
+                self._log(log, WARNING, "stream %s: periodic catch-up found %d batches that "
+                          "never arrived live (lost events); applied", self._name, caught_up)
+                if silent and self._silence is None:
+                    # Not one live message since the last check while the engine published:
+                    # in flight still, or a dead live channel (D13 in docs/decisions.md);
+                    # a live message must arrive within the grace period.
+                    self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
+            else:
+                self._log(log, DEBUG, "stream %s: periodic catch-up matched (seq %d)",
+                          self._name, request.start_seq)
+            return
+        self._resume(f"catch-up from seq {request.start_seq}, {reply.messages} messages")
+
     def _rebuild_done(self, reply: RebuildReply, duration: float, now: float) -> None:
         """Swap in a rebuild (§7h) merged with the buffered tail (→ SERVING), or keep one
         truncated by a hole and catch up from its last seq (→ HELD)."""
@@ -498,6 +557,18 @@ class HistoryRecovery(HistoryIndex):
         :param wire_bytes: the message's wire size (buffer accounting).
         """
         self._live_messages += 1
+        anchor = self._anchor
+        if (self._mode is SERVING and seq == anchor.expected and self._completeness is EXACT
+                and not self._out and (self._request is None or self._request.catch_up)):
+            # The hot path, the SERVING cell's contiguous case on an exact index with no
+            # rebuild in flight, inline: one action, the anchor moved (as Anchor.advance).
+            self._tail = None
+            anchor.expected = seq + 1
+            anchor.digest = digest
+            recent = anchor.recent
+            recent[seq] = digest
+            recent.pop(seq - RECENT_DIGESTS, None)
+            return (ApplyEvents(seq, batch.events, False),)
         _TABLE[self._mode, Input.LIVE_BATCH](self, seq, batch, digest, wire_bytes, now)
         return self._take()
 
@@ -806,67 +877,6 @@ class HistoryRecovery(HistoryIndex):
 
     def _tick_silent(self, now: float) -> None:
         """nothing: no request until a live message arrives"""
-
-    # ------------------------------------------------------------------ replies
-
-    def _catch_up_done(self, reply: CatchUpReply, duration: float, now: float) -> None:
-        """Finish a catch-up (§7h): the buffered tail follows, then the stream serves again
-        (a periodic one counts what live never brought)."""
-        request = self._request
-        assert request is not None
-        self._out.append(SnapshotOk(duration, reply.wire_bytes, reply.messages))
-        if not reply.continuous:
-            self._discard_and_rebuild(f"catch-up from seq {request.start_seq} failed: "
-                                      f"{reply.reason}; rebuilding",
-                                      RecoveryTrigger.HISTORY_MISMATCH, now)
-            return
-        before = self._mode
-        caught_up = self._caught_up
-        buffered = self._buffer
-        self._abandon_attempt()
-        if reply.truncated:
-            # The engine dropped part of its reply: what arrived is applied; ask for the rest.
-            self._log(log, INFO, "stream %s: %s; catching up again from seq %d", self._name,
-                      reply.reason, self._expected - 1)  # type: ignore[operator]
-            self._caught_up = caught_up
-            self._begin_attempt()
-            return
-        merged = merge_catch_up(self._anchor, buffered)
-        for seq, batch, digest in merged.apply:
-            asked = [] if self._tail is None else self._tail[0]
-            asked.append(self._apply_held(seq, batch, digest))
-            self._tail = (asked, before)
-        if merged.restarted is not None:
-            self._discard_and_rebuild(f"live seq {merged.restarted} differs from the batch "
-                                      "replayed: the engine restarted",
-                                      RecoveryTrigger.HISTORY_MISMATCH, now)
-            return
-        if merged.gap is not None:
-            # Published after the reply and lost on the way: ask again from here.
-            self._log(log, INFO, "stream %s: catch-up ended at seq %d, buffered live seq %d: "
-                      "catching up again", self._name,
-                      self._expected - 1, merged.gap)  # type: ignore[operator]
-            self._begin_attempt()
-            return
-        self._timers.synchronized(now, probe=False)
-        live_messages = self._live_messages
-        silent = live_messages == self._live_at_check
-        self._live_at_check = live_messages
-        if before in SERVES:
-            if caught_up:
-                self._out.append(CountResyncDifference(caught_up))
-                self._log(log, WARNING, "stream %s: periodic catch-up found %d batches that "
-                          "never arrived live (lost events); applied", self._name, caught_up)
-                if silent and self._silence is None:
-                    # Not one live message since the last check while the engine published:
-                    # in flight still, or a dead live channel (D13 in docs/decisions.md);
-                    # a live message must arrive within the grace period.
-                    self._silence = (now + LIVE_SILENCE_GRACE_S, live_messages)
-            else:
-                self._log(log, DEBUG, "stream %s: periodic catch-up matched (seq %d)",
-                          self._name, request.start_seq)
-            return
-        self._resume(f"catch-up from seq {request.start_seq}, {reply.messages} messages")
 
 
 _R = HistoryRecovery

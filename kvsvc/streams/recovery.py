@@ -189,6 +189,7 @@ class Mode(enum.Enum):
 
 #: The modes that serve hits.
 SERVES = frozenset({Mode.SERVING, Mode.LIVE_ONLY})
+_SERVING, _SILENT = Mode.SERVING, Mode.SILENT  # (the live path's two checks, as locals)
 
 
 class Link(enum.Enum):
@@ -812,15 +813,18 @@ class SnapshotRecovery(AttemptRules[RequestSnapshot, tuple[int, Batch], SilenceC
         :param wire_bytes: the message's wire size (buffer accounting).
         """
         self._live_messages += 1
-        if self._awaiting_live:
+        mode = self._mode
+        if mode is _SILENT:
             self._live_alive_again(now)
         prev_max = self._max_seen
         self._max_seen = seq if prev_max is None or seq > prev_max else prev_max
-        if self._synced:
+        if mode is _SERVING:
             expected = self._expected
             if expected is None or seq == expected:
-                self._out.append(ApplyEvents(seq, batch.events))
                 self._expected = seq + 1
+                if self._attempt is None and not self._out:
+                    return (ApplyEvents(seq, batch.events),)  # the hot path
+                self._out.append(ApplyEvents(seq, batch.events))
                 if self._attempt is not None:
                     # Background resync: the new index needs this batch too.
                     self._buffer_batch(seq, batch, wire_bytes, now)
