@@ -318,6 +318,33 @@ def _counters(service: Service) -> dict:
     return {} if directory is None else directory.counters()
 
 
+def real_cluster_families(svc: Service) -> Iterator[Metric]:
+    """§15: the routing candidates now (what ``/ready`` needs one of), and the load scrapes
+    of vLLM/SGLang ``/metrics`` by outcome and the instances whose last scrape failed."""
+    if svc.registry is None:
+        return
+    yield GaugeMetricFamily(
+        "kvsvc_routing_candidates",
+        "Instances a request could be routed to now (schedulable, current load report; "
+        "0 makes /ready 503).", float(len(svc.router.prefill_candidates())))
+    scraper = svc.load_scraper
+    if scraper is None:
+        return
+    scrapes = CounterMetricFamily(
+        "kvsvc_load_scrapes", "Load scrapes of the engines' /metrics (§15), by outcome.",
+        labels=("outcome",))
+    for outcome, n in sorted(scraper.counts().items()):
+        scrapes.add_metric((outcome,), float(n))
+    yield scrapes
+    failing = GaugeMetricFamily(
+        "kvsvc_load_scrape_failing",
+        "1 for each instance whose last /metrics scrape failed (no load reported from it).",
+        labels=("instance",))
+    for name in sorted(scraper.failing()):
+        failing.add_metric((name,), 1.0)
+    yield failing
+
+
 class ServiceCollector(Collector):
     """Collector reading the service's components at scrape time (see the module docstring).
 
@@ -353,6 +380,7 @@ class ServiceCollector(Collector):
         yield from self._rpc(svc)
         yield from self._cache_audit(svc)
         yield from self._overlays(svc)
+        yield from real_cluster_families(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.

@@ -132,6 +132,10 @@ class _Channel:
                     elif isinstance(event, Response):
                         waiter.response = event
                     waiter.event.set()
+                if self._codec.broken is not None:
+                    why = f"broken stream: {self._codec.broken}"
+                    log.warning("baidu_std %s: %s; closing", self.target, self._codec.broken)
+                    return
                 if not data:
                     return
         finally:

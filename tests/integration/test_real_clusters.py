@@ -19,6 +19,7 @@ from kvsvc.testbed.demo import DemoOptions, discovery_config
 from kvsvc.testbed.ports import free_instance_port
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
+from tests.support.metrics import scrape
 from tests.support.routes import AUTH, NS, completion, running
 from tests.support.util import wait_for
 
@@ -165,3 +166,16 @@ def test_a_dead_metrics_endpoint_reports_no_load(etcd_server, etcd):
         failed = scraper.counts()["failed"]
         wait_for(lambda: scraper.counts()["failed"] >= failed + 2, 10.0, 0.05, "more failures")
         assert svc.registry.snapshot().instances[eng.name].load == before
+
+
+def test_metrics_show_candidates_and_scrapes(etcd_server, etcd):
+    with cluster(etcd_server, etcd, n=1) as (app, engines):
+        client = app.test_client()
+        wait_for(lambda: route(app, [1, 2, 3, 4])["candidates"], 10.0, 0.05, "a candidate")
+        got = scrape(client)
+        assert got.value("kvsvc_routing_candidates") == 1.0
+        assert (got.value("kvsvc_load_scrapes_total", outcome="ok") or 0) >= 1
+        engines[0].close()
+        wait_for(lambda: scrape(client).value("kvsvc_load_scrape_failing",
+                                              instance=engines[0].name) == 1.0,
+                 10.0, 0.05, "the failing scrape shown")
