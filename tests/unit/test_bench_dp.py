@@ -46,3 +46,11 @@ def test_flags_and_section_markers(tmp_path):
     write_section("dp", path, BEGIN_DP, END_DP)
     write_section("dp2", path, BEGIN_DP, END_DP)
     assert path.read_text() == f"{BEGIN}\nrouting\n{END}\n\n{BEGIN_DP}\ndp2\n{END_DP}\n"
+
+
+def test_simulated_vllm_and_sglang_send_no_heartbeats_unless_asked():
+    from kvsvc.testbed.sim.cli import sends_heartbeats
+
+    assert sends_heartbeats("auto", "xllm")
+    assert not sends_heartbeats("auto", "vllm") and not sends_heartbeats("auto", "sglang")
+    assert sends_heartbeats("on", "vllm") and not sends_heartbeats("off", "xllm")
