@@ -195,8 +195,8 @@ def check_bind(host: str, port: int, field: str = "--port") -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``kvsvc serve``: validate, check that the listen address can be bound
-    (:func:`check_bind`), then exec gunicorn in the foreground (does not return on success).
+    """``kvsvc serve``: validate, check that the listen addresses (HTTP, and baidu_std when
+    served) can be bound (:func:`check_bind`), then exec gunicorn in the foreground (does not return on success).
 
     :returns: ``EXIT_CONFIG`` on invalid configuration, a listen address that cannot be bound
         or a missing gunicorn config.
@@ -204,6 +204,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = resolve_serve_settings(args)
         check_bind(settings.host, settings.port, source_of("port", flag_values(args)).field)
+        if settings.rpc_address() is not None:
+            # The baidu_std port (§13) is bound by the worker after the fork: refuse a taken
+            # one here, before gunicorn starts, as the HTTP port.
+            check_bind(settings.rpc_host, settings.rpc_port,
+                       source_of("rpc_port", flag_values(args)).field)
     except ConfigError as exc:
         return _config_error(exc)
     if not GUNICORN_CONF.is_file() or not (PROJECT_ROOT / "wsgi.py").is_file():

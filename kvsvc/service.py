@@ -38,9 +38,10 @@ import logging
 import threading
 from typing import Callable, Optional, Protocol
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
-from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks
+from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
 from kvsvc.cluster.model import RegistrySettings
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
@@ -124,7 +125,7 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
-    in_flight = InFlight()
+    in_flight = InFlight(registry.clock.now if registry is not None else MONOTONIC.now)
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
     observers: list[RequestObserver] = [ledger]
@@ -182,6 +183,14 @@ def startup_warnings(settings: ServiceSettings,
     if not settings.etcd_addr:
         lines.append("etcd_addr is empty: no instance registry, so no routing candidate: "
                      "every OpenAI request is answered 503")
+    if settings.xllm_dispatch == "native":
+        if settings.etcd_addr and not settings.rpc_port:
+            lines.append("xllm_dispatch is native but rpc_port is 0: xLLM engines have no "
+                         "baidu_std port to send their Generations to, so every request "
+                         "dispatched to them times out (upstream_read_timeout_s)")
+        if not settings.tokenizer_path:
+            lines.append("xllm_dispatch is native without tokenizer_path: xLLM engines take "
+                         "token ids only, so text and chat prompts sent to them get 400")
     return lines
 
 
@@ -191,6 +200,9 @@ class Service:
 
     :param settings: validated service settings (the internal token is read from them here).
     :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
+    :param clock: the registry's clock (:mod:`kvsvc.clock`): the §9 timers, the loads'
+        ``received_at``, and the router's load ages and in-flight dates judged on it; real by
+        default, a virtual one in tests.
     :raises ConfigError: discovery enabled without ``--etcd_addr``, bad registry or routing
         settings, an unreadable token file or tokenizer.
 
@@ -225,7 +237,7 @@ class Service:
     """
 
     def __init__(self, settings: ServiceSettings,
-                 kv_config: Optional[KvEventsConfig] = None) -> None:
+                 kv_config: Optional[KvEventsConfig] = None, clock: Clock = MONOTONIC) -> None:
         self.settings = settings
         self.token: Optional[str] = settings.token()
         self.kv_config = kv_config
@@ -236,7 +248,9 @@ class Service:
                       pending=pending_limits(settings))
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
-        self.registry: Optional[Registry] = Registry(reg_settings) if reg_settings else None
+        # The registry's clock dates the loads; the router judges their age on it (§11).
+        self.registry: Optional[Registry] = (Registry(reg_settings, clock) if reg_settings
+                                             else None)
         self.discovery: Optional[Discovery] = None
         if (kv_config is not None and kv_config.discovery is not None
                 and kv_config.discovery.enabled and self.registry is not None
@@ -269,7 +283,9 @@ class Service:
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
         self.pd_links: Optional[PdLinks] = None
         if settings.xllm_dispatch == "native" and self.registry is not None:
-            self.pd_links = PdLinks(self.registry.snapshot, HttpLinkCaller())
+            registry = self.registry
+            self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
+                registration=lambda name: registration_fields(registry.registration(name))))
             self.router.excluded = self.pd_links.excluded
         # §15: the instances' own model lists decide which serve a request's model; with
         # --model empty they are also /v1/models.
@@ -280,7 +296,8 @@ class Service:
         self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
-            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations),
+            RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
+                                     self.pd_links.excluded if self.pd_links else None),
                       settings.rpc_host, settings.rpc_port)
             if self.rpc_address is not None else None)
         self._lock = threading.Lock()

@@ -134,8 +134,19 @@ def cluster_info(inst: Instance, registration: Optional[Mapping[str, Any]] = Non
         return list(value) if isinstance(value, (list, tuple)) else value
 
     return {"instance_name": inst.name, "cluster_ids": pick("cluster_ids", ()),
-            "addrs": pick("addrs", ()), "ports": pick("ports", ()), "dp_size": inst.dp_size,
+            "addrs": pick("addrs", ()), "ports": pick("ports", ()),
+            "dp_size": reg.get("dp_size") or inst.dp_size,
             "kv_split_size": pick("kv_split_size", 1)}
+
+
+def registration_fields(reg: Any) -> Optional[dict]:
+    """The PD fields of a :class:`~kvsvc.cluster.model.Registration` for :func:`cluster_info`
+    (``dp_size`` as registered), ``None`` for ``None``."""
+    if reg is None:
+        return None
+    return {"cluster_ids": list(reg.cluster_ids), "addrs": list(reg.addrs),
+            "ports": list(reg.ports), "kv_split_size": reg.kv_split_size,
+            "dp_size": getattr(reg, "registered_dp_size", 0) or reg.dp_size}
 
 
 class LinkCaller(Protocol):

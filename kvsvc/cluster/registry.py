@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Optional
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.election import MasterElection
 from kvsvc.cluster.etcd import (
     PUT,
@@ -144,10 +145,14 @@ class Registry:
     """The in-process instance registry (§9). See the module docstring for threads and rules.
 
     :param settings: timings and identity; nothing is opened in the constructor.
+    :param clock: the time of the §9 state timers and of the load reports' ``received_at``
+        (:mod:`kvsvc.clock`; a virtual clock in tests). Waits of callers (:meth:`start`,
+        :meth:`wait_for`) and the re-list period stay on real time: they pace I/O.
     """
 
-    def __init__(self, settings: RegistrySettings) -> None:
+    def __init__(self, settings: RegistrySettings, clock: Clock = MONOTONIC) -> None:
         self._settings = settings
+        self.clock = clock
         self._prefix = settings.key_prefix + "XLLM:"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -301,7 +306,7 @@ class Registry:
         except MalformedRegistration as exc:
             # Refused before the lock: the last load keeps its received_at and ages out.
             raise InvalidHeartbeat(str(exc)) from None
-        now = time.monotonic()
+        now = self.clock.now()
         with self._lock:
             rec = self._records.get(name)
             if rec is None:
@@ -336,7 +341,7 @@ class Registry:
             checked = check_load(waiting_requests_num, gpu_cache_usage_perc)
         except MalformedRegistration:
             return False
-        now = time.monotonic()
+        now = self.clock.now()
         with self._lock:
             rec = self._records.get(name)
             if rec is None:
@@ -622,7 +627,7 @@ class Registry:
 
     def _apply_events(self, batch: list[WatchEvent]) -> None:
         """Apply watched changes newer than the view's revisions, reconcile and publish."""
-        now = time.monotonic()
+        now = self.clock.now()
         with self._lock:
             changed = False
             touched = False
@@ -653,7 +658,7 @@ class Registry:
             names = [n for n, r in self._records.items() if r.probe_needed]
         for name in names:
             healthy = probe.healthy(name)
-            now = time.monotonic()
+            now = self.clock.now()
             with self._lock:
                 rec = self._records.get(name)
                 if rec is None or not rec.probe_needed or rec.state is not InstanceState.ACTIVE:
@@ -746,7 +751,7 @@ class _EtcdThread(BackgroundThread):
                     backoff = min(backoff * 2, max(_BACKOFF_MIN_S, s.relist_interval_s))
                     continue
                 backoff = _BACKOFF_MIN_S
-                now = time.monotonic()
+                now = registry.clock.now()
                 registry._listed(listed, now)
                 self.first_list_attempted.set()
                 watch_gen += 1
@@ -760,7 +765,7 @@ class _EtcdThread(BackgroundThread):
                 except EtcdError as exc:
                     log.log(logging.DEBUG if isinstance(exc, EtcdUnavailable) else logging.WARNING,
                             "registry: watch not started (re-listing instead): %s", exc)
-                deadline = now + s.relist_interval_s
+                deadline = time.monotonic() + s.relist_interval_s
                 while not self.stopping:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -807,6 +812,7 @@ class _TimerThread(BackgroundThread):
 
     def _setup(self) -> None:
         self._probe = HealthProbe(self._settings.health_probe_timeout_s)
+        self._registry.clock.add_waker(self._poke.set)   # a virtual clock's jump: a tick now
 
     def _wake(self) -> None:
         self._poke.set()
@@ -821,9 +827,10 @@ class _TimerThread(BackgroundThread):
             if self.stopping:
                 break
             registry._probe_deleted(probe)
-            registry._expire(time.monotonic())
+            registry._expire(registry.clock.now())
 
     def _teardown(self) -> None:
+        self._registry.clock.remove_waker(self._poke.set)
         probe, self._probe = self._probe, None
         if probe is not None:
             probe.close()

@@ -30,6 +30,7 @@ from typing import Optional
 
 import flask
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import KvEventsConfig
 from kvsvc.settings import ServiceSettings
 from kvsvc.http import admission, errors, health, internal, metrics, openai
@@ -44,12 +45,14 @@ from kvsvc.http.extensions import (
 from kvsvc.service import Service
 
 
-def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = None) -> flask.Flask:
+def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = None,
+               clock: Clock = MONOTONIC) -> flask.Flask:
     """Build the Flask app and its (not started) :class:`~kvsvc.service.Service`.
 
     :param settings: service settings.
     :param kv_config: the §8 config; ``None`` loads ``settings.kv_events_config_file`` when set,
         and an empty path disables the index.
+    :param clock: the service's clock (:class:`~kvsvc.service.Service`); real by default.
     :raises ConfigError: the §8 file, the token file, the routing settings or the tokenizer is
         invalid or unreadable.
     """
@@ -58,7 +61,7 @@ def create_app(settings: ServiceSettings, kv_config: Optional[KvEventsConfig] = 
     app = flask.Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = max_content_length(settings.max_query_tokens)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # flask's DefaultJSONProvider
-    svc = Service(settings, kv_config)
+    svc = Service(settings, kv_config, clock)
     app.extensions[EXTENSION] = svc
     app.extensions[ROUTING_EXTENSION] = svc.router
     app.extensions[METRICS_EXTENSION] = metrics.Metrics(svc)

@@ -91,7 +91,8 @@ def read_body() -> bytes:
 
 
 def read_query_body() -> bytes:
-    """The current query request's raw body, read straight from ``wsgi.input``.
+    """The current request's raw body (the query endpoint's and the proxied OpenAI
+    endpoints'), read straight from ``wsgi.input``.
 
     A body of known ``Content-Length`` within ``MAX_CONTENT_LENGTH`` is read with one
     ``read(length)`` call (what WSGI promises to support), skipping werkzeug's limited-stream
@@ -116,14 +117,19 @@ def read_query_body() -> bytes:
 
 
 def json_object(body: bytes) -> dict[str, Any]:
-    """``body`` parsed as a JSON object (stdlib parser).
+    """``body`` parsed as a JSON object: ``orjson`` (Rust-backed), and the stdlib parser for
+    what orjson refuses but the stdlib accepts (integers beyond 64 bits, ``NaN``, UTF-16), so
+    the accepted language is the stdlib's.
 
     :raises BadRequest: not JSON (nesting too deep included), or not an object.
     """
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise BadRequest("body is not valid JSON") from exc
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise BadRequest("body is not valid JSON") from exc
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object")
     return doc

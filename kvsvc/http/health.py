@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Optional
 
 import flask
@@ -198,7 +197,7 @@ def _ready() -> tuple[flask.Response, int]:
         listed_at = svc.registry.last_listed_at()
         stale_for: Optional[float] = None
         if not snap.fresh and listed_at is not None:
-            stale_for = round(max(0.0, time.monotonic() - listed_at), 3)
+            stale_for = round(max(0.0, svc.registry.clock.now() - listed_at), 3)
         body["registry"] = {
             "fresh": snap.fresh, "is_master": snap.is_master, "generation": snap.generation,
             "instances": len(snap.instances), "listed_once": listed_at is not None,

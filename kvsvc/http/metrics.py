@@ -67,6 +67,7 @@ from kvsvc.cluster.model import InstanceState
 from kvsvc.http.extensions import METRICS_EXTENSION
 from kvsvc.routing.cache_audit import DIFF_BUCKETS_TOKENS, UNAUDITED_REASONS
 from kvsvc.routing.observer import RequestInfo
+from kvsvc.routing.token_cache import TokenCacheStats
 from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import UPSTREAM_ERROR_KINDS, RelayEnd
 from kvsvc.routing.router import Router
@@ -318,6 +319,54 @@ def _counters(service: Service) -> dict:
     return {} if directory is None else directory.counters()
 
 
+def real_cluster_families(svc: Service) -> Iterator[Metric]:
+    """§15: the routing candidates now (what ``/ready`` needs one of), and the load scrapes
+    of vLLM/SGLang ``/metrics`` by outcome and the instances whose last scrape failed."""
+    if svc.registry is None:
+        return
+    yield GaugeMetricFamily(
+        "kvsvc_routing_candidates",
+        "Instances a request could be routed to now (schedulable, current load report; "
+        "0 makes /ready 503).", float(len(svc.router.prefill_candidates())))
+    scraper = svc.load_scraper
+    if scraper is None:
+        return
+    scrapes = CounterMetricFamily(
+        "kvsvc_load_scrapes", "Load scrapes of the engines' /metrics (§15), by outcome.",
+        labels=("outcome",))
+    for outcome, n in sorted(scraper.counts().items()):
+        scrapes.add_metric((outcome,), float(n))
+    yield scrapes
+    failing = GaugeMetricFamily(
+        "kvsvc_load_scrape_failing",
+        "1 for each instance whose last /metrics scrape failed (no load reported from it).",
+        labels=("instance",))
+    for name in sorted(scraper.failing()):
+        failing.add_metric((name,), 1.0)
+    yield failing
+
+
+def _token_cache_families(stats: TokenCacheStats) -> Iterator[Metric]:
+    """The segment token cache's counters (:class:`~kvsvc.routing.token_cache.TokenCacheStats`)."""
+    family = CounterMetricFamily("kvsvc_tokenizer_cache_segments_total",
+                                 "Prompt segments tokenized through the segment token cache, "
+                                 "by outcome (hit: ids reused; miss: tokenized).",
+                                 labels=("outcome",))
+    family.add_metric(("hit",), float(stats.segment_hits))
+    family.add_metric(("miss",), float(stats.segment_misses))
+    yield family
+    yield CounterMetricFamily("kvsvc_tokenizer_cache_reused_tokens_total",
+                              "Token ids taken from the segment token cache instead of "
+                              "tokenizing.", float(stats.tokens_reused))
+    yield GaugeMetricFamily("kvsvc_tokenizer_cache_tokens",
+                            "Token ids held by the segment token cache.",
+                            float(stats.cached_tokens))
+    yield GaugeMetricFamily("kvsvc_tokenizer_cache_enabled",
+                            "1 while the segment token cache is on (0: its structure check or "
+                            "a verification turned it off).",
+                            1.0 if stats.enabled else 0.0)
+
+
 class ServiceCollector(Collector):
     """Collector reading the service's components at scrape time (see the module docstring).
 
@@ -326,6 +375,12 @@ class ServiceCollector(Collector):
 
     def __init__(self, service: Service) -> None:
         self._service = service
+
+    def _token_cache(self, svc: Service) -> Iterator[Metric]:
+        tokenizer = svc.router.tokens.tokenizer
+        cache = tokenizer.cache if tokenizer is not None else None
+        if cache is not None:
+            yield from _token_cache_families(cache.stats())
 
     def collect(self) -> Iterator[Metric]:
         """Yield every scrape-time family (called by the registry on each scrape)."""
@@ -350,9 +405,11 @@ class ServiceCollector(Collector):
             "Upstream attempts cancelled because the client went away before the response "
             "head (the upstream connection closed, §15).", svc.router.proxy.client_gone())
         yield self._upstream_errors(svc)
+        yield from self._token_cache(svc)
         yield from self._rpc(svc)
         yield from self._cache_audit(svc)
         yield from self._overlays(svc)
+        yield from real_cluster_families(svc)
         counts = svc.router.in_flight.counts()
         if svc.registry is not None:
             # Registered instances with nothing in flight show 0 rather than no series.

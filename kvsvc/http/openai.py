@@ -68,7 +68,7 @@ from kvsvc.http.body import (
     json_object,
     parse_chat_prompt,
     parse_completion_prompt,
-    read_body,
+    read_query_body,
 )
 from kvsvc.http.errors import OPENAI_ERRORS, status_of
 from kvsvc.http.extensions import router, service
@@ -210,7 +210,7 @@ class StreamRelay:
 
 
 def _completions() -> flask.Response:
-    body = read_body()
+    body = read_query_body()  # one read of a known length: no werkzeug stream copies
     doc = json_object(body)
     prompt = parse_completion_prompt(doc)
     check_model_and_stream(doc, router().models)
@@ -218,7 +218,7 @@ def _completions() -> flask.Response:
 
 
 def _chat_completions() -> flask.Response:
-    body = read_body()
+    body = read_query_body()  # one read of a known length: no werkzeug stream copies
     doc = json_object(body)
     prompt = parse_chat_prompt(doc)
     check_model_and_stream(doc, router().models)
@@ -226,7 +226,7 @@ def _chat_completions() -> flask.Response:
 
 
 def _embeddings() -> flask.Response:
-    body = read_body()
+    body = read_query_body()  # one read of a known length: no werkzeug stream copies
     doc = json_object(body)
     if "input" not in doc:
         raise BadRequest("input: missing")

@@ -39,7 +39,7 @@ out of scope: text is relayed as generated (docs/xllm.md).
 
 from __future__ import annotations
 
-import json
+import orjson
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -289,8 +289,8 @@ def _completion_logprobs(entries: Sequence[LogProbEntry], offset: int) -> dict:
 
 
 def _sse(doc: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"
+    # orjson: compact UTF-8 JSON, several times faster than json.dumps (a chunk per token).
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

@@ -34,7 +34,7 @@ is logged by the caller (:func:`notify`) and never reaches the relay.
 
 from __future__ import annotations
 
-import json
+import orjson
 import logging
 import threading
 import time
@@ -217,7 +217,7 @@ class RelayTracker:
         if not payload or payload == b"[DONE]":
             return
         try:
-            doc = json.loads(payload)
+            doc = orjson.loads(payload)  # every relayed event: the Rust parser
         except (ValueError, RecursionError):
             return
         if not isinstance(doc, dict):
@@ -260,7 +260,7 @@ def _body_usage(parts: list[bytes], size: int) -> Optional[dict]:
     if size > MAX_USAGE_BODY_BYTES:
         return None
     try:
-        doc = json.loads(b"".join(parts))
+        doc = orjson.loads(b"".join(parts))
     except (ValueError, RecursionError, UnicodeDecodeError):
         return None
     usage = doc.get("usage") if isinstance(doc, dict) else None

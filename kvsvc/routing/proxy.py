@@ -1,7 +1,9 @@
 """Upstream forwarding of OpenAI requests to the chosen instance (§11, issue 5).
 
-One :class:`Proxy` per app holds a pooled ``requests.Session`` (no environment proxies, no
-cookies, no automatic retries) used by request threads concurrently. :meth:`Proxy.forward`
+One :class:`Proxy` per app holds a ``urllib3`` pool manager (kept-alive connections per
+upstream, no environment proxies, no cookies, no redirects, no automatic retries) used by
+request threads concurrently; ``requests``' session layer is not on the request path (its
+request preparation cost more than the rest of the proxy). :meth:`Proxy.forward`
 sends one request with ``stream=True`` and connect/read timeouts:
 
 - an upstream that refuses the connection, fails to connect in time, or resets / closes the
@@ -47,7 +49,7 @@ sends one request with ``stream=True`` and connect/read timeouts:
   :class:`~kvsvc.routing.observer.RelayTracker` fed every relayed chunk, first token, each
   further token and the end (or cancel) when the body closes (§12).
 
-Errors (module boundary: ``requests`` and ``urllib3`` errors are translated here, ``raise ...
+Errors (module boundary: ``urllib3`` errors are translated here, ``raise ...
 from exc``): :class:`~kvsvc.errors.UpstreamTimeout` when the last attempt (or a body read)
 timed out, :class:`~kvsvc.errors.UpstreamUnreachable` when it was refused, reset or broken; both
 are :class:`~kvsvc.errors.UpstreamError` (the HTTP layer answers 504 and 502). The body's
@@ -57,7 +59,6 @@ iterator raises the same two after the head (with :attr:`UpstreamBody.broken` se
 from __future__ import annotations
 
 import contextvars
-import http.cookiejar
 import logging
 import select
 import socket
@@ -67,8 +68,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
-import requests
-import requests.adapters
+import urllib3
 import urllib3.connection
 import urllib3.connectionpool
 import urllib3.exceptions
@@ -178,7 +178,7 @@ class ClientWatch:
 
 
 #: The watch of the request whose upstream attempt runs on this thread (set around the
-#: ``requests`` call by :meth:`Proxy.forward`, read by :class:`_WatchedConnection`).
+#: ``urllib3`` call by :meth:`Proxy.forward`, read by :class:`_WatchedConnection`).
 _CLIENT_WATCH: contextvars.ContextVar[Optional[ClientWatch]] = contextvars.ContextVar(
     "kvsvc_client_watch", default=None)
 
@@ -271,7 +271,7 @@ class UpstreamBody:
     closed by :meth:`close` (called by the WSGI server when the response ends or the client
     goes away, even before the first chunk was read).
 
-    :param response: a ``requests`` response opened with ``stream=True``.
+    :param response: a ``urllib3`` response opened with ``preload_content=False``.
     :param target: the upstream ``host:port`` (for logs).
     :param dispatch: the request's in-flight count, released by :meth:`close`; ``None``: not
         counted.
@@ -285,7 +285,7 @@ class UpstreamBody:
     :ivar broken: the error that broke the body, ``None`` while it has not.
     """
 
-    def __init__(self, response: requests.Response, target: str,
+    def __init__(self, response: urllib3.response.BaseHTTPResponse, target: str,
                  dispatch: Optional[Dispatch] = None, path: str = "",
                  count_error: Callable[[str, str], None] = _no_error,
                  tracker: Optional[RelayTracker] = None) -> None:
@@ -320,7 +320,7 @@ class UpstreamBody:
         :raises UpstreamUnreachable: the body broke: reset, or cut short of its framing
             (logged, counted as ``broken_body``).
         """
-        raw = self._response.raw
+        raw = self._response
         while True:
             with self._lock:
                 if self._closed:
@@ -396,7 +396,9 @@ class UpstreamBody:
                 return
             self._closed = True
         try:
-            self._response.close()
+            if not self._complete:
+                self._response.close()  # unfinished: the connection cannot be reused
+            self._response.release_conn()
         finally:
             if self._dispatch is not None:
                 self._dispatch.release()
@@ -440,7 +442,7 @@ class UpstreamReply:
 
 
 def _refused(exc: BaseException) -> bool:
-    """True when ``requests``' connection error comes from a refused connect (urllib3's
+    """True when a connection error comes from a refused connect (urllib3's
     ``NewConnectionError``: nothing listens), False for a reset or a close before the head."""
     seen: set[int] = set()
     stack: list[object] = [exc]
@@ -457,7 +459,7 @@ def _refused(exc: BaseException) -> bool:
 
 
 class Proxy:
-    """Forwards requests to instances over a pooled session. Thread-safe.
+    """Forwards requests to instances over pooled connections. Thread-safe.
 
     :param settings: timeouts and pool size.
     :param in_flight: where each attempt is counted while in flight (``None``: not counted).
@@ -470,17 +472,14 @@ class Proxy:
         self.settings = settings
         self.in_flight = in_flight
         self.observer = observer
-        self._session = requests.Session()
-        self._session.trust_env = False        # never an environment HTTP proxy, never .netrc
-        self._session.headers.clear()          # only what the client sent goes up
-        self._session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-        adapter = requests.adapters.HTTPAdapter(pool_connections=16,
-                                                pool_maxsize=settings.pool_maxsize,
-                                                max_retries=0)
-        adapter.poolmanager.pool_classes_by_scheme = {
-            **adapter.poolmanager.pool_classes_by_scheme, "http": _WatchedPool}
-        self._session.mount("http://", adapter)
-        self._adapter = adapter
+        # Connections kept per upstream: one per request thread (block=False: a burst beyond
+        # it opens more and drops the surplus afterwards).
+        self._pools = urllib3.PoolManager(num_pools=256, maxsize=settings.pool_maxsize,
+                                          block=False, retries=False)
+        self._pools.pool_classes_by_scheme = {**self._pools.pool_classes_by_scheme,
+                                              "http": _WatchedPool}
+        self._timeout = urllib3.Timeout(connect=settings.connect_timeout_s,
+                                        read=settings.read_timeout_s)
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._errors: dict[tuple[str, str], int] = {}
@@ -591,11 +590,17 @@ class Proxy:
                 log.info("upstream %s: %s cancelled, the client went away before the response "
                          "head", target, path)
                 raise ClientGone(f"upstream {target}: cancelled, the client went away") from exc
-            except requests.exceptions.ConnectTimeout as exc:
+            except urllib3.exceptions.NewConnectionError as exc:  # a ConnectTimeoutError too
+                last = UpstreamUnreachable(f"upstream {target}: connection failed")
+                kind = "refused" if _refused(exc) else "reset"
+                why = ("connection refused" if kind == "refused"
+                       else "connection reset or closed before the response head")
+                cause: Exception = exc
+            except urllib3.exceptions.ConnectTimeoutError as exc:
                 last = UpstreamTimeout(f"upstream {target}: connect timed out")
                 why, kind = "connect timeout", "timeout"
-                cause: Exception = exc
-            except requests.exceptions.ReadTimeout as exc:
+                cause = exc
+            except urllib3.exceptions.ReadTimeoutError as exc:
                 # The upstream accepted the request: never re-sent to a second one (§15).
                 if dispatch is not None:
                     dispatch.release()
@@ -609,7 +614,7 @@ class Proxy:
                 raise UpstreamTimeout(f"upstream {target}: no response within "
                                       f"{self.settings.read_timeout_s} s (tried {tried_text})"
                                       ) from exc
-            except requests.exceptions.ConnectionError as exc:
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
                 last = UpstreamUnreachable(f"upstream {target}: connection failed")
                 kind = "refused" if _refused(exc) else "reset"
                 why = ("connection refused" if kind == "refused"
@@ -627,21 +632,21 @@ class Proxy:
                 if info is not None and self.observer is not None:
                     event_stream = (response.headers.get("Content-Type", "").split(";")[0]
                                     .strip().lower() == "text/event-stream")
-                    tracker = RelayTracker(self.observer, info, response.status_code,
+                    tracker = RelayTracker(self.observer, info, response.status,
                                            event_stream)
                 body = UpstreamBody(response, target, dispatch, path, self.count_error,
                                     tracker)
-                if response.status_code >= 500:
+                if response.status >= 500:
                     self.count_error(target, "http_5xx")
                 try:
-                    reply = UpstreamReply(target, response.status_code,
+                    reply = UpstreamReply(target, response.status,
                                           downstream_headers(response.headers), body, tried)
                 except BaseException:
                     body.close()
                     raise
                 if len(tried) > 1:
                     log.info("upstream %s answered %d after retry (tried %s)", target,
-                             response.status_code, ", ".join(tried))
+                             response.status, ", ".join(tried))
                 return reply
             # Failed before the first byte: this attempt is over (a retry is a new dispatch).
             if dispatch is not None:
@@ -658,13 +663,13 @@ class Proxy:
         raise type(last)(f"{last.message} (tried {', '.join(tried)})") from last.__cause__
 
     def _post(self, url: str, data: bytes, headers: Mapping[str, str],
-              client: Optional[ClientWatch]) -> requests.Response:
+              client: Optional[ClientWatch]) -> urllib3.response.BaseHTTPResponse:
         """One upstream POST up to its response head, the client watched meanwhile."""
         watched = _CLIENT_WATCH.set(client)
         try:
-            return self._session.post(
-                url, data=data, headers=dict(headers), stream=True, allow_redirects=False,
-                timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
+            return self._pools.urlopen("POST", url, body=data, headers=dict(headers),
+                                       preload_content=False, decode_content=False,
+                                       redirect=False, retries=False, timeout=self._timeout)
         finally:
             _CLIENT_WATCH.reset(watched)
 
@@ -672,9 +677,9 @@ class Proxy:
         """Close the pooled connections. Idempotent."""
         # urllib3 2.x's PoolManager.clear() only forgets its pools (no dispose function), so
         # close each pool's kept-alive connections explicitly.
-        pools = self._adapter.poolmanager.pools
+        pools = self._pools.pools
         for key in list(pools.keys()):
             pool = pools.get(key)
             if pool is not None:
                 pool.close()
-        self._session.close()
+        self._pools.clear()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
+from kvsvc.clock import Clock
 from kvsvc.cluster.model import RegistrySnapshot
 from kvsvc.errors import NoCandidate, UnknownModel
 from kvsvc.index.overlay import PromptKeys
@@ -50,7 +51,10 @@ EMPTY_SNAPSHOT = RegistrySnapshot(MappingProxyType({}), False, False, 0)
 
 
 class RegistryView(Protocol):
-    """What the router reads of the instance registry (:class:`kvsvc.cluster.registry.Registry`)."""
+    """What the router reads of the instance registry (:class:`kvsvc.cluster.registry.Registry`):
+    its snapshots, and the clock that dated their loads (:mod:`kvsvc.clock`)."""
+
+    clock: Clock
 
     def snapshot(self) -> RegistrySnapshot:
         """The current immutable snapshot (lock-free)."""
@@ -176,7 +180,7 @@ class Router:
                 snapshot: RegistrySnapshot) -> Decision:
         """The policy's decision on ``snapshot`` (:meth:`decide`)."""
         in_flight = self.in_flight.snapshot()
-        now = time.monotonic()   # load ages are judged at this instant (§11)
+        now = self._now()   # load ages are judged at this instant (§11)
         directory = self._directory
         if directory is None:
             return self.policy.choose(token_ids, snapshot, None, None, in_flight, now=now)
@@ -188,6 +192,10 @@ class Router:
             return decision
         # The keys travel with the decision to the dispatch (§14, §16): hashed once.
         return dataclasses.replace(decision, prompt=prompt)
+
+    def _now(self) -> float:
+        """Monotonic seconds on the registry's clock, which dated the loads (§11)."""
+        return self._registry.clock.now() if self._registry is not None else time.monotonic()
 
     def _view(self) -> RegistrySnapshot:
         """The registry's snapshot without the instances :attr:`excluded` names (the same
@@ -205,7 +213,7 @@ class Router:
         what ``/ready`` requires one of (§15)."""
         if self._registry is None:
             return ()
-        pools = candidate_pools(self._view(), time.monotonic(), self.policy.max_load_age_s)
+        pools = candidate_pools(self._view(), self._now(), self.policy.max_load_age_s)
         return tuple(i.name for i in pools.prefill)
 
     def not_candidates(self) -> dict[str, str]:
@@ -214,7 +222,7 @@ class Router:
         registry."""
         if self._registry is None:
             return {}
-        out = dict(candidate_pools(self._view(), time.monotonic(),
+        out = dict(candidate_pools(self._view(), self._now(),
                                    self.policy.max_load_age_s).excluded)
         if self.excluded is not None:
             out.update(self.excluded())

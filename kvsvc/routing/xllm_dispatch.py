@@ -54,7 +54,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
 import requests
 import requests.adapters
@@ -303,7 +303,11 @@ class GenerationsBody(UpstreamBody):
     public member is its own.
 
     :param pending: the request's registration.
-    :param assembler: writes the SSE events.
+    :param assembler: writes the answer: a :class:`~kvsvc.routing.answers.StreamAssembler`
+        (iterating the body yields its events), or a
+        :class:`~kvsvc.routing.answers.WholeAssembler` that the dispatcher feeds itself
+        (:meth:`next_entry`, :meth:`heard`, :meth:`finished`); either one's ``usage`` and
+        ``error`` decide what the observer hears at the end.
     :param snapshot: the registry's current snapshot (the instance checks).
     :param bounds: the instance generating until the first token, then the one after it (the
         same one without P/D).
@@ -316,7 +320,8 @@ class GenerationsBody(UpstreamBody):
         the engine is silent, e.g. in a long prefill, cancels at once); ``None``: not watched.
     """
 
-    def __init__(self, pending: PendingRequest, assembler: StreamAssembler,
+    def __init__(self, pending: PendingRequest,
+                 assembler: Union[StreamAssembler, WholeAssembler],
                  snapshot: Callable[[], RegistrySnapshot], bounds: tuple[Bound, Bound],
                  read_timeout_s: float, dispatch: Optional[Dispatch],
                  observer: Optional[RequestObserver], info: Optional[RequestInfo],
@@ -346,8 +351,13 @@ class GenerationsBody(UpstreamBody):
         """See :meth:`UpstreamBody.when_closed`."""
         self._on_close = callback
 
-    def _heard(self, tokens: int) -> None:
-        """Observer calls for ``tokens`` more output tokens."""
+    def finished(self) -> None:
+        """The request's last entry was read (the answer is complete)."""
+        self._complete = True
+
+    def heard(self, tokens: int) -> None:
+        """Observer calls for ``tokens`` more output tokens (FINISH_PREFILL for the first,
+        GENERATE for each further one)."""
         if self._info is None or tokens <= 0:
             return
         if self._tokens == 0:
@@ -407,7 +417,9 @@ class GenerationsBody(UpstreamBody):
         :raises UpstreamTimeout: no entry within the read timeout.
         :raises UpstreamUnreachable: the instance failed (module docstring).
         """
-        while not self._asm.done:
+        asm = self._asm
+        assert isinstance(asm, StreamAssembler), "a non-streamed answer is not iterated"
+        while not asm.done:
             with self._lock:
                 if self._closed:
                     return
@@ -419,8 +431,16 @@ class GenerationsBody(UpstreamBody):
                 if self.broken is None:  # the registry failed it (overflow)
                     self.broken = exc.message
                 raise
-            self._heard(gen.tokens)
-            data = self._asm.feed(gen)
+            # Every entry already queued goes out in one write (an engine sends a step's
+            # tokens in a burst; one syscall and one chunk instead of several).
+            gens = [gen, *self._pending.drain()]
+            parts = []
+            for g in gens:
+                self.heard(g.tokens)
+                parts.append(asm.feed(g))
+                if asm.done:
+                    break
+            data = b"".join(parts)
             if data:
                 if self.first_data_at is None:
                     self.first_data_at = time.monotonic()
@@ -603,29 +623,28 @@ class XllmDispatcher:
                       Bound(decode, decode_inst.incarnation_id) if decode_inst is not None
                       else Bound(target, inst.incarnation_id))
             spec = answer_spec(chat, doc, sid, int(time.time()))
-            body = GenerationsBody(pending, StreamAssembler(spec, bool(decode)),
-                                   self._snapshot, bounds, self.read_timeout_s, dispatch,
-                                   self.observer, info, path, client)
+            asm = (StreamAssembler(spec, bool(decode)) if streamed
+                   else WholeAssembler(spec, bool(decode)))
+            body = GenerationsBody(pending, asm, self._snapshot, bounds, self.read_timeout_s,
+                                   dispatch, self.observer, info, path, client)
             if streamed:
                 return UpstreamReply(target, 200, [("Content-Type", "text/event-stream"),
                                                    ("Cache-Control", "no-cache")], body, tried)
-            return self._whole(body, spec, bool(decode), target, tried)
+            assert isinstance(asm, WholeAssembler)
+            return self._whole(body, asm, target, tried)
         assert last is not None, "forward() needs a decision with a P"
         raise type(last)(f"{last.message} (tried {', '.join(tried)})") from last
 
-    def _whole(self, body: GenerationsBody, spec: Any, has_decode: bool, target: str,
+    def _whole(self, body: GenerationsBody, asm: WholeAssembler, target: str,
                tried: list[str]) -> UpstreamReply:
         """Wait for the last entry of a non-streamed request and give its JSON answer."""
-        asm = WholeAssembler(spec, has_decode)
         try:
             while not asm.done:
                 gen = body.next_entry()
-                body._heard(gen.tokens)
+                body.heard(gen.tokens)
                 asm.feed(gen)
-                body._asm.usage = asm.usage
-            body._complete = True
+            body.finished()
             if asm.error is not None:
-                body._asm.error = asm.error
                 status = http_status_of_engine_error(asm.error.status_code)
                 doc = error_body(status, asm.error.message,
                                  f"engine_{asm.error.status_code}")

@@ -30,13 +30,10 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
-
-from google.protobuf import json_format
+from typing import Any, Optional
 
 from kvsvc.address import parse_host_port
 from kvsvc.errors import (
-    BadRequest,
     LifecycleError,
     RpcCallFailed,
     RpcProtocolError,
@@ -132,6 +129,10 @@ class _Channel:
                     elif isinstance(event, Response):
                         waiter.response = event
                     waiter.event.set()
+                if self._codec.broken is not None:
+                    why = f"broken stream: {self._codec.broken}"
+                    log.warning("baidu_std %s: %s; closing", self.target, self._codec.broken)
+                    return
                 if not data:
                     return
         finally:
@@ -282,66 +283,3 @@ class RpcClient:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Channel(target, sock, self.settings.max_body_size)
-
-
-#: xLLM's API service, where kvsvc dispatches requests (§13).
-API_SERVICE = f"{messages.ENGINE_PACKAGE}.XllmAPIService"
-#: Request message of each dispatch method.
-_API_REQUESTS = {"ChatCompletions": messages.ChatRequest,
-                 "Completions": messages.CompletionRequest}
-
-
-class BaiduStdCaller:
-    """Dispatch calls to xLLM engines over baidu_std (§13): the
-    :class:`~kvsvc.routing.xllm_dispatch.EngineCaller` of ``xllm.proto.XllmAPIService``
-    ``ChatCompletions`` / ``Completions``, as xllm-service sends them.
-
-    ``call(target, method, message)``: ``message`` is the request in the JSON form of its
-    protobuf message (the ``.proto``'s field names, as
-    :func:`~kvsvc.routing.xllm_dispatch.chat_request` builds it); it is encoded as
-    ``ChatRequest`` / ``CompletionRequest`` and sent; the engine's (empty) answer is waited for
-    up to ``answer_timeout_s``. Errors: :class:`~kvsvc.errors.RpcUnreachable` /
-    :class:`~kvsvc.errors.RpcTimeout` (an ``UpstreamUnreachable`` / ``UpstreamTimeout``:
-    nothing was accepted, dispatch may retry elsewhere); :class:`~kvsvc.errors.BadRequest` when
-    the message does not fit the protobuf type or the engine answers ``EREQUEST``; any other
-    error code of the engine is an ``RpcUnreachable`` naming it. Thread-safe.
-
-    :param client: the pooled caller to use (``None``: one of its own, closed by :meth:`close`).
-    :param connect_timeout_s: TCP connect bound, seconds (own client only).
-    :param answer_timeout_s: bound of the engine's answer, seconds.
-    """
-
-    def __init__(self, client: Optional[RpcClient] = None, connect_timeout_s: float = 2.0,
-                 answer_timeout_s: float = 10.0) -> None:
-        self._own = client is None
-        self._client = client or RpcClient(ClientSettings(connect_timeout_s=connect_timeout_s,
-                                                          timeout_s=answer_timeout_s))
-        self._timeout_s = answer_timeout_s
-
-    def call(self, target: str, method: str, message: Mapping[str, Any]) -> None:
-        """One dispatch call (class docstring).
-
-        :raises ValueError: ``method`` is not ``ChatCompletions`` or ``Completions``.
-        """
-        cls = _API_REQUESTS.get(method)
-        if cls is None:
-            raise ValueError(f"no dispatch method {method!r} (ChatCompletions, Completions)")
-        try:
-            request = json_format.ParseDict(message, cls())
-        except json_format.ParseError as exc:
-            raise BadRequest(f"the request does not fit xllm.proto.{cls.DESCRIPTOR.name}: "
-                             f"{exc}") from exc
-        try:
-            self._client.call(target, API_SERVICE, method, messages.serialize(request),
-                              timeout_s=self._timeout_s)
-        except RpcCallFailed as exc:
-            if exc.code == codec.EREQUEST:
-                raise BadRequest(f"the engine {target} refused the request: {exc.text}") \
-                    from exc
-            raise RpcUnreachable(f"upstream {target}: {method} answered error_code "
-                                 f"{exc.code}: {exc.text}") from exc
-
-    def close(self) -> None:
-        """Close the connections (of its own client). Idempotent."""
-        if self._own:
-            self._client.close()

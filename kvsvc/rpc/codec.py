@@ -285,6 +285,13 @@ class Connection:
         self._eof = False
 
     @property
+    def broken(self) -> Optional[str]:
+        """Why the stream is broken (the owner closes the connection), ``None`` while sound.
+        Set when :meth:`receive_data` raised, or when it returned the frames that came
+        before the break (it raises on the next call)."""
+        return self._broken
+
+    @property
     def buffered(self) -> int:
         """Bytes received and not yet part of a whole frame."""
         return len(self._buffer)
@@ -292,7 +299,9 @@ class Connection:
     def receive_data(self, data: bytes) -> list[Event]:
         """Feed bytes read from the socket; ``b""`` means the peer closed its side.
 
-        :returns: the events completed by ``data``, in wire order (possibly none).
+        :returns: the events completed by ``data``, in wire order (possibly none). When the
+            stream breaks after some whole frames, those are returned and :attr:`broken` is
+            set; the next call raises.
         :raises RpcProtocolError: the stream is broken (module docstring); every later call
             raises it again. End of stream inside a frame raises it too.
         """
@@ -309,7 +318,12 @@ class Connection:
         self._buffer += data
         events: list[Event] = []
         while True:
-            event = self._next_frame()
+            try:
+                event = self._next_frame()
+            except RpcProtocolError:
+                if events:
+                    return events   # the frames before the break are whole: serve them first
+                raise
             if event is None:
                 return events
             events.append(event)

@@ -20,7 +20,8 @@ Two parts, the rules apart from the sockets:
     register_ts_ms, kv_split_size); an unknown name gives an empty one;
   - ``GetStaticDecodeList`` / ``GetStaticPrefillList(InstanceID)`` -> ``InstanceIDs``: the
     schedulable (``ACTIVE`` or ``LEASE_LOST``) instances registered DECODE, resp. PREFILL or
-    DEFAULT, in name order (xllm-service's ``InstanceMgr``);
+    DEFAULT, in name order (xllm-service's ``InstanceMgr``), less those whose P/D link failed
+    (no candidate, §13);
   - ``Hello(Empty)`` -> ``Status{ok: true}``;
   - the service by its full name or the short ``XllmRpcService`` (brpc accepts both); another
     service: ENOSERVICE ``Fail to find service=<name>``; another method (``RegisterInstance``
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from kvsvc.cluster.heartbeat import HeartbeatIntake, HeartbeatOutcome
 from kvsvc.cluster.model import InstanceState, InstanceType, RegistrySnapshot
@@ -66,7 +67,7 @@ SERVICE_NAME = f"{messages.SERVICE_PACKAGE}.XllmRpcService"
 SERVICE_SHORT_NAME = "XllmRpcService"
 #: States in which an instance is listed by GetStatic*List (xllm-service: schedulable).
 _SCHEDULABLE = (InstanceState.ACTIVE, InstanceState.LEASE_LOST)
-#: How long a connection thread waits in one poll before it looks at the stop flag, seconds.
+#: How long the accept thread waits in one poll before it looks at the stop flag, seconds.
 _POLL_S = 0.2
 _RECV_BYTES = 256 * 1024
 
@@ -111,13 +112,18 @@ class XllmRpcHandler:
     :param heartbeats: the service's heartbeat intake.
     :param registry: where GetInstanceInfo and the static lists read, ``None`` without one.
     :param sink: where Generations entries go (``Service.generations``), ``None``: refused.
+    :param excluded: the instances that are no candidate (a failed P/D link, §13:
+        :meth:`~kvsvc.cluster.pd_links.PdLinks.excluded`), left out of the static lists;
+        ``None``: none.
     """
 
     def __init__(self, heartbeats: HeartbeatIntake, registry: Optional[Registry],
-                 sink: Optional[GenerationSink]) -> None:
+                 sink: Optional[GenerationSink],
+                 excluded: Optional[Callable[[], Mapping[str, str]]] = None) -> None:
         self._heartbeats = heartbeats
         self._registry = registry
         self._sink = sink
+        self._excluded = excluded
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
         self._errors: Counter[int] = Counter()
@@ -236,8 +242,10 @@ class XllmRpcHandler:
         out = messages.InstanceIDs()
         if self._registry is not None:
             snap: RegistrySnapshot = self._registry.snapshot()
+            excluded = self._excluded() if self._excluded is not None else {}
             out.names.extend(sorted(n for n, i in snap.instances.items()
-                                    if i.type in types and i.state in _SCHEDULABLE))
+                                    if i.type in types and i.state in _SCHEDULABLE
+                                    and n not in excluded))
         return out
 
     def _decode_list(self, req: Any) -> Any:
@@ -355,6 +363,11 @@ class RpcServer(BackgroundThread):
         with self._lock:
             self._conns[sock] = thread
         thread.start()
+        if self.stopping:   # close() may have shut the others down before this one was listed
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _teardown(self) -> None:
         if self._listener is not None:
@@ -377,15 +390,12 @@ class RpcServer(BackgroundThread):
     # -- a connection thread ----------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        # Blocking reads: close() shuts the socket down, which ends a blocked recv with b"".
         conn = codec.Connection(codec.Role.SERVER, self._max_body_size)
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
         handler = self.handler
         log.debug("baidu_std connection from %s", peer)
         try:
             while not self.stopping:
-                if not poller.poll(_POLL_S * 1000):
-                    continue
                 try:
                     data = sock.recv(_RECV_BYTES)
                 except OSError:
@@ -415,6 +425,11 @@ class RpcServer(BackgroundThread):
                         sock.sendall(b"".join(out))
                     except OSError:
                         return
+                if conn.broken is not None:   # the calls before the break were answered
+                    with self._lock:
+                        self._broken += 1
+                    log.warning("baidu_std connection from %s closed: %s", peer, conn.broken)
+                    return
         finally:
             with self._lock:
                 self._conns.pop(sock, None)

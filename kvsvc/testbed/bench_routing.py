@@ -6,7 +6,9 @@ Per trace (``conversation`` and ``synthetic`` by default), per load level (``--l
 arrival-rate multipliers: 1 replays the trace as recorded, 2 twice as fast on the same
 engines) and per policy (RR, CAR lambda 0.5, SLO_AWARE, TTFT; ``--policies`` adds e.g.
 ``CAR:1.0``), one run of ``window_s / (time_scale * load)`` wall seconds plus start-up (about
-10 s); ``--quick`` replays 240 trace seconds of the conversation trace only.
+10 s); ``--quick`` replays 240 trace seconds of the conversation trace only. ``--flavor vllm
+--dp 2 --dp-rank-routing both`` runs each policy on DP engines twice, with DP-rank routing and
+with the minimum over ranks (§15), and writes its own section of the results file.
 
 1. etcd: ``--etcd``, or a local one started once for the whole bench
    (:class:`~kvsvc.testbed.etcd_launcher.LocalEtcd`), as the demo does.
@@ -92,6 +94,8 @@ from kvsvc.testbed.etcd_launcher import LocalEtcd
 from kvsvc.testbed.sim.cli import add_latency_flags
 from kvsvc.testbed.sim.serving import ServingConfig
 from kvsvc.testbed.traces import TraceRequest, ideal_hit_ratio, load_trace, request_tokens
+from kvsvc.routing.cache_audit import COMPLETENESS_PENDING
+from kvsvc.testbed.tokenizer import build_tokenizer, single_token_words, text_of_tokens, write_tokenizer
 from kvsvc.settings import add_flag, add_log_level
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,11 @@ EXIT_INTERRUPTED = 130
 DEFAULT_RESULTS_FILE = Path("bench") / "RESULTS.md"
 BEGIN = "<!-- routing:begin -->"
 END = "<!-- routing:end -->"
+#: The markers of the DP-rank section (runs with ``--dp`` above 1 write it instead, §15).
+BEGIN_DP = "<!-- routing-dp:begin -->"
+END_DP = "<!-- routing-dp:end -->"
+#: Label suffix of a run with ``--dp_rank_routing false`` (§11's minimum over ranks).
+MIN_RULE = " min-rank"
 MODEL = "sim"
 
 #: (policy flag, lambda or None) in report order.
@@ -163,6 +172,15 @@ class BenchOptions:
         times scaled to simulated ms: they include the router's own time).
     :param kv_events: the engines publish KV events; without, the router's discovery uses the
         approximate index (§14).
+    :param flavor: the engines' ``--flavor`` (``vllm`` and ``sglang`` send no heartbeats: the
+        service scrapes their ``/metrics``, §15, every heartbeat interval).
+    :param dp: DP ranks per engine (``--dp``).
+    :param prompts: ``tokens`` (token-id prompts) and/or ``text`` (the same prompts as text,
+        :func:`~kvsvc.testbed.tokenizer.text_of_tokens`, tokenized by engines and router with
+        the testbed's shared tokenizer), each a run per policy (issue 20: text within 5 points
+        of the token-id hit).
+    :param dp_rank_routing: the service's ``--dp_rank_routing`` values, each a run per policy
+        (``(True, False)``: DP-rank routing against the minimum rule in the same bench).
     """
 
     traces: tuple[str, ...] = ("conversation", "synthetic")
@@ -198,6 +216,14 @@ class BenchOptions:
     stream_coalesce_ms: float = 20.0
     xllm: str = "http"
     kv_events: bool = True
+    flavor: str = "xllm"
+    dp: int = 1
+    dp_rank_routing: tuple[bool, ...] = (True,)
+    prompts: tuple[str, ...] = ("tokens",)
+
+
+#: Label suffix of a run whose prompts were text through the shared tokenizer.
+TEXT_RUN = " text"
 
 
 @dataclass
@@ -300,6 +326,8 @@ class AuditFigures:
     :param exact_within: the part of them within one block.
     :param causes: miss cause -> answers off by more than one block.
     :param unaudited: reason -> answers not audited.
+    :param pending_audited: answers whose prediction counted pending blocks (§16), audited
+        apart from the exact ones.
     """
 
     audited: int = 0
@@ -309,6 +337,7 @@ class AuditFigures:
     exact_within: int = 0
     causes: dict[str, int] = field(default_factory=dict)
     unaudited: dict[str, int] = field(default_factory=dict)
+    pending_audited: int = 0
 
     @property
     def mae_tokens(self) -> float:
@@ -330,7 +359,7 @@ def audit_figures(text: str) -> AuditFigures:
     """The :class:`AuditFigures` of one ``/metrics`` exposition of the service."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    audited = within = exact_audited = exact_within = 0
+    audited = within = exact_audited = exact_within = pending_audited = 0
     abs_error = 0.0
     causes: dict[str, int] = {}
     unaudited: dict[str, int] = {}
@@ -350,8 +379,11 @@ def audit_figures(text: str) -> AuditFigures:
                 causes[cause] = causes.get(cause, 0) + n
             elif smp.name == "kvsvc_cache_predictions_unaudited_total":
                 unaudited[smp.labels.get("reason", "")] = n
+            elif (smp.name == "kvsvc_cache_predictions_by_backend_total"
+                  and smp.labels.get("completeness") == COMPLETENESS_PENDING):
+                pending_audited += n
     return AuditFigures(audited, within, abs_error, exact_audited, exact_within, causes,
-                        unaudited)
+                        unaudited, pending_audited)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -591,10 +623,13 @@ def _select(trace: list[TraceRequest], opts: BenchOptions) -> list[TraceRequest]
     return out[:opts.max_requests] if opts.max_requests > 0 else out
 
 
-def _bodies(reqs: Sequence[TraceRequest], block_size: int, stream: bool = True) -> list[bytes]:
+def _bodies(reqs: Sequence[TraceRequest], block_size: int, stream: bool = True,
+            words: Optional[list[str]] = None) -> list[bytes]:
+    """Request bodies; with ``words`` the prompts are text (:func:`text_of_tokens`)."""
     extra: dict = ({"stream": True, "stream_options": {"include_usage": True}} if stream
                    else {})
-    return [json.dumps({"model": MODEL, "prompt": request_tokens(r, block_size),
+    return [json.dumps({"model": MODEL, "prompt": request_tokens(r, block_size) if words is None
+                        else text_of_tokens(request_tokens(r, block_size), words),
                         "max_tokens": max(1, r.output_length), **extra},
                        separators=(",", ":")).encode()
             for r in reqs]
@@ -612,8 +647,10 @@ class EngineProcesses:
     """
 
     def __init__(self, opts: BenchOptions, etcd_addr: str, token: str, log_dir: Path,
-                 event_port_offset: int, replay_port_offset: int) -> None:
+                 event_port_offset: int, replay_port_offset: int,
+                 tokenizer_path: Optional[Path] = None) -> None:
         self._opts = opts
+        self._tokenizer_path = tokenizer_path
         self._etcd_addr = etcd_addr
         self._token = token
         self._log_dir = log_dir
@@ -632,7 +669,9 @@ class EngineProcesses:
         env = dict(os.environ)
         env["KVSVC_INTERNAL_API_TOKEN"] = self._token
         for i in range(o.engines):
-            port = free_instance_port(1, *self._offsets, avoid=taken)
+            port = free_instance_port(o.dp, *self._offsets, avoid=taken)
+            taken.update({port, *(port + off + r for off in self._offsets
+                                  for r in range(o.dp))})
             self.names.append(f"127.0.0.1:{port}")
             argv = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
                     "--port", str(port), "--etcd", self._etcd_addr,
@@ -650,6 +689,7 @@ class EngineProcesses:
                     "--stream-coalesce-ms", repr(o.stream_coalesce_ms),
                     "--max-num-seqs", str(o.max_num_seqs), "--time-scale", repr(o.time_scale),
                     "--max-connections", str(max(256, 2 * o.client_threads)),
+                    "--flavor", o.flavor, "--dp", str(o.dp),
                     "--model", MODEL, "--heartbeat-interval-s",
                     repr(max(0.02, o.heartbeat_interval_s / o.time_scale)),
                     "--heartbeat-on-change-ms", repr(1000.0 * o.heartbeat_gap_s / o.time_scale),
@@ -659,6 +699,8 @@ class EngineProcesses:
                 argv.append("--native")
             if not o.kv_events:
                 argv += ["--kv-events", "off"]
+            if self._tokenizer_path is not None:
+                argv += ["--tokenizer-path", str(self._tokenizer_path)]
             log_file = open(self._log_dir / f"sim-{i}.log", "w", encoding="utf-8")
             self._logs.append(log_file)
             self._procs.append(subprocess.Popen(argv, env=env, stdout=log_file,
@@ -709,23 +751,27 @@ class EngineProcesses:
 
 def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
             bodies: Sequence[bytes], policy: str, lam: Optional[float], etcd_addr: str,
-            tmp: Path, load: float = 1.0) -> RunResult:
+            tmp: Path, load: float = 1.0, dp_rank_routing: bool = True,
+            tokenizer_path: Optional[Path] = None) -> RunResult:
     """One replay of ``reqs`` at ``load`` times their arrival rate with fresh engines and a
     fresh service running ``policy``.
 
     :raises LifecycleError: an engine or the service did not start.
     """
-    result = RunResult(trace_name, policy_label(policy, lam),
+    result = RunResult(trace_name, policy_label(policy, lam)
+                       + ("" if dp_rank_routing else MIN_RULE)
+                       + ("" if tokenizer_path is None else TEXT_RUN),
                        ideal_ratio=ideal_hit_ratio(reqs).token_ratio, load=load,
                        target_ttft_ms=opts.target_ttft_ms)
     token = secrets.token_hex(16)
     demo_opts = DemoOptions(block_size=opts.block_size, refresh_interval_ms=200,
-                            resync_interval_ms=5000)
-    label = (f"{policy}_{lam}" if lam is not None else policy) + f"_x{load:g}"
+                            resync_interval_ms=5000, flavor=opts.flavor)
+    label = ((f"{policy}_{lam}" if lam is not None else policy) + f"_x{load:g}"
+             + ("" if dp_rank_routing else "_min") + ("" if tokenizer_path is None else "_text"))
     run_dir = tmp / label
     run_dir.mkdir(parents=True, exist_ok=True)
     engines = EngineProcesses(opts, etcd_addr, token, run_dir, demo_opts.event_port_offset,
-                              demo_opts.replay_port_offset)
+                              demo_opts.replay_port_offset, tokenizer_path)
     service: Optional[ServiceProcess] = None
     client: Optional[_Client] = None
     try:
@@ -742,13 +788,21 @@ def run_one(opts: BenchOptions, trace_name: str, reqs: Sequence[TraceRequest],
                 "--target_tpot", str(wall_ms(opts.target_tpot_ms, opts.time_scale))]
         if lam is not None:
             args += ["--car_prefill_lambda", repr(lam)]
+        # §15: vLLM/SGLang engines send no heartbeat; their /metrics is read as often as the
+        # xLLM ones heartbeat.
+        args += ["--dp_rank_routing", "true" if dp_rank_routing else "false",
+                 "--load_scrape_interval_ms",
+                 str(max(50, round(1000.0 * opts.heartbeat_interval_s / opts.time_scale)))]
+        if tokenizer_path is not None:
+            args += ["--tokenizer_path", str(tokenizer_path)]
         if opts.xllm == "native":
             args += ["--xllm_dispatch", "native", "--rpc_port", str(free_port_run(1)),
                      "--rpc_host", "127.0.0.1"]
         service = ServiceProcess(cfg, free_port_run(1), token, run_dir / "service.log",
                                  etcd_addr=etcd_addr, extra_args=args,
                                  extra_env={"GUNICORN_CMD_ARGS": f"--threads {opts.service_threads}"})
-        service.start(opts.ready_timeout_s, {(name, 0) for name in engines.names}
+        service.start(opts.ready_timeout_s,
+                      {(name, r) for name in engines.names for r in range(opts.dp)}
                       if opts.kv_events else None)
         service.wait_routable(set(engines.names), opts.ready_timeout_s)
         client = _Client(service.base_url, opts.client_threads, opts.request_timeout_s,
@@ -887,8 +941,9 @@ def run_bench(opts: BenchOptions, out: Optional[TextIO] = None) -> list[RunResul
     """
     out = out or sys.stdout
     if opts.engines < 1 or opts.time_scale <= 0 or not opts.load_levels \
-            or min(opts.load_levels) <= 0:
-        raise ValueError("engines must be >= 1, time_scale > 0 and every load level > 0")
+            or min(opts.load_levels) <= 0 or opts.dp < 1 or not opts.dp_rank_routing:
+        raise ValueError("engines and dp must be >= 1, time_scale > 0, every load level > 0 "
+                         "and at least one --dp-rank-routing value")
     selected = {name: _select(load_trace(name), opts) for name in opts.traces}
     results: list[RunResult] = []
     etcd: Optional[LocalEtcd] = None
@@ -899,19 +954,26 @@ def run_bench(opts: BenchOptions, out: Optional[TextIO] = None) -> list[RunResul
                 etcd = LocalEtcd(name="kvsvc-bench-routing")
                 etcd.start()
                 etcd_addr = etcd.addr
+            tokenizer_dir = write_tokenizer(Path(tmp) / "tokenizer")
+            words = single_token_words(build_tokenizer())
             for name, reqs in selected.items():
-                bodies = _bodies(reqs, opts.block_size, opts.stream)
+                by_prompts = {kind: _bodies(reqs, opts.block_size, opts.stream,
+                                            words if kind == "text" else None)
+                              for kind in opts.prompts}
                 print(f"bench-routing: {name}: {len(reqs)} requests "
                       f"({(reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000:.0f} trace s) "
                       f"at {opts.time_scale:g}x", file=out, flush=True)
                 for load in opts.load_levels:
-                    for policy, lam in opts.policies:
+                    for (policy, lam), by_rank, kind in ((p, d, k) for p in opts.policies
+                                                         for d in opts.dp_rank_routing
+                                                         for k in opts.prompts):
                         logs = Path(opts.log_dir) / name if opts.log_dir else Path(tmp)
                         logs.mkdir(parents=True, exist_ok=True)
-                        r = run_one(opts, name, reqs, bodies, policy, lam, etcd_addr, logs,
-                                    load)
+                        r = run_one(opts, name, reqs, by_prompts[kind], policy, lam, etcd_addr,
+                                    logs, load, by_rank,
+                                    tokenizer_dir if kind == "text" else None)
                         results.append(r)
-                        print(f"  x{load:g} {r.policy:<10} hit {100 * r.hit_ratio:5.1f}% "
+                        print(f"  x{load:g} {r.policy:<18} hit {100 * r.hit_ratio:5.1f}% "
                               f"({100 * r.of_ideal:5.1f}% of ideal), TTFT p50/p90/p99 "
                               f"{r.ttft(0.5):.0f}/{r.ttft(0.9):.0f}/{r.ttft(0.99):.0f} ms, "
                               f"SLO {100 * r.slo_attainment:.1f}%, TPOT p90 "
@@ -936,7 +998,9 @@ def targets(results: Sequence[RunResult], trace: str = "conversation") -> list[t
     points, and RR's below 80% (the level is high enough to matter); over every run of every
     trace: the answers predicted from synchronized exact streams within one block >= 99%.
     Issue 5 on the lowest level: CAR λ=0.5's hit >= 80% of the ideal and >= 2x RR's, max/mean
-    <= 1.5, TTFT p90 below RR's. Always: no failed request.
+    <= 1.5, TTFT p90 below RR's. Issue 20 (DP runs with ``--dp-rank-routing both``): each
+    policy's hit with DP-rank routing >= 85% of the ideal, beside the minimum rule's figure of
+    the same bench. Always: no failed request.
     """
     out: list[tuple[str, bool]] = []
     mine = [r for r in results if r.trace == trace]
@@ -979,6 +1043,14 @@ def targets(results: Sequence[RunResult], trace: str = "conversation") -> list[t
                 (f"CAR TTFT p90 < RR ({car.ttft(0.9):.0f} vs {rr.ttft(0.9):.0f} ms)",
                  car.ttft(0.9) < rr.ttft(0.9)),
             ]
+    mins = {(r.trace, r.load, r.policy[:-len(MIN_RULE)]): r for r in results
+             if r.policy.endswith(MIN_RULE)}
+    for r in results:
+        floor = mins.get((r.trace, r.load, r.policy))
+        if floor is not None and r.trace == trace:
+            out.append((f"{r.policy} x{r.load:g}: hit with DP-rank routing >= 85% of ideal "
+                        f"({100 * r.of_ideal:.1f}%; the minimum rule's in the same bench "
+                        f"{100 * floor.of_ideal:.1f}%)", r.of_ideal >= 0.85))
     exact = sum(r.audit.exact_audited for r in results)
     if exact:
         within = sum(r.audit.exact_within for r in results)
@@ -997,11 +1069,18 @@ def _pct(x: float) -> str:
 def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") -> str:
     """The Markdown routing section (without the markers); ``command`` is the command line
     that produced it."""
-    lines = ["## Routing (issues 5 and 14): `kvsvc bench-routing`", ""]
+    lines = ["## Routing (issues 5 and 14): `kvsvc bench-routing`" if opts.dp <= 1 else
+             f"## DP={opts.dp} routing (issue 20, §15): `kvsvc bench-routing --dp {opts.dp}`",
+             ""]
     if command:
         lines += [f"Command: `{command}`", ""]
     lines += [
-        f"{opts.engines} simulated engines (1 DP rank each): Device {opts.device_blocks} "
+        f"{opts.engines} simulated {opts.flavor} engines ({opts.dp} DP rank"
+        f"{'s' if opts.dp > 1 else ''} each"
+        + (", load scraped from their /metrics, no heartbeat; runs marked"
+           f" `{MIN_RULE.strip()}` route with `--dp_rank_routing false`, §11's minimum over"
+           " ranks" if opts.flavor != "xllm" or opts.dp > 1 else "")
+        + f"): Device {opts.device_blocks} "
         f"blocks of {opts.block_size} tokens, Host {opts.host_blocks} blocks, prefill "
         f"{opts.prefill_base_us / 1000:g} ms + {opts.prefill_us_per_token:g} us n + "
         f"{opts.prefill_us_per_token_sq * 1000:g} ns n^2 for n uncached tokens, Host load "
@@ -1080,18 +1159,19 @@ def report(results: Sequence[RunResult], opts: BenchOptions, command: str = "") 
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path) -> None:
-    """Replace the routing section of ``path`` (between :data:`BEGIN` and :data:`END`), or
-    append it; the rest of the file is kept byte for byte. A missing file is created.
+def write_section(text: str, path: Path, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the routing section of ``path`` (between ``begin`` and ``end``: :data:`BEGIN`
+    and :data:`END`, or :data:`BEGIN_DP` and :data:`END_DP` for DP runs), or append it; the
+    rest of the file is kept byte for byte. A missing file is created.
 
     :param text: the section body (:func:`report`), without the markers.
     :param path: the results file; its directory must exist.
     :raises OSError: the file cannot be read or written.
     """
     old = path.read_text(encoding="utf-8") if path.exists() else ""
-    section = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old and old.index(BEGIN) < old.index(END):
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
+    section = f"{begin}\n{text}\n{end}"
+    if begin in old and end in old and old.index(begin) < old.index(end):
+        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + section + "\n"
     path.write_text(new, encoding="utf-8")
@@ -1124,6 +1204,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--quick", action="store_true",
              help="the conversation trace only, its first 240 trace seconds (about 7 min with "
                   "the 4 default policies at 5x)")
+    add_flag(parser, "--flavor", default=d.flavor, choices=("xllm", "vllm", "sglang"),
+             help="engine flavor: vllm and sglang send no heartbeat (their /metrics is "
+                  "scraped) and honour X-data-parallel-rank (§15)")
+    add_flag(parser, "--dp", type=int, default=d.dp, help="DP ranks per engine")
+    add_flag(parser, "--dp-rank-routing", default="on", choices=("on", "off", "both"),
+             help="the service's --dp_rank_routing; both: each policy once with and once "
+                  "without (the minimum over ranks), in the same bench")
+    add_flag(parser, "--prompts", default="tokens", choices=("tokens", "text", "both"),
+             help="token-id prompts, the same prompts as text through the testbed's shared "
+                  "tokenizer (engines and router), or both in one run")
     add_flag(parser, "--no-stream", action="store_true",
              help="non-streamed requests (the router then hears only each answer's end)")
     add_flag(parser, "--xllm", default=d.xllm, choices=("http", "native"),
@@ -1229,7 +1319,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                         decode_us_per_seq=args.decode_us_per_seq,
                         decode_us_per_context_token=args.decode_us_per_context_token,
                         stream=not args.no_stream, xllm=args.xllm,
-                        kv_events=args.kv_events == "on")
+                        kv_events=args.kv_events == "on", flavor=args.flavor, dp=args.dp,
+                        dp_rank_routing={"on": (True,), "off": (False,),
+                                         "both": (True, False)}[args.dp_rank_routing],
+                        prompts={"tokens": ("tokens",), "text": ("text",),
+                                 "both": ("tokens", "text")}[args.prompts])
 
 
 def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],
@@ -1244,7 +1338,7 @@ def publish(results: list[RunResult], opts: BenchOptions, path: Optional[Path],
     text = report(results, opts, command)
     print(text, file=out)
     if path is not None:
-        write_section(text, path)
+        write_section(text, path, *((BEGIN_DP, END_DP) if opts.dp > 1 else (BEGIN, END)))
         print(f"wrote the routing section of {path}", file=out)
     met = targets(results)
     return EXIT_OK if all(ok for _, ok in met) else EXIT_MISSED

@@ -77,6 +77,9 @@ def write_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
+        # tokenizer_class: what transformers' AutoTokenizer (aiperf, guidellm) needs to load
+        # a local directory without a model config.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": 131072}, indent=2),
         encoding="utf-8")
@@ -87,3 +90,20 @@ def write_tokenizer_dir(directory: Path) -> Path:
     """:func:`write_tokenizer` under the name ``kvsvc up --xllm native`` first used (that
     router tokenizes text for engines that take token ids only, §13)."""
     return write_tokenizer(directory)
+
+
+def single_token_words(tokenizer: Any) -> list[str]:
+    """Words that the byte-level BPE encodes as one token each, whatever precedes them: every
+    vocabulary entry ``Ġ<ASCII letters>`` (a space then letters: one pre-token), as text
+    (`` word``), sorted. Text made of them tokenizes to exactly one id per word."""
+    words = [tok[1:] for tok in tokenizer.get_vocab()
+             if tok.startswith("Ġ") and len(tok) > 1 and tok[1:].isascii() and tok[1:].isalpha()]
+    return sorted(" " + w for w in words)
+
+
+def text_of_tokens(token_ids: Any, words: list[str]) -> str:
+    """A text whose shared-tokenizer encoding has one token per id of ``token_ids`` and the
+    same prefix structure (id ``t`` becomes ``words[t % len(words)]``): a trace's token ids
+    as a text prompt (``kvsvc bench-routing --prompts text``)."""
+    n = len(words)
+    return "".join(words[t % n] for t in token_ids)

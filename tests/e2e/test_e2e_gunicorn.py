@@ -76,7 +76,8 @@ def test_serve_ready_query_and_sigint(tmp_path, zmq_ctx, servers):
         assert r.json() == {"matches": [{
             "instance_name": INSTANCE, "dp_rank": 0, "synchronized": True, "sequence": None,
             "device_hit_tokens": 8, "host_only_hit_tokens": 0, "reusable_prefix_tokens": 8,
-            "device_blocks": 2, "host_blocks": 0, "error": None, "completeness": "exact"}]}
+            "device_blocks": 2, "host_blocks": 0, "error": None, "completeness": "exact",
+            "pending_hit_tokens": 0}]}
 
         # A live delta (seq 0) adds block 2 on Host: 8 device + 4 host-only tokens.
         pub.wait_subscribed(timeout_s=10)
@@ -89,7 +90,8 @@ def test_serve_ready_query_and_sigint(tmp_path, zmq_ctx, servers):
         assert wait_for(at_seq_0, timeout_s=10, interval_s=0.05, what="seq 0 applied") == {
             "instance_name": INSTANCE, "dp_rank": 0, "synchronized": True, "sequence": 0,
             "device_hit_tokens": 8, "host_only_hit_tokens": 4, "reusable_prefix_tokens": 12,
-            "device_blocks": 2, "host_blocks": 1, "error": None, "completeness": "exact"}
+            "device_blocks": 2, "host_blocks": 1, "error": None, "completeness": "exact",
+            "pending_hit_tokens": 0}
 
         cmdlines = group_cmdlines(server.pgid)
         assert len(cmdlines) == 2  # arbiter + one worker

@@ -72,7 +72,7 @@ class NativeEngine:
     baidu_std to the master key's address."""
 
     def __init__(self, etcd_addr: str, kind: RegisteredType = RegisteredType.DEFAULT,
-                 time_scale: float = 20.0) -> None:
+                 time_scale: float = 20.0, extra: Optional[dict] = None) -> None:
         port = free_port()
         self.name = f"127.0.0.1:{port}"
         self.engine = SimEngine(self.name, free_port(), free_port(), http_port=port,
@@ -82,7 +82,7 @@ class NativeEngine:
         self.native = self.engine.native
         self.reg = EtcdRegistration(
             etcd_addr, self.name, 1, lambda: Load(self.engine.waiting_requests(), 0.0),
-            instance_type=kind, heartbeat_interval_s=0.3,
+            instance_type=kind, heartbeat_interval_s=0.3, profiling=extra,
             heartbeat=rpc_heartbeat(self.native.client))
         self.native.set_master(self.reg.master)
 
@@ -343,13 +343,18 @@ def _drain(lines: Iterator[bytes]) -> Iterator[bytes]:
 
 def test_pd_one_prefill_one_decode(tmp_path, etcd_server) -> None:
     server, _ = _serve(tmp_path, etcd_server.addr)
-    p = NativeEngine(etcd_server.addr, RegisteredType.PREFILL)
+    p = NativeEngine(etcd_server.addr, RegisteredType.PREFILL,
+                     extra={"cluster_ids": [7, 8], "addrs": ["127.0.0.1"], "ports": [7001],
+                            "kv_split_size": 2})
     d = NativeEngine(etcd_server.addr, RegisteredType.DECODE)
     try:
         p.start()
         d.start()
         # kvsvc links them: D is told about P (LinkInstance on D's address).
         wait_for(lambda: d.native.linked == {p.name}, BOUND_S, 0.1, "D linked to P")
+        # The peer's InstanceClusterInfo, from its registration.
+        assert d.native.link_infos[p.name] == {
+            "instance_name": p.name, "cluster_ids": [7, 8], "addrs": ["127.0.0.1"], "ports": [7001], "dp_size": 1, "kv_split_size": 2}
         wait_for(lambda: _candidates(server, {p.name}) and _candidates(server, {d.name}, "D"),
                  BOUND_S, 0.1, "P and D candidates")
         r = requests.post(server.base + "/v1/completions", stream=True, timeout=BOUND_S, json={
@@ -364,6 +369,65 @@ def test_pd_one_prefill_one_decode(tmp_path, etcd_server) -> None:
         doc = server.post("/v1/completions", json={"model": "sim", "prompt": PROMPT,
                                                    "max_tokens": 3}).json()
         assert doc["choices"][0]["text"] == expected(3)
+    finally:
+        d.close()
+        p.close()
+        server.stop()
+
+
+def test_the_official_openai_sdk(cluster) -> None:
+    """The official ``openai`` SDK through kvsvc to a native xLLM engine: completions and a
+    streamed chat with usage."""
+    import openai
+
+    server, _, _, _ = cluster
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+                           timeout=BOUND_S)
+    try:
+        done = client.completions.create(model="sim", prompt=PROMPT, max_tokens=4)
+        assert done.choices[0].text == expected(4)
+        assert done.choices[0].finish_reason == "length"
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        parts: list[str] = []
+        usage = None
+        for chunk in client.chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hello world"}],
+                max_tokens=3, stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+        assert "".join(parts) == expected(3)
+        assert usage is not None and usage.completion_tokens == 3
+    finally:
+        client.close()
+
+
+def test_pd_instance_whose_link_fails_is_no_candidate_until_linked(tmp_path,
+                                                                   etcd_server) -> None:
+    """D refuses LinkInstance: the instance whose registration needed that link (whichever
+    of the two kvsvc registered second) is no candidate until a later link succeeds."""
+    server, _ = _serve(tmp_path, etcd_server.addr)
+    p = NativeEngine(etcd_server.addr, RegisteredType.PREFILL)
+    d = NativeEngine(etcd_server.addr, RegisteredType.DECODE)
+    d.native.refuse_links = True   # D answers LinkInstance ok: false
+    try:
+        p.start()
+        d.start()
+
+        def failed() -> set[str]:
+            out = server.get("/ready").json().get("not_candidates", {})
+            return {n for n, why in out.items() if why == "P/D link failed"}
+        got = wait_for(lambda: failed() & {p.name, d.name}, BOUND_S, 0.1,
+                       "an instance excluded for its failed link")
+        assert len(got) == 1 and d.native.linked == set()
+        (victim,) = got
+        side = "P" if victim == p.name else "D"
+        assert not _candidates(server, {victim}, side)
+        d.native.refuse_links = False
+        wait_for(lambda: d.native.linked == {p.name}, BOUND_S, 0.1, "a later link succeeded")
+        wait_for(lambda: _candidates(server, {victim}, side), BOUND_S, 0.1, "a candidate again")
+        assert not failed()
     finally:
         d.close()
         p.close()

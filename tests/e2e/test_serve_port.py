@@ -80,3 +80,13 @@ def test_an_address_that_is_not_local_is_refused():
         check_bind("192.0.2.1", free_port())
     with pytest.raises(ConfigError, match="cannot listen on no-such-host.invalid:"):
         check_bind("no-such-host.invalid", 8888)
+
+
+def test_busy_baidu_std_port_fails_at_once(listener):
+    """The baidu_std port (§13, bound by the worker after the fork) is probed before gunicorn
+    starts too; it is probed only when served (with --etcd_addr)."""
+    port = listener.getsockname()[1]
+    code, err, _ = _serve("--host", "127.0.0.1", "--port", str(free_port()), "--etcd_addr",
+                          "127.0.0.1:1", "--rpc_host", "127.0.0.1", "--rpc_port", str(port))
+    assert code == EXIT_CONFIG, err
+    assert f"--rpc_port: cannot listen on 127.0.0.1:{port}: already in use" in err

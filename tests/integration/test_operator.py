@@ -175,3 +175,21 @@ def test_token_counts_from_the_usage_of_an_answer():
     observer.on_end(info, {"prompt_tokens": "x"})  # not a count: nothing observed
     assert reg.get_sample_value("p_count", {"model": "qwen"}) == 1
     assert json.dumps(observer._last) == "{}"  # nothing kept after the end
+
+
+def test_tokenizer_cache_counters_in_metrics(etcd_server, etcd, tmp_path):
+    from kvsvc.testbed.tokenizer import write_tokenizer
+
+    tok = write_tokenizer(tmp_path / "tok")
+    with upstreams("json") as (up,), running(etcd_server, tokenizer_path=str(tok)) as app:
+        register(app, etcd, up.name)
+        client = app.test_client()
+        turn = [{"role": "user", "content": "tell me about the cache " * 40}]
+        for extra in ([], [{"role": "assistant", "content": "it holds blocks"}]):
+            r = client.post("/v1/chat/completions", json={"model": "m1", "messages": turn + extra})
+            assert r.status_code == 200
+        m = scrape(client)
+        assert m.value("kvsvc_tokenizer_cache_segments_total", outcome="hit") >= 1
+        assert m.value("kvsvc_tokenizer_cache_segments_total", outcome="miss") >= 1
+        assert m.value("kvsvc_tokenizer_cache_reused_tokens_total") > 40
+        assert m.value("kvsvc_tokenizer_cache_enabled") == 1

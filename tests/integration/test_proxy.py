@@ -8,6 +8,7 @@ relay's end (first SSE data event, completion) reported once."""
 from __future__ import annotations
 
 import json
+import http.server
 import logging
 import socket
 import threading
@@ -297,3 +298,57 @@ def test_a_client_that_sends_more_bytes_is_still_there():
         ours.close()
         theirs.close()
         p.close()
+
+
+def test_upstream_connections_are_kept_alive_and_reused():
+    """Answers read to their end hand their connection back: three requests, one TCP
+    connection; a body closed before its end is not reused (its connection is closed)."""
+    accepted: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            data = b'{"ok": true}' if self.path != "/big" else b"x" * 200_000
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except OSError:
+                pass
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+        def get_request(self):
+            conn = super().get_request()
+            accepted.append(1)
+            return conn
+
+    server = Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    name = f"127.0.0.1:{server.server_address[1]}"
+    p = Proxy(ProxySettings(connect_timeout_s=1.0, read_timeout_s=5.0))
+    try:
+        for _ in range(3):
+            reply = p.forward([name], "/v1/completions", fixed(b"{}"), {})
+            assert reply.body.read_all() == b'{"ok": true}'
+        assert len(accepted) == 1
+        big = p.forward([name], "/big", fixed(b"{}"), {})
+        next(iter(big.body))  # a first chunk only: the client went away
+        big.body.close()
+        reply = p.forward([name], "/v1/completions", fixed(b"{}"), {})
+        assert reply.body.read_all() == b'{"ok": true}'
+        assert len(accepted) == 2  # the unfinished answer's connection was not reused
+    finally:
+        p.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -19,6 +19,7 @@ from kvsvc.testbed.demo import DemoOptions, discovery_config
 from kvsvc.testbed.ports import free_instance_port
 from kvsvc.testbed.sim import SimEngine
 from kvsvc.testbed.sim.serving import ServingConfig
+from tests.support.metrics import scrape
 from tests.support.routes import AUTH, NS, completion, running
 from tests.support.util import wait_for
 
@@ -111,8 +112,10 @@ def test_dp_rank_routing_sends_the_prompt_to_the_rank_holding_its_prefix(etcd_se
         rank = next(r for r in (0, 1) if holder.resident(r))
 
         def routed_to_holder() -> dict:
+            # Pending hits (§16) send it there at once; wait for the stored blocks' events.
             d = route(app, prompt)
-            return d if (d["prefill"], d["prefill_dp_rank"]) == (target, rank) else {}
+            held = d["candidates"] and d["candidates"][0]["ranks"][0]["device_hit_tokens"] == 32
+            return d if held and (d["prefill"], d["prefill_dp_rank"]) == (target, rank) else {}
 
         decision = wait_for(routed_to_holder, 10.0, 0.05, "the index to hold the prefix")
         best = decision["candidates"][0]
@@ -165,3 +168,16 @@ def test_a_dead_metrics_endpoint_reports_no_load(etcd_server, etcd):
         failed = scraper.counts()["failed"]
         wait_for(lambda: scraper.counts()["failed"] >= failed + 2, 10.0, 0.05, "more failures")
         assert svc.registry.snapshot().instances[eng.name].load == before
+
+
+def test_metrics_show_candidates_and_scrapes(etcd_server, etcd):
+    with cluster(etcd_server, etcd, n=1) as (app, engines):
+        client = app.test_client()
+        wait_for(lambda: route(app, [1, 2, 3, 4])["candidates"], 10.0, 0.05, "a candidate")
+        got = scrape(client)
+        assert got.value("kvsvc_routing_candidates") == 1.0
+        assert (got.value("kvsvc_load_scrapes_total", outcome="ok") or 0) >= 1
+        engines[0].close()
+        wait_for(lambda: scrape(client).value("kvsvc_load_scrape_failing",
+                                              instance=engines[0].name) == 1.0,
+                 10.0, 0.05, "the failing scrape shown")

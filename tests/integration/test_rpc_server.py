@@ -226,9 +226,22 @@ def test_body_over_64_mib_closes_only_its_connection(cluster):
         junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         junk.settimeout(5)
         assert junk.recv(100) == b""
+    # A whole call before the break is answered, then the connection closes.
+    with socket.create_connection((host, int(port)), timeout=5) as mixed:
+        mixed.sendall(codec.encode_request(5, SERVICE_NAME, "Hello", b"")
+                      + struct.pack(">4sII", b"PRPC", codec.MAX_BODY_SIZE + 1, 0))
+        mixed.settimeout(5)
+        conn = codec.Connection(codec.Role.CLIENT)
+        got: list = []
+        while True:
+            data = mixed.recv(65536)
+            got += conn.receive_data(data)
+            if not data:
+                break
+        assert [(a.correlation_id, a.ok) for a in got] == [(5, True)]
     assert heartbeat(client, target) is True
     stats = cluster[0].rpc_server.stats()
-    assert stats.broken_streams == 2
+    assert stats.broken_streams == 3
 
 
 def test_many_pipelined_calls_on_one_connection(cluster):

@@ -216,3 +216,27 @@ def test_pd_first_token_from_p_rest_from_a_linked_d(service: FakeService) -> Non
 def test_native_needs_an_xllm_serving_engine() -> None:
     with pytest.raises(ValueError, match="native"):
         SimEngine("127.0.0.1:1", free_port(), free_port(), native=True)
+
+
+@pytest.mark.parametrize("kind", ["baidu_std", "http_json"])
+def test_kvsvc_dispatch_callers_reach_the_engine(service: FakeService, kind: str) -> None:
+    """kvsvc's two forms of the dispatch call (§13): baidu_std (the service's) and brpc's
+    HTTP+JSON form; a refused connection is an UpstreamError (retried by the dispatcher)."""
+    from kvsvc.errors import UpstreamError
+    from kvsvc.routing.xllm_dispatch import HttpJsonCaller, completion_request
+    from kvsvc.rpc.engines import BaiduStdCaller
+
+    caller = BaiduStdCaller() if kind == "baidu_std" else HttpJsonCaller()
+    try:
+        with _engine() as eng:
+            msg = completion_request({"model": "sim", "prompt": [5, 6], "max_tokens": 3,
+                                      "stream": True}, [5, 6], f"k-{kind}", eng.name, "",
+                                     service.address)
+            caller.call(eng.name, "Completions", msg)
+            wait_for(lambda: _ended(service, f"k-{kind}"), 10, what="the last entry")
+            assert "".join(o.text for g in service.of(f"k-{kind}")
+                           for o in g.outputs) == " t0 t1 t2"
+        with pytest.raises(UpstreamError):
+            caller.call(f"127.0.0.1:{free_port()}", "Completions", msg)
+    finally:
+        caller.close()

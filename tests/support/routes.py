@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 
 import flask
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.etcd import EtcdClient
 from kvsvc.config import KvEventsConfig
 from kvsvc.http.app import create_app
@@ -23,13 +24,15 @@ TYPES = {"DEFAULT": 0, "PREFILL": 1, "DECODE": 2, "MIX": 3}
 
 
 @contextmanager
-def running(etcd_server, kv_config: Optional[KvEventsConfig] = None,
+def running(etcd_server, kv_config: Optional[KvEventsConfig] = None, clock: Clock = MONOTONIC,
             **overrides) -> Iterator[flask.Flask]:
-    """A started app with a registry on ``etcd_server``; closed (proxy too) afterwards."""
+    """A started app with a registry on ``etcd_server``; closed (proxy too) afterwards.
+    ``clock``: the service's (a :class:`~kvsvc.clock.VirtualClock` ages the loads without
+    waiting); ``overrides``: settings."""
     kwargs = dict(internal_api_token=TOKEN, etcd_addr=etcd_server.addr, etcd_namespace=NS,
                   model="m1,m2", upstream_connect_timeout_s=1.0, upstream_read_timeout_s=2.0)
     kwargs.update(overrides)
-    app = create_app(load_service_settings(**kwargs), kv_config)
+    app = create_app(load_service_settings(**kwargs), kv_config, clock)
     svc = app.extensions[EXTENSION]
     svc.start(timeout_s=10.0)
     try:

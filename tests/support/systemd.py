@@ -93,8 +93,12 @@ class Deployment:
                if not k.startswith("KVSVC_") and k != "NOTIFY_SOCKET"}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         unit_env = read_env_file(ENV_TEMPLATE)
+        # Hermetic by default: the shipped template names etcd on 127.0.0.1:2379 and the
+        # baidu_std port 8889, which a test must neither depend on nor collide with; tests of
+        # the registry pass their own etcd and a free KVSVC_RPC_PORT in extra_env.
         unit_env.update(KVSVC_HOST="127.0.0.1", KVSVC_PORT=str(self.port),
-                        KVSVC_KV_EVENTS_CONFIG_FILE=str(kv))
+                        KVSVC_KV_EVENTS_CONFIG_FILE=str(kv), KVSVC_ETCD_ADDR="",
+                        KVSVC_RPC_PORT="0")
         unit_env.update(extra_env or {})
         env.update(unit_env)
         self.env = env

@@ -395,3 +395,15 @@ def test_schema_numbers_of_section_13():
     assert messages.InstanceIDs.DESCRIPTOR.fields_by_name["names"].number == 1
     assert messages.StatusSet.DESCRIPTOR.full_name == "xllm.proto.StatusSet"
     assert messages.Status.DESCRIPTOR.full_name == "xllm_service.proto.Status"
+
+
+def test_frames_before_a_break_are_delivered_then_the_stream_is_broken():
+    good = codec.encode_request(1, SERVICE, "Hello", b"")
+    bad = struct.pack(">4sII", b"PRPC", codec.MAX_BODY_SIZE + 1, 0)
+    conn = Connection(Role.SERVER)
+    (event,) = conn.receive_data(good + bad)
+    assert event.correlation_id == 1
+    assert conn.broken is not None and "over the limit" in conn.broken
+    with pytest.raises(RpcProtocolError, match="over the limit"):
+        conn.receive_data(b"")
+    assert Connection(Role.SERVER).broken is None

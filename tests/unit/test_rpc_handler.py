@@ -89,3 +89,31 @@ def test_errors():
     calls, errors, _, _, _ = h.counters()
     assert calls["Hello"] == 2 and errors == {codec.ENOSERVICE: 1, codec.ENOMETHOD: 1,
                                               codec.EREQUEST: 2}
+
+
+def test_static_lists_are_the_schedulable_candidates():
+    from types import MappingProxyType
+
+    from kvsvc.cluster.model import Instance, InstanceState, InstanceType, RegistrySnapshot
+
+    def inst(name, t, state=InstanceState.ACTIVE):
+        return Instance(name=name, type=t, role=t, incarnation_id=None, register_ts_ms=None,
+                        dp_size=1, backend_type="xllm", rpc_address=None, state=state, load=None)
+
+    snap = RegistrySnapshot(MappingProxyType({i.name: i for i in (
+        inst("d:1", InstanceType.DECODE), inst("d:2", InstanceType.DECODE),
+        inst("d:3", InstanceType.DECODE, InstanceState.SUSPECT),
+        inst("d:4", InstanceType.DECODE, InstanceState.LEASE_LOST),
+        inst("p:1", InstanceType.PREFILL), inst("x:1", InstanceType.DEFAULT),
+        inst("m:1", InstanceType.MIX))}), fresh=True, is_master=True, generation=1)
+
+    class Registry:
+        def snapshot(self):
+            return snap
+
+    h = XllmRpcHandler(HeartbeatIntake(None, HeartbeatRejections()), Registry(), None,
+                       excluded=lambda: {"d:2": "link failed"})
+    decode = call(h, "GetStaticDecodeList", messages.InstanceID(name="p:1"))
+    prefill = call(h, "GetStaticPrefillList", messages.InstanceID(name="d:1"))
+    assert list(messages.parse(messages.InstanceIDs, decode.message).names) == ["d:1", "d:4"]
+    assert list(messages.parse(messages.InstanceIDs, prefill.message).names) == ["p:1", "x:1"]

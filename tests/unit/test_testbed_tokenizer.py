@@ -7,7 +7,13 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from kvsvc.routing.prompt import PromptTokenizer
-from kvsvc.testbed.tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer
+from kvsvc.testbed.tokenizer import (
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    single_token_words,
+    text_of_tokens,
+    write_tokenizer,
+)
 
 TOK = build_tokenizer()
 
@@ -32,3 +38,15 @@ def test_any_text_encodes_and_decodes_back(text):
     ids = TOK.encode(text, add_special_tokens=False).ids
     assert TOK.decode(ids) == text
     assert TOK.token_to_id("[UNK]") is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=300))
+def test_token_ids_as_text_keep_one_token_per_id(ids):
+    """bench-routing --prompts text: a trace's ids as words, one token each, so the text
+    prompt has the token-id prompt's length and prefix structure."""
+    words = single_token_words(TOK)
+    assert len(words) > 500 and len(set(words)) == len(words)
+    encoded = TOK.encode(text_of_tokens(ids, words), add_special_tokens=False).ids
+    assert [TOK.id_to_token(i) for i in encoded] == [
+        "Ġ" + words[t % len(words)][1:] for t in ids]

@@ -328,3 +328,18 @@ def test_pd_first_token_from_p_rest_from_d_and_d_is_watched_after_it() -> None:
     snap = rec.ledger.snapshot()
     assert snap.of(D1).decode_request_num == 0 and snap.of(P1).prefill_request_num == 0
     assert in_flight.snapshot().total(D1) == 0
+
+
+def test_startup_warns_about_native_dispatch_that_cannot_work(monkeypatch) -> None:
+    from kvsvc.service import startup_warnings
+    from kvsvc.settings import load_service_settings
+
+    for key in [k for k in __import__("os").environ if k.startswith("KVSVC_")]:
+        monkeypatch.delenv(key)
+    lines = startup_warnings(load_service_settings(
+        xllm_dispatch="native", etcd_addr="127.0.0.1:2379", rpc_port=0), None)
+    assert any("rpc_port is 0" in line for line in lines)
+    assert any("without tokenizer_path" in line for line in lines)
+    quiet = startup_warnings(load_service_settings(etcd_addr="127.0.0.1:2379", rpc_port=0),
+                             None)
+    assert not any("xllm_dispatch" in line for line in quiet)

@@ -273,7 +273,9 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> int
             if args.tokenizer_path:
                 from kvsvc.routing.prompt import PromptTokenizer  # tokenizers/jinja2 only when asked
 
-                tokenizer = PromptTokenizer.load(args.tokenizer_path)
+                # The router's segment cache too: a conversation's earlier turns are not
+                # tokenized again (exact; a real engine's cost is not the sim's subject).
+                tokenizer = PromptTokenizer.load(args.tokenizer_path, cache_tokens=1 << 20)
         engine = SimEngine(args.name or f"{args.host}:{args.port}", event_port, replay_port,
                            dp_size=args.dp, block_size=args.block_size,
                            device_blocks=args.device_blocks, host_blocks=args.host_blocks,

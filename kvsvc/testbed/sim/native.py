@@ -10,9 +10,11 @@ and P/D links run end to end without a real engine.
   the prompt is ``token_ids`` as given (required, as the real engine: a request without them
   gets ``gen_status`` INVALID_ARGUMENT), ``max_tokens`` output tokens (16 by default).
 - **Answers**: every output token goes to the service with
-  ``xllm_service.proto.XllmRpcService.Generations`` over baidu_std, one call per decode step
-  (one entry, the step's tokens), to the request's ``source_xservice_addr`` or, without one,
-  to the address in ``XLLM:SERVICE:MASTER``. The last entry carries ``finish_reason``
+  ``xllm_service.proto.XllmRpcService.Generations`` over baidu_std (one entry per request and
+  decode step, the step's tokens), to the request's ``source_xservice_addr`` or, without one,
+  to the address in ``XLLM:SERVICE:MASTER``, from one sending thread
+  (:class:`GenerationsPusher`): the entries of every request queued while a call is in flight
+  go out together in the next call, as a real engine sends a step's outputs. The last entry carries ``finish_reason``
   ``"length"``, ``usage`` (prompt, generated, total, cached tokens) and ``finished``. An entry
   answered ``ok: false`` (unknown request, client gone) cancels the request, as the engine does;
   a push the service does not answer cancels it too.
@@ -51,6 +53,7 @@ from kvsvc.errors import (
     SimClientDisconnected,
     SimServingClosed,
 )
+from kvsvc.lifecycle import BackgroundThread
 from kvsvc.routing.answers import GenOutput, GenUsage, Generation
 from kvsvc.rpc import codec, messages
 from kvsvc.rpc.generations import generation_to_proto
@@ -215,6 +218,74 @@ def rpc_heartbeat(client: ServiceClient) -> Callable[[str, dict], Optional[int]]
     return beat
 
 
+class _Item:
+    __slots__ = ("address", "gen", "done", "ok")
+
+    def __init__(self, address: str, gen: Generation) -> None:
+        self.address = address
+        self.gen = gen
+        self.done = threading.Event()
+        self.ok: Optional[bool] = None
+
+
+class GenerationsPusher(BackgroundThread):
+    """The engine's one sending thread (``sim-native-push-<name>``): the requests' entries
+    queued since the last call go out together, one ``Generations`` call per service address,
+    as an xLLM engine sends a step's outputs of every request in one call and waits for its
+    answer (§13). :meth:`push` waits for its entry's ``ok``.
+
+    :param client: the baidu_std calls.
+    :param name: the instance name (thread name, logs).
+    """
+
+    def __init__(self, client: ServiceClient, name: str) -> None:
+        super().__init__(f"sim-native-push-{name}")
+        self._client = client
+        self._cond = threading.Condition()
+        self._queue: list[_Item] = []
+        self.calls = 0
+
+    def push(self, address: str, gen: Generation, timeout_s: float = 10.0) -> Optional[bool]:
+        """Queue one entry and wait for its answer: its ``ok``, ``None`` when the call failed
+        or was not made within ``timeout_s`` (or the pusher stopped)."""
+        item = _Item(address, gen)
+        with self._cond:
+            self._queue.append(item)
+            self._cond.notify()
+        item.done.wait(timeout_s)
+        return item.ok
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            with self._cond:
+                while not self._queue and not self.stopping:
+                    self._cond.wait(0.2)
+                batch, self._queue = self._queue, []
+            by_address: dict[str, list[_Item]] = {}
+            for item in batch:
+                by_address.setdefault(item.address, []).append(item)
+            for address, items in by_address.items():
+                self.calls += 1
+                try:
+                    answers = self._client.generations(address, [i.gen for i in items])
+                except RpcError as exc:
+                    log.warning("sim: Generations to %s failed: %s", address, exc)
+                    answers = []
+                for i, item in enumerate(items):
+                    item.ok = answers[i] if i < len(answers) else None
+                    item.done.set()
+
+    def _teardown(self) -> None:
+        with self._cond:
+            batch, self._queue = self._queue, []
+        for item in batch:
+            item.done.set()
+
+
 class NativeFront:
     """The native API of one simulated xLLM engine (module docstring). Thread-safe: each
     accepted request runs on its own thread.
@@ -241,8 +312,11 @@ class NativeFront:
         self._threads: set[threading.Thread] = set()
         self._ids = itertools.count(1)
         self.linked: set[str] = set()
+        #: The last ``InstanceClusterInfo`` received per linked peer (JSON form).
+        self.link_infos: dict[str, dict] = {}
         self.refuse_links = False
         self._stopping = threading.Event()
+        self.pusher = GenerationsPusher(client, name)
         #: Counters: accepted requests, entries pushed, entries answered ok: false, failed
         #: pushes, links and unlinks received.
         self.counts = {"accepted": 0, "pushed": 0, "refused": 0, "push_failed": 0,
@@ -333,9 +407,11 @@ class NativeFront:
             with self._lock:
                 if method == "LinkInstance":
                     self.linked.add(peer)
+                    self.link_infos[peer] = dict(doc)
                     self.counts["links"] += 1
                 else:
                     self.linked.discard(peer)
+                    self.link_infos.pop(peer, None)
                     self.counts["unlinks"] += 1
             log.info("sim %s: %s %s", self.name, method, peer)
             return {"ok": True}
@@ -381,11 +457,10 @@ class NativeFront:
             cancel.set()
             self._count("push_failed")
             return False
-        try:
-            ok = self.client.generations(addr, [gen])[0]
-        except (RpcError, IndexError) as exc:
-            log.warning("sim %s: Generations to %s failed (%s): request %s cancelled",
-                        self.name, addr, exc, gen.service_req_id)
+        ok = self.pusher.push(addr, gen)
+        if ok is None:
+            log.warning("sim %s: Generations to %s failed: request %s cancelled",
+                        self.name, addr, gen.service_req_id)
             self._count("push_failed")
             cancel.set()
             return False
@@ -514,6 +589,7 @@ class NativeFront:
         connections; how many request threads are left."""
         self._stopping.set()
         deadline = time.monotonic() + timeout_s
+        self.pusher.close()
         with self._lock:
             threads = list(self._threads)
         for t in threads:
@@ -521,8 +597,10 @@ class NativeFront:
         return sum(1 for t in threads if t.is_alive())
 
     def open(self) -> None:
-        """Serve baidu_std connections (again, after :meth:`join`)."""
+        """Start the sending thread; serve baidu_std connections."""
         self._stopping.clear()
+        if not self.pusher.running:
+            self.pusher.start()
 
     def close(self) -> None:
         """Close the connections (after :meth:`join`)."""
