@@ -17,9 +17,10 @@ and incarnation: the whole registry path) and ``Generations`` with 64 entries (f
 without a queue append per entry). Its figures are wall time from the first byte written to
 the whole answer read, on a kept-alive connection.
 
-``--load senders`` replaces the relayed streams with ``--streams`` processes-worth of plain
-``Generations`` senders (one entry per call, each on its own connection, as that many engines
-would), for a machine or a tree where native dispatch is not available.
+``--load senders`` replaces the relayed streams (and the engines) with ``--engines`` plain
+``Generations`` senders, each on its own connection sending every ``--step-ms`` one call with
+one entry per stream it holds (``--streams / --engines``), as engines push a token per
+running request per step: the server's load without the HTTP relay's.
 
 ``python -m bench.rpc_latency [--seconds 30] [--streams 100] [--engines 2]``; prints one JSON
 line per call kind and a Markdown table.
@@ -121,33 +122,42 @@ def probe(target: str, name: str, incarnation: str, seconds: float, interval_ms:
 
 # -- the load -----------------------------------------------------------------------------
 
-def senders(target: str, count: int, seconds: float) -> dict:
-    """``count`` threads, each on its own connection, sending one-entry Generations calls in
-    a loop (as ``count`` engines pushing tokens)."""
+def senders(target: str, engines: int, streams: int, step_ms: float, seconds: float) -> dict:
+    """``engines`` threads, each on its own connection, sending every ``step_ms`` one
+    Generations call with one entry per stream it holds (``streams / engines``), as engines
+    push one token per running request per step."""
     from kvsvc.rpc import messages
     from kvsvc.rpc.client import RpcClient
 
-    one = messages.DisaggStreamGenerations()
-    one.gens.add(req_id="load", service_req_id="load-none").outputs.add(text="t ")
-    data = messages.serialize(one)
-    calls = [0] * count
+    per = max(1, streams // engines)
+    call = messages.DisaggStreamGenerations()
+    for i in range(per):
+        call.gens.add(req_id=f"load-{i}", service_req_id=f"load-none-{i}").outputs.add(
+            text="t ", token_ids=[1000 + i])
+    data = messages.serialize(call)
+    calls = [0] * engines
     stop_at = time.monotonic() + seconds
 
     def run(i: int) -> None:
         client = RpcClient()
         try:
+            next_at = time.monotonic()
             while time.monotonic() < stop_at:
                 client.call(target, SERVICE, "Generations", data)
                 calls[i] += 1
+                next_at += step_ms / 1000.0
+                time.sleep(max(0.0, next_at - time.monotonic()))
         finally:
             client.close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(engines)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(seconds + 30)
-    return {"calls": sum(calls), "calls_per_s": round(sum(calls) / seconds, 1)}
+    total = sum(calls)
+    return {"calls": total, "entries_per_s": round(total * per / seconds, 1),
+            "entries_per_call": per}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -161,6 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the simulated engines' time compression (1: real time)")
     parser.add_argument("--interval-ms", type=float, default=10.0)
     parser.add_argument("--load", choices=("relay", "senders"), default="relay")
+    parser.add_argument("--step-ms", type=float, default=20.0,
+                        help="--load senders: one call per engine every this many ms")
     parser.add_argument("--probe", nargs=3, metavar=("TARGET", "NAME", "INCARNATION"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--senders", metavar="TARGET", help=argparse.SUPPRESS)
@@ -169,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(probe(*args.probe, args.seconds, args.interval_ms)))
         return 0
     if args.senders:
-        print(json.dumps(senders(args.senders, args.streams, args.seconds)))
+        print(json.dumps(senders(args.senders, args.engines, args.streams, args.step_ms,
+                                 args.seconds)))
         return 0
     return _run(args)
 
@@ -262,7 +275,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             load = subprocess.Popen(
                 [sys.executable, "-m", "bench.rpc_latency", "--senders",
-                 f"127.0.0.1:{rpc_port}", "--streams", str(args.streams), "--seconds",
+                 f"127.0.0.1:{rpc_port}", "--streams", str(args.streams), "--engines",
+                 str(args.engines), "--step-ms", str(args.step_ms), "--seconds",
                  str(args.seconds + 10)], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         time.sleep(5.0)   # every stream open and relaying
         before = sum(counts)
@@ -283,7 +297,8 @@ def _run(args: argparse.Namespace) -> int:
                       "client_errors": sum(errors),
                       "first_error": first_error[0] if first_error else None}
                      if args.load == "relay" else
-                     {"load": "senders", "senders": args.streams})
+                     {"load": "senders", "engines": args.engines, "streams": args.streams,
+                      "step_ms": args.step_ms})
         if load is not None:
             sent, _ = load.communicate(timeout=args.seconds + 60)
             load_line.update(json.loads(sent.strip().splitlines()[-1]))
