@@ -191,7 +191,11 @@ class _WatchedConnection(urllib3.connection.HTTPConnection):
         watch = _CLIENT_WATCH.get()
         sock = self.sock
         if watch is not None and sock is not None:
-            watch.wait_readable(sock, sock.gettimeout())
+            # The read timeout urllib3 set on the connection (the socket still has the connect
+            # timeout: urllib3 applies the read one in getresponse, after this wait).
+            timeout = self.timeout
+            watch.wait_readable(sock, float(timeout) if isinstance(timeout, (int, float))
+                                else None)
         return super().getresponse()
 
 

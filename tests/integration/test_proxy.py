@@ -12,6 +12,7 @@ import http.server
 import logging
 import socket
 import threading
+import time
 from typing import Iterator
 
 import pytest
@@ -352,3 +353,30 @@ def test_upstream_connections_are_kept_alive_and_reused():
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_a_watched_wait_for_the_head_lasts_the_read_timeout_not_the_connect_timeout():
+    """The client watch waits up to the read timeout: an upstream answering after longer than
+    the connect timeout is answered, not timed out."""
+    from kvsvc.routing.proxy import ClientWatch
+
+    p = Proxy(ProxySettings(connect_timeout_s=0.2, read_timeout_s=HANDLER_WAIT_S))
+    ours, theirs = socket.socketpair()
+    try:
+        with upstreams("hang") as (slow,):
+            # "hang" answers nothing and drops the connection once released: released after
+            # 4x the connect timeout, the wait must still be going on (a reset, not a timeout).
+            releaser = threading.Timer(0.8, slow.release.set)
+            releaser.start()
+            started = time.monotonic()
+            try:
+                with pytest.raises(UpstreamUnreachable):
+                    p.forward([slow.name], "/v1/completions", fixed(b"{}"), {},
+                              client=ClientWatch(ours))
+            finally:
+                releaser.join(HANDLER_WAIT_S)
+            assert time.monotonic() - started >= 0.7
+    finally:
+        ours.close()
+        theirs.close()
+        p.close()
