@@ -16,8 +16,9 @@ from PROTOCOL.md, etcd, gunicorn, upstreams, ...); no test module imports anothe
 
 Markers (registered in pyproject.toml, ``--strict-markers``): ``etcd`` (needs a real etcd: given
 automatically to every test using an etcd fixture; skipped when the binary is missing, failed
-instead under ``CI``), ``etcd_fresh`` (gets an etcd of its own) and ``slow`` (over ~30 s). Tiers: ``make test-fast`` is ``tests/unit`` (no
-sockets, no sleeps: ``tests/unit/conftest.py`` refuses both), ``make test`` is everything.
+instead under ``CI``), ``etcd_fresh`` (gets an etcd of its own) and ``slow`` (over ~30 s).
+Tiers: ``make test-fast`` is ``tests/unit`` (no sockets, no sleeps: ``tests/unit/conftest.py``
+refuses both), ``make test-rest`` every other test, ``make test`` both.
 """
 
 from __future__ import annotations

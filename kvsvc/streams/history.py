@@ -545,6 +545,9 @@ class HistoryRecovery(HistoryIndex):
         the stream no longer serves, is dropped; then :data:`MODE_TABLE`, ``timer``."""
         if self._silence is not None:
             self._check_silence(now)
+        # What a refused batch of an earlier input would have been judged by: that input's
+        # actions were carried long ago (the buffered batches go, the memory with them).
+        self._replayed = []
         _TABLE[self._mode, Input.TIMER](self, now)
         return self._take()
 
