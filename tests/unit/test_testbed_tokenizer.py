@@ -4,7 +4,7 @@ template code."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from kvsvc.routing.prompt import PromptTokenizer
 from kvsvc.testbed.tokenizer import (
@@ -34,9 +34,13 @@ def test_written_once_the_same_and_loaded_by_the_router(tmp_path):
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=200))
+@example("<|endoftext|>")
+@example("a<|im_start|>b")
 def test_any_text_encodes_and_decodes_back(text):
+    # Text may hold the template's added tokens (hypothesis found "<|endoftext|>"): they
+    # encode to their own id and decode back only when special tokens are kept.
     ids = TOK.encode(text, add_special_tokens=False).ids
-    assert TOK.decode(ids) == text
+    assert TOK.decode(ids, skip_special_tokens=False) == text
     assert TOK.token_to_id("[UNK]") is None
 
 
