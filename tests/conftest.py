@@ -104,14 +104,10 @@ def no_thread_leak():
 def etcd_session_server():
     """One real etcd for the whole session, started on first use (``etcd_server`` hands it to
     the tests that only need a clean keyspace); stopped and removed at the end."""
-    from tests.support.etcd_server import EtcdServer, require_etcd_binary
+    from tests.support.etcd_server import fresh_etcd
 
-    server = EtcdServer(require_etcd_binary())
-    try:
-        server.start()
+    with fresh_etcd() as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture
@@ -124,7 +120,7 @@ def etcd_server(request):
     ``etcd_fresh`` (it stops, pauses or restarts etcd) gets a fresh server of its own with a
     temporary data dir, stopped and removed after it.
     """
-    from tests.support.etcd_server import EtcdServer, SharedEtcd, require_etcd_binary
+    from tests.support.etcd_server import SharedEtcd, fresh_etcd
 
     if request.node.get_closest_marker("etcd_fresh") is None:
         shared = SharedEtcd(request.getfixturevalue("etcd_session_server"))
@@ -134,12 +130,8 @@ def etcd_server(request):
         finally:
             shared.reset()
         return
-    server = EtcdServer(require_etcd_binary())
-    try:
-        server.start()
+    with fresh_etcd() as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture

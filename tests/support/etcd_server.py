@@ -70,6 +70,18 @@ class EtcdServer(LocalEtcd):
         super().stop(timeout_s)
 
 
+
+@contextmanager
+def fresh_etcd() -> Iterator[EtcdServer]:
+    """A real etcd of its own on free loopback ports, started, then stopped and its data dir
+    removed (:func:`require_etcd_binary` decides skip or fail when the binary is missing)."""
+    server = EtcdServer(require_etcd_binary())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
 class SharedEtcd:
     """The session's etcd as one test sees it (the ``etcd_server`` fixture without the
     ``etcd_fresh`` marker): the same ``addr``, and a clean keyspace — :meth:`reset` deletes

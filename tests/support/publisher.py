@@ -84,7 +84,30 @@ def encode_batch(events: Sequence[dict], dp_rank: Optional[int] = 0, *, form: st
     return ormsgpack.packb(obj)
 
 
-class ProtocolPublisher:
+class ReplyBudget:
+    """How many more replay requests a test publisher answers: ``reply_budget`` ``None``
+    answers all, 0 holds every request until :meth:`release_replies`."""
+
+    reply_budget: Optional[int] = None
+
+    def hold_replies(self) -> None:
+        """Answer no replay request until :meth:`release_replies`."""
+        self.reply_budget = 0
+
+    def release_replies(self, budget: Optional[int] = None) -> None:
+        """Answer held and later requests: ``budget`` more of them, or all (``None``)."""
+        self.reply_budget = budget
+
+    def _may_reply(self) -> bool:
+        """True when one more request may be answered now (it is then spent)."""
+        if self.reply_budget == 0:
+            return False
+        if self.reply_budget is not None:
+            self.reply_budget -= 1
+        return True
+
+
+class ProtocolPublisher(ReplyBudget):
     """A fake engine stream: live ``XPUB`` on ``event_port``, snapshot ``ROUTER`` on
     ``replay_port``, both on 127.0.0.1.
 
@@ -232,14 +255,6 @@ class ProtocolPublisher:
             self.watermark = watermark
             self.empty_reply = False
 
-    def hold_replies(self) -> None:
-        """Answer no snapshot request until :meth:`release_replies`."""
-        self.reply_budget = 0
-
-    def release_replies(self, budget: Optional[int] = None) -> None:
-        """Answer held and later requests: ``budget`` more of them, or all (``None``)."""
-        self.reply_budget = budget
-
     # ------------------------------------------------------------------ replay thread
 
     def _run(self) -> None:
@@ -257,10 +272,8 @@ class ProtocolPublisher:
                     self.requests.append(start_seq)
                     pending.append((time.monotonic() + self.reply_delay_s, ident))
                 now = time.monotonic()
-                while pending and pending[0][0] <= now and self.reply_budget != 0:
+                while pending and pending[0][0] <= now and self._may_reply():
                     _, ident = pending.pop(0)
-                    if self.reply_budget is not None:
-                        self.reply_budget -= 1
                     self._reply(router, ident)
         finally:
             if router is not None:
@@ -283,7 +296,7 @@ class ProtocolPublisher:
         self.replies_sent += 1
 
 
-class HistoryPublisher:
+class HistoryPublisher(ReplyBudget):
     """A fake vLLM/SGLang engine stream (§7h), written from the protocol of vLLM's
     ``ZmqEventPublisher``: a ``PUB`` bound on ``event_port`` (live ``[topic, seq, payload]``,
     seq counting from 0 per process) and, unless ``replay=False``, a ``ROUTER`` on
@@ -453,14 +466,6 @@ class HistoryPublisher:
             self.buffer.append((seq, payload))
         return seq
 
-    def hold_replies(self) -> None:
-        """Answer no replay request until :meth:`release_replies`."""
-        self.reply_budget = 0
-
-    def release_replies(self, budget: Optional[int] = None) -> None:
-        """Answer held and later requests: ``budget`` more of them, or all (``None``)."""
-        self.reply_budget = budget
-
     # ------------------------------------------------------------------ replay thread
 
     def _run(self) -> None:
@@ -476,10 +481,8 @@ class HistoryPublisher:
                     start_seq = parse_snapshot_request(frames[1:])
                     self.requests.append(start_seq)
                     pending.append((frames[0], start_seq))
-                while pending and self.reply_budget != 0 and not self._stop.is_set():
+                while pending and not self._stop.is_set() and self._may_reply():
                     ident, start_seq = pending.pop(0)
-                    if self.reply_budget is not None:
-                        self.reply_budget -= 1
                     self._reply(router, ident, start_seq)
         finally:
             if router is not None:

@@ -85,6 +85,7 @@ away (counted ``cancelled``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -941,7 +942,7 @@ class Serving:
         :raises SimServingClosed: the engine is closing.
         """
         self._count(requests=1, pd_requests=1 if req.decode_name else 0)
-        try:
+        with self._native_outcome():
             pre, slot = self._prefill(req, cancel, rank)
             try:
                 first(pre)
@@ -950,6 +951,14 @@ class Serving:
                              if decode else 0.0)
             finally:
                 self._release_slot(slot)
+        return pre, (self._finished(req.generation(), decode_ms) if decode else 0.0)
+
+    @contextlib.contextmanager
+    def _native_outcome(self) -> Iterator[None]:
+        """Count how a native-mode request ended: cancelled (the client went away), rejected
+        (the engine is closing) or completed; the two exceptions are re-raised."""
+        try:
+            yield
         except SimClientDisconnected:
             self._count(cancelled=1)
             raise
@@ -957,7 +966,6 @@ class Serving:
             self._count(rejected=1)
             raise
         self._count(completed=1)
-        return pre, (self._finished(req.generation(), decode_ms) if decode else 0.0)
 
     def decode_only(self, req: SimRequest, cancel: "CancelFlag",
                     emit: Callable[[int, int], None]) -> float:
@@ -965,16 +973,9 @@ class Serving:
         after the first (produced on P) on the least busy rank; see :meth:`generate`.
         Returns the TPOT, simulated ms."""
         self._count(requests=1, pd_requests=1)
-        try:
+        with self._native_outcome():
             decode_ms = self._decode(self._pick_rank(), len(req.token_ids) + 1,
                                      req.generation().tokens - 1, cancel, emit=emit)
-        except SimClientDisconnected:
-            self._count(cancelled=1)
-            raise
-        except SimServingClosed:
-            self._count(rejected=1)
-            raise
-        self._count(completed=1)
         return self._finished(req.generation(), decode_ms)
 
     def _serve_whole(self, rid: str, req: SimRequest, conn: socket.socket,
