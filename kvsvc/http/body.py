@@ -121,7 +121,9 @@ def json_object(body: bytes) -> dict[str, Any]:
     what orjson refuses but the stdlib accepts (integers beyond 64 bits, ``NaN``, UTF-16), so
     the accepted language is the stdlib's.
 
-    :raises BadRequest: not JSON (nesting too deep included), or not an object.
+    :raises BadRequest: not JSON (nesting too deep included), not an object, or a string
+        holding a lone UTF-16 surrogate (``"\\ud800"``: the stdlib parses it, but it is no
+        text a tokenizer can read or an upstream body can carry), naming where it is.
     """
     try:
         doc = orjson.loads(body)
@@ -130,9 +132,35 @@ def json_object(body: bytes) -> dict[str, Any]:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise BadRequest("body is not valid JSON") from exc
+        # orjson refuses lone surrogates, so only a stdlib-parsed body can hold one.
+        where = _lone_surrogate(doc, "")
+        if where is not None:
+            raise BadRequest(f"{where or 'body'}: a string holds a lone UTF-16 surrogate")
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object")
     return doc
+
+
+def _lone_surrogate(value: Any, path: str) -> Optional[str]:
+    """The path (``messages[0].content``) of the first string in ``value``, keys included,
+    that is no valid Unicode text (a lone surrogate), or None."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                name = f"{where}.{key}" if where else str(key)
+                stack.append((sub, name))
+                stack.append((key, name))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))))
+    return None
 
 
 # -- token ids -------------------------------------------------------------------------------------

@@ -230,6 +230,10 @@ def test_proxied_answers_are_timed_by_endpoint_and_instance(etcd_server, etcd):
      "messages[0].role"),
     ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user"}], "tools": 1}',
      "tools"),
+    # A lone UTF-16 surrogate (the stdlib parser takes it; no tokenizer or upstream can).
+    ("/v1/completions", b'{"model": "m1", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", '
+     b'"content": "a\\udc00"}]}', "messages[0].content"),
 ])
 def test_malformed_body_is_400_before_routing(etcd_server, path, body, param):
     with running(etcd_server) as app:  # no instance at all: routing would answer 503
