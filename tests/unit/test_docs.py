@@ -94,3 +94,35 @@ def test_relative_links_of_the_docs_point_to_files_and_headings():
             assert path.exists(), f"{doc.relative_to(ROOT)}: link to {target}"
             if anchor and path.suffix == ".md":
                 assert anchor in _anchors(path), f"{doc.relative_to(ROOT)}: no #{anchor} in {rel}"
+
+
+def _layout_modules() -> set[str]:
+    """Module paths named in docs/development.md's layout table: a row's first cell names a
+    path (``kvsvc/a/b.py``) and siblings by file name (```c.py```); a folder row
+    (``kvsvc/http/``) names its files in the second cell; a name that exists at the top of
+    the repository (``wsgi.py``) is that file."""
+    text = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    named: set[str] = set()
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) < 3 or not cells[1].strip().startswith("`kvsvc/"):
+            continue
+        first = re.findall(r"`([^`]+)`", cells[1])
+        folder = first[0].rsplit("/", 1)[0] + "/" if not first[0].endswith("/") else first[0]
+        names = first if not first[0].endswith("/") else re.findall(r"`([\w.]+\.py)`", cells[2])
+        for name in names:
+            if name.startswith("kvsvc/") or not (ROOT / name).exists():
+                named.add(name if name.startswith("kvsvc/") else folder + name)
+    return named
+
+
+def test_every_service_module_is_in_the_layout_table():
+    """A new module of the service lands in development.md's map of the data's path (the
+    testbed, the tooling apart, has its own page)."""
+    named = _layout_modules()
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "kvsvc").rglob("*.py")
+               if p.name != "__init__.py" and "testbed" not in p.parts}
+    assert modules, "no modules found under kvsvc/"
+    assert sorted(modules - named) == []
+    stale = sorted(n for n in named if "testbed" not in n and not (ROOT / n).exists())
+    assert stale == []
