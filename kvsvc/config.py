@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from types import MappingProxyType
@@ -327,6 +328,21 @@ _VALUE_CHARS = 80
 _NO_VALUE = frozenset({"missing", "extra_forbidden"})
 
 
+#: pydantic's error types of a failed bound (``gt``, ``ge``, ``lt``, ``le``).
+_RANGE_KINDS = frozenset({"greater_than", "greater_than_equal", "less_than",
+                          "less_than_equal"})
+
+
+def _not_finite(value: Any) -> bool:
+    """True for NaN or an infinity, as a float or as the text a flag or variable gave."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _VALUE_CHARS else f"{text[:_VALUE_CHARS - 3]}..."
@@ -359,6 +375,10 @@ def validation_problems(exc: ValidationError, prefix: str = "",
         msg = msg.removeprefix("Value error, ")
         if kind == "extra_forbidden":
             msg = "unknown key"
+        elif kind in _RANGE_KINDS and _not_finite(err.get("input")):
+            # NaN fails every comparison, so pydantic names whichever bound it tried first;
+            # infinity passes one of them: neither is about a range.
+            msg = f"not a finite number, got {_shown(err['input'])}"
         elif (loc and kind not in _NO_VALUE and "input" in err
               and str(loc[0]) not in hidden and not (
                   # A validator's own message usually names the value already.

@@ -55,8 +55,9 @@ No class here carries an HTTP status: :mod:`kvsvc.http.errors` maps each kind to
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class KvsvcError(Exception):
@@ -288,7 +289,29 @@ class RequestError(KvsvcError):
 class BadRequest(RequestError):
     """Malformed input: not JSON, a missing field, a field of the wrong JSON type, token ids that
     are not integers in range, too many tokens (§10, §11). The message starts with the field
-    (``token_ids: ...``, ``messages[0].role: ...``) when one is to blame."""
+    (``token_ids: ...``, ``messages[0].role: ...``) when one is to blame.
+
+    :param message: human-readable reason.
+    :param param: the request field at fault (OpenAI's ``param``), when it is not the
+        message's leading field path (an engine's refusal); ``None``: the leading field path
+        of the message, if it has one (:func:`field_of`).
+    """
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param if param is not None else field_of(message)
+
+
+#: A field path as messages lead with it: ``n``, ``messages[1].role``, ``stream_options.x``.
+_FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def field_of(message: str) -> Optional[str]:
+    """The field path a message leads with (``"messages[1].role: must be ..."`` ->
+    ``"messages[1].role"``), ``None`` when the text before the first ``": "`` is no field
+    path (a sentence)."""
+    head, sep, _ = message.partition(":")
+    return head if sep and _FIELD_PATH.fullmatch(head) else None
 
 
 class Unauthorized(RequestError):

@@ -12,12 +12,15 @@ field (or :class:`~kvsvc.errors.PayloadTooLarge`, :class:`~kvsvc.errors.UnknownM
   ranges are the registry's (:meth:`kvsvc.cluster.registry.Registry.heartbeat` raises
   :class:`~kvsvc.errors.InvalidHeartbeat`).
 - OpenAI bodies (§11): :func:`json_object`, :func:`parse_completion_prompt`,
-  :func:`parse_chat_prompt`, :func:`check_model_and_stream`.
+  :func:`parse_chat_prompt` (messages, :func:`_check_message`),
+  :func:`check_generation_fields` (sampling fields' types and ranges),
+  :func:`check_model_and_stream`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, TypeGuard, Union
@@ -381,19 +384,61 @@ def parse_completion_prompt(doc: dict[str, Any]) -> CompletionPrompt:
                      f"token ids in [0, {MAX_TOKEN_ID}] or a list of such lists")
 
 
-def parse_chat_prompt(doc: dict[str, Any]) -> ChatPrompt:
-    """Template inputs of a chat body.
+#: Chat message roles of OpenAI's API (``developer`` is its newer ``system``; ``function``
+#: its deprecated ``tool``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
-    :raises BadRequest: naming the field (``messages``, ``messages[i].role``, ...).
+
+def _check_message(i: int, message: Any) -> None:
+    """One chat message: an object, ``role`` one of :data:`CHAT_ROLES`, ``content`` a string,
+    a non-empty list of content parts (objects with a string ``type``; a ``text`` part with a
+    string ``text``) or, for an assistant message (which may carry only ``tool_calls``), null
+    or absent; ``name`` a string when present.
+
+    :raises BadRequest: naming ``messages[i]``, ``messages[i].role``, ``messages[i].content``
+        or ``messages[i].content[j].type`` / ``.text``.
+    """
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where}: must be an object")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise BadRequest(f"{where}.role: must be a string")
+    if role not in CHAT_ROLES:
+        raise BadRequest(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got "
+                         f"{role!r}"[:200])
+    content = message.get("content")
+    if isinstance(content, str):
+        pass
+    elif content is None:
+        if role != "assistant":
+            raise BadRequest(f"{where}.content: must be a string or a list of content parts "
+                             f"(only an assistant message may have none)")
+    elif isinstance(content, list) and content:
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadRequest(f"{where}.content[{j}].type: every content part must be an "
+                                 "object with a string type")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}].text: must be a string")
+    else:
+        raise BadRequest(f"{where}.content: must be a string or a non-empty list of content "
+                         f"parts, got {type(content).__name__}")
+    if "name" in message and not isinstance(message["name"], str):
+        raise BadRequest(f"{where}.name: must be a string")
+
+
+def parse_chat_prompt(doc: dict[str, Any]) -> ChatPrompt:
+    """Template inputs of a chat body; every message checked (:func:`_check_message`).
+
+    :raises BadRequest: naming the field (``messages``, ``messages[i].role``,
+        ``messages[i].content[j].type``, ...).
     """
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: must be a non-empty list of objects")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BadRequest(f"messages[{i}]: must be an object")
-        if not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}].role: must be a string")
+        _check_message(i, message)
     add_gen = doc.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise BadRequest("add_generation_prompt: must be a boolean")
@@ -404,6 +449,96 @@ def parse_chat_prompt(doc: dict[str, Any]) -> ChatPrompt:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs: must be an object")
     return ChatPrompt(messages, add_gen, tools, kwargs or {})
+
+
+def _finite(value: Any) -> bool:
+    # A JSON number that is finite (the stdlib parser also gives NaN and Infinity).
+    return _is_number(value) and math.isfinite(value)
+
+
+def _check_number(doc: dict[str, Any], name: str, low: float, high: float,
+                  low_open: bool = False) -> None:
+    value = doc.get(name)
+    if value is None:
+        return
+    if not _is_number(value):
+        raise BadRequest(f"{name}: must be a number, got {value!r}"[:200])
+    if not math.isfinite(value):
+        raise BadRequest(f"{name}: not a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"{name}: must be in {bounds}, got {value!r}")
+
+
+def _check_int(doc: dict[str, Any], name: str, low: int, high: Optional[int] = None) -> None:
+    value = doc.get(name)
+    if value is None:
+        return
+    if type(value) is not int or value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BadRequest(f"{name}: must be an integer {bounds} or null, got {value!r}"[:200])
+
+
+def _check_bool(doc: dict[str, Any], name: str) -> None:
+    value = doc.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{name}: must be a boolean, got {value!r}"[:200])
+
+
+#: Largest ``top_logprobs`` (chat) / ``logprobs`` (completions) OpenAI accepts.
+MAX_TOP_LOGPROBS = 20
+
+
+def check_generation_fields(doc: dict[str, Any], chat: bool) -> None:
+    """The standard OpenAI sampling and output fields of a completion (``chat`` False) or
+    chat body, once, for every backend (§11): each absent or null, else
+
+    - ``temperature`` a finite number in [0, 2], ``top_p`` in [0, 1], ``presence_penalty``
+      and ``frequency_penalty`` in [-2, 2] (NaN and infinities: "not a finite number");
+    - ``n`` an integer >= 1; completions' ``best_of`` an integer >= 1; ``seed`` an integer;
+    - ``stop`` a string or a list of strings; ``user`` a string;
+    - chat's ``logprobs`` a boolean and ``top_logprobs`` an integer in [0, 20]; completions'
+      ``logprobs`` an integer in [0, 20] and ``echo`` a boolean;
+    - ``stream_options`` an object whose ``include_usage`` is a boolean when present;
+      ``logit_bias`` an object of finite numbers.
+
+    Fields it does not know pass (engines have extensions: vLLM's ``top_k``, ...); the
+    output limits and ``stream`` are :func:`check_model_and_stream`'s.
+
+    :raises BadRequest: naming the field (``param`` of the OpenAI error).
+    """
+    _check_number(doc, "temperature", 0.0, 2.0)
+    _check_number(doc, "top_p", 0.0, 1.0)
+    _check_number(doc, "presence_penalty", -2.0, 2.0)
+    _check_number(doc, "frequency_penalty", -2.0, 2.0)
+    _check_int(doc, "n", 1)
+    _check_int(doc, "seed", -(1 << 63), (1 << 64) - 1)
+    stop = doc.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest(f"stop: must be a string or a list of strings, got {stop!r}"[:200])
+    user = doc.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest(f"user: must be a string, got {user!r}"[:200])
+    if chat:
+        _check_bool(doc, "logprobs")
+        _check_int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    else:
+        _check_int(doc, "logprobs", 0, MAX_TOP_LOGPROBS)
+        _check_int(doc, "best_of", 1)
+        _check_bool(doc, "echo")
+    options = doc.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options: must be an object")
+        include = options.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise BadRequest("stream_options.include_usage: must be a boolean, got "
+                             f"{include!r}"[:200])
+    bias = doc.get("logit_bias")
+    if bias is not None and not (isinstance(bias, dict)
+                                 and all(_finite(v) for v in bias.values())):
+        raise BadRequest("logit_bias: must be an object of token ids to finite numbers")
 
 
 #: Output-length fields of OpenAI bodies: an integer >= 1, or null / absent.

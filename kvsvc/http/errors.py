@@ -174,8 +174,8 @@ def _kvsvc_answer(exc: RequestError | UpstreamError | ClientGone) -> flask.Respo
     param: Optional[str] = None
     if isinstance(exc, PayloadTooLarge):
         return openai_error(status, too_large_message())
-    if isinstance(exc, BadRequest) and ":" in exc.message:
-        param = exc.message.split(":", 1)[0]
+    if isinstance(exc, BadRequest):
+        param = exc.param
     elif isinstance(exc, UnknownModel):
         param = "model"
     return openai_error(status, exc.message, param)

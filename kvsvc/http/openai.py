@@ -64,6 +64,7 @@ from flask import request
 from kvsvc.errors import BadRequest, UnknownModel, UpstreamError
 from kvsvc.http.admission import REQUEST_ID_HEADER, hand_over_slot, request_id
 from kvsvc.http.body import (
+    check_generation_fields,
     check_model_and_stream,
     json_object,
     parse_chat_prompt,
@@ -213,6 +214,7 @@ def _completions() -> flask.Response:
     body = read_query_body()  # one read of a known length: no werkzeug stream copies
     doc = json_object(body)
     prompt = parse_completion_prompt(doc)
+    check_generation_fields(doc, chat=False)
     check_model_and_stream(doc, router().models)
     return _forward(COMPLETIONS_PATH, body, doc, router().tokens.completion_tokens(prompt))
 
@@ -221,6 +223,7 @@ def _chat_completions() -> flask.Response:
     body = read_query_body()  # one read of a known length: no werkzeug stream copies
     doc = json_object(body)
     prompt = parse_chat_prompt(doc)
+    check_generation_fields(doc, chat=True)
     check_model_and_stream(doc, router().models)
     return _forward(CHAT_PATH, body, doc, router().tokens.chat_tokens(prompt))
 

@@ -39,9 +39,11 @@ out of scope: text is relayed as generated (docs/xllm.md).
 
 from __future__ import annotations
 
-import orjson
+import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import orjson
 
 #: xLLM ``llm::StatusCode`` values (CANCELLED 1, UNKNOWN 2, INVALID_ARGUMENT 3,
 #: DEADLINE_EXCEEDED 4, RESOURCE_EXHAUSTED 5, UNAUTHENTICATED 6, UNAVAILABLE 7,
@@ -217,6 +219,8 @@ class AnswerSpec:
     :ivar include_usage: streamed: end with the usage chunk
         (``stream_options.include_usage``).
     :ivar logprobs: the client asked for log probabilities.
+    :ivar fields: the request body's field names (the ``param`` of an engine's refusal,
+        :func:`engine_param`).
     """
 
     chat: bool
@@ -225,6 +229,7 @@ class AnswerSpec:
     created: int
     include_usage: bool = False
     logprobs: bool = False
+    fields: tuple[str, ...] = ()
 
     @property
     def chunk_object(self) -> str:
@@ -242,7 +247,7 @@ def answer_spec(chat: bool, doc: Mapping[str, Any], service_req_id: str,
     model = doc.get("model")
     return AnswerSpec(chat, f"{'chatcmpl' if chat else 'cmpl'}-{service_req_id}",
                       model if isinstance(model, str) else "", created, include_usage,
-                      logprobs)
+                      logprobs, tuple(doc))
 
 
 class EngineError(Exception):
@@ -263,10 +268,36 @@ def http_status_of_engine_error(status_code: int) -> int:
     return _ENGINE_HTTP.get(status_code, 500)
 
 
-def error_body(status: int, message: str, code: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, code: Optional[str] = None,
+               param: Optional[str] = None) -> dict:
     """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "upstream_error"),
-                      "param": None, "code": code}}
+                      "param": param, "code": code}}
+
+
+def engine_param(text: str, fields: Iterable[str]) -> Optional[str]:
+    """OpenAI's ``param`` for an engine's refusal: the engine's own when its answer is an
+    OpenAI-style JSON error carrying one (``{"error": {"param": ...}}`` or
+    ``{"param": ...}``), else the longest of the request's ``fields`` the text names as a
+    word (``"max_tokens must be ..."`` -> ``max_tokens``), else ``None``."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            doc = orjson.loads(stripped)
+        except orjson.JSONDecodeError:
+            doc = None
+        if isinstance(doc, Mapping):
+            inner = doc.get("error")
+            param = (inner.get("param") if isinstance(inner, Mapping) else None) or \
+                doc.get("param")
+            if isinstance(param, str) and param:
+                return param
+    best: Optional[str] = None
+    for name in fields:
+        if (best is None or len(name) > len(best)) and name and re.search(
+                rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", text):
+            best = name
+    return best
 
 
 def _chat_logprobs(entries: Sequence[LogProbEntry]) -> dict:
@@ -353,7 +384,8 @@ class StreamAssembler:
             self.done = True
             self.error = EngineError(gen.status_code, gen.status_msg)
             status = http_status_of_engine_error(gen.status_code)
-            return _sse(error_body(status, self.error.message, f"engine_{gen.status_code}"))
+            return _sse(error_body(status, self.error.message, f"engine_{gen.status_code}",
+                                   engine_param(self.error.message, self.spec.fields)))
         if gen.usage is not None:
             self.usage = gen.usage
         out = b""

@@ -20,11 +20,15 @@ sends one request with ``stream=True`` and connect/read timeouts:
   closes) and :class:`~kvsvc.errors.ClientGone` is raised (§15). The watch is a ``poll`` of
   both sockets from the request thread, in the pool's connection class
   (:class:`_WatchedConnection`), so nothing else polls and kept-alive connections stay pooled;
-- a body that breaks after the head (reset, cut short, or no bytes within the read timeout) is
-  logged once as a WARNING naming the upstream, the path, the bytes relayed and the error, and
+- a body that breaks after the head (reset, cut short of its chunked framing or
+  ``Content-Length``, or no bytes within the read timeout) is logged once as a WARNING naming the upstream, the path, the bytes relayed and the error, and
   the relay raises (:meth:`UpstreamBody.__iter__`, :meth:`UpstreamBody.read_all`): the HTTP
   layer turns that into a 502/504 when nothing was sent yet, and into an SSE error event plus
-  an aborted transfer when the stream had begun (:mod:`kvsvc.http.openai`);
+  an aborted transfer when the stream had begun (:mod:`kvsvc.http.openai`). A body framed
+  only by the connection's close (HTTP/1.0 without ``Content-Length``: EOF looks like a clean
+  end) is judged by its content (:class:`TruncatedBody`): a 200 event stream of a
+  ``/completions`` path that ends without ``data: [DONE]`` (OpenAI, vLLM and SGLang always
+  end with it), or a JSON body that is no complete document, is broken the same way;
 - hop-by-hop headers (RFC 9110 §7.6.1, and any named in ``Connection``) are dropped both ways,
   as are ``Host``, ``Content-Length`` and ``X-Internal-Token`` on the way up;
 - the body is relayed as it arrives (:class:`UpstreamBody`), undecoded (``Content-Encoding``
@@ -68,6 +72,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
+import orjson
 import urllib3
 import urllib3.connection
 import urllib3.connectionpool
@@ -105,6 +110,32 @@ UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx"
 DP_RANK_HEADER = "X-data-parallel-rank"
 #: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
 _SSE_DATA = b"data:"
+
+
+#: Bytes of a stream's end kept to see whether it ended with ``data: [DONE]``.
+_DONE_TAIL_BYTES = 64
+
+
+class TruncatedBody(Exception):
+    """An upstream body that ended (EOF) before its own end: an OpenAI event stream without
+    ``data: [DONE]``, or a JSON body that is no complete document (what ``urllib3`` cannot
+    see in a body framed by the connection's close). Internal: :class:`UpstreamBody` turns it
+    into :class:`~kvsvc.errors.UpstreamUnreachable`."""
+
+
+def _ends_with_done(tail: bytes) -> bool:
+    """True when the stream's last event is ``data: [DONE]`` (``data:[DONE]`` too), followed
+    by nothing but line ends and blanks."""
+    last = tail.rstrip()
+    return last.endswith(b"[DONE]") and last[:-len(b"[DONE]")].rstrip().endswith(_SSE_DATA)
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 #: Poll events that say something happened on the client's connection (data, EOF, reset).
@@ -306,6 +337,11 @@ class UpstreamBody:
         self._event_stream = (response.headers.get("Content-Type", "").split(";")[0].strip()
                               .lower() == "text/event-stream")
         self._tail = b"\n"  # what precedes the next chunk: the stream starts a line
+        # An OpenAI completions stream ends with "data: [DONE]"; one that ends without it was
+        # cut (an engine answering HTTP/1.0 without Content-Length frames its body by EOF).
+        self._expect_done = (self._event_stream and response.status == 200
+                             and path.split("?", 1)[0].endswith("/completions"))
+        self._last = b""   # the stream's last bytes, while _expect_done
         self.first_data_at: Optional[float] = None
         self.bytes_relayed = 0
         self.broken: Optional[str] = None
@@ -336,8 +372,14 @@ class UpstreamBody:
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 raise self._broke(exc, "broken_body") from exc
             if not chunk:
+                if self._expect_done and not _ends_with_done(self._last):
+                    raise self._broke(TruncatedBody(
+                        "the event stream ended without its final DONE event"), "broken_body")
                 self._complete = True
                 return
+            if self._expect_done:
+                self._last = (chunk[-_DONE_TAIL_BYTES:] if len(chunk) >= _DONE_TAIL_BYTES
+                              else (self._last + chunk)[-_DONE_TAIL_BYTES:])
             self.bytes_relayed += len(chunk)
             if self._event_stream and self.first_data_at is None:
                 self._note_data(chunk)
@@ -381,9 +423,21 @@ class UpstreamBody:
             logged, counted as ``broken_body``).
         """
         try:
-            return b"".join(self)
+            data = b"".join(self)
+            if data and self._is_json and not _parses(data):
+                # Read to EOF, yet no JSON document: cut short by an engine that frames its
+                # body by closing the connection (no Content-Length, not chunked).
+                self._complete = False
+                raise self._broke(TruncatedBody(f"the JSON body ended after {len(data)} "
+                                                "bytes, incomplete"), "broken_body")
+            return data
         finally:
             self.close()
+
+    @property
+    def _is_json(self) -> bool:
+        ctype = self._response.headers.get("Content-Type", "")
+        return ctype.split(";")[0].strip().lower() == "application/json"
 
     @property
     def closed(self) -> bool:

@@ -11,7 +11,9 @@ For a decision whose P has ``backend_type`` ``"xllm"`` (with ``--xllm_dispatch n
   ``--tokenizer_path``, else the request gets 400, :data:`NEEDS_TOKENS`),
   ``service_request_id`` (a fresh id per attempt), ``routing`` ``{prefill_name, decode_name}``
   and ``source_xservice_addr`` (this replica's baidu_std ``ip:port``, where the engine sends
-  its Generations). OpenAI fields without an xLLM counterpart are not sent;
+  its Generations). A field xLLM's message has no form for is never dropped silently:
+  :func:`check_xllm_fields` answers 400 with ``param`` the field (e.g. ``seed``), before
+  anything is sent;
 - the request is registered in :class:`~kvsvc.routing.generations.PendingRequests` before the
   call, so an entry that arrives before the call returns is kept;
 - the call is baidu_std (:class:`kvsvc.rpc.engines.BaiduStdCaller`, the service's) or brpc's
@@ -71,6 +73,7 @@ from kvsvc.routing.answers import (
     StreamAssembler,
     WholeAssembler,
     answer_spec,
+    engine_param,
     error_body,
     http_status_of_engine_error,
 )
@@ -103,21 +106,87 @@ CHECK_INTERVAL_S = 0.25
 #: Bound of the engine's answer to the dispatch call (it answers at once), seconds.
 DISPATCH_ANSWER_TIMEOUT_S = 10.0
 
-#: OpenAI fields sent as they are, with their xLLM names (chat / completions).
-_CHAT_FIELDS = {"model": "model", "best_of": "best_of", "temperature": "temperature",
-                "top_p": "top_p", "n": "n", "stream": "stream", "presence_penalty":
-                "presence_penalty", "frequency_penalty": "frequency_penalty", "user": "user",
-                "stop_token_ids": "stop_token_ids", "repetition_penalty": "repetition_penalty",
-                "top_k": "top_k", "skip_special_tokens": "skip_special_tokens",
-                "ignore_eos": "ignore_eos", "logprobs": "logprobs",
-                "top_logprobs": "top_logprobs", "request_id": "request_id"}
-_COMPLETION_FIELDS = {"model": "model", "best_of": "best_of", "temperature": "temperature",
-                      "top_p": "top_p", "n": "n", "stream": "stream", "logprobs": "logprobs",
-                      "echo": "echo", "presence_penalty": "presence_penalty",
-                      "frequency_penalty": "frequency_penalty",
-                      "skip_special_tokens": "skip_special_tokens", "ignore_eos": "ignore_eos",
-                      "user": "user", "stop_token_ids": "stop_token_ids", "top_k": "top_k",
-                      "repetition_penalty": "repetition_penalty", "request_id": "request_id"}
+#: Body fields sent to the engine as they are, under the same name, because xLLM's
+#: ``ChatRequest`` / ``CompletionRequest`` has each (``chat.proto``, ``completion.proto``):
+#: OpenAI's, then the vLLM-style extensions xLLM shares.
+_SHARED_FIELDS = ("model", "temperature", "top_p", "n", "stream", "presence_penalty",
+                  "frequency_penalty", "user", "best_of", "stop_token_ids",
+                  "repetition_penalty", "top_k", "skip_special_tokens", "ignore_eos",
+                  "request_id", "offline", "ttlt_slo_ms", "ttft_slo_ms", "tpot_slo_ms",
+                  "priority", "beam_width", "num_return_sequences", "add_special_tokens",
+                  "include_stop_str_in_output", "ttft_priority_weight",
+                  "tpot_priority_weight", "ttlt_priority_weight", "priority_weight")
+_CHAT_FIELDS = frozenset(_SHARED_FIELDS + ("logprobs", "top_logprobs", "response_format"))
+_COMPLETION_FIELDS = frozenset(_SHARED_FIELDS + ("logprobs", "echo"))
+#: Fields kvsvc maps itself (:func:`_common`, :func:`chat_request`,
+#: :func:`completion_request`) or uses itself (the chat template's inputs: kvsvc renders and
+#: tokenizes the prompt, the engine takes ``token_ids``).
+_MAPPED_CHAT = frozenset({"messages", "stop", "stream_options", "max_tokens",
+                          "max_completion_tokens", "add_generation_prompt",
+                          "chat_template_kwargs", "tool_choice"})
+_MAPPED_COMPLETION = frozenset({"prompt", "stop", "stream_options", "max_tokens",
+                                "max_completion_tokens"})
+#: OpenAI fields that change nothing the engine generates (OpenAI's own storage, billing and
+#: caching hints): accepted and not sent.
+_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
+                        "safety_identifier", "parallel_tool_calls"})
+#: Fields of xLLM's messages that kvsvc fills itself: a client's value would be overwritten.
+_RESERVED = frozenset({"service_request_id", "token_ids", "routing", "source_xservice_addr",
+                       "x_request_id", "x_request_time"})
+#: ``stream_options`` members xLLM's ``StreamOptions`` has.
+_STREAM_OPTIONS = frozenset({"include_usage"})
+
+
+def no_xllm_form(param: str, why: str = "") -> BadRequest:
+    """The 400 of a request field native dispatch cannot hand to an xLLM engine: ``param``
+    the field's path (OpenAI's ``param``), the message saying xLLM engines have no such
+    option (or ``why``)."""
+    return BadRequest(f"{param}: " + (why or "xLLM engines have no such option (native "
+                      "dispatch sends only the fields of xLLM's ChatRequest / "
+                      "CompletionRequest; send the request without it)"), param=param)
+
+
+def check_xllm_fields(doc: Mapping[str, Any], chat: bool) -> None:
+    """Refuse, before anything is sent, every body field native dispatch would otherwise drop
+    (§13 "Dispatch": a field is mapped to its xLLM form or refused, never dropped): a field
+    that is neither one of xLLM's (:data:`_CHAT_FIELDS` / :data:`_COMPLETION_FIELDS`), nor
+    mapped or used by kvsvc, nor without effect on generation (:data:`_NO_EFFECT`). A null
+    value, an empty list or an empty object counts as absent (the default). Also refused:
+    ``tools`` (kvsvc writes the answer from the engine's text and has no tool-call parser:
+    ``tool_calls`` would never come back), a content part that is not text (kvsvc tokenizes
+    text only), a ``stream_options`` member other than ``include_usage``, and the fields kvsvc
+    itself fills (``service_request_id``, ``token_ids``, ``routing``, ...).
+
+    :raises BadRequest: ``param`` the field's path (e.g. ``seed``,
+        ``messages[0].content[1].type``).
+    """
+    shared = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    mapped = _MAPPED_CHAT if chat else _MAPPED_COMPLETION
+    for name, value in doc.items():
+        if value is None or (isinstance(value, (list, dict)) and not value):
+            continue
+        if name in shared or name in mapped or name in _NO_EFFECT:
+            continue
+        if name in _RESERVED:
+            raise no_xllm_form(name, "set by kvsvc for each dispatch, not by the client")
+        if name == "tools":
+            raise no_xllm_form(name, "kvsvc writes xLLM engines' answers from their text and "
+                               "parses no tool calls (docs/xllm.md, out of scope)")
+        raise no_xllm_form(name)
+    options = doc.get("stream_options")
+    if isinstance(options, Mapping):
+        for key, value in options.items():
+            if key not in _STREAM_OPTIONS and value is not None:
+                raise no_xllm_form(f"stream_options.{key}")
+    if chat:
+        for i, m in enumerate(doc.get("messages") or ()):
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if isinstance(part, Mapping) and part.get("type") != "text":
+                        raise no_xllm_form(f"messages[{i}].content[{j}].type",
+                                           "kvsvc sends xLLM engines text prompts only "
+                                           f"(a {str(part.get('type'))[:40]!r} part)")
 
 
 class EngineCaller(Protocol):
@@ -177,7 +246,7 @@ class HttpJsonCaller:
             text = resp.text[:300].strip()
         if 400 <= resp.status_code < 500:
             raise BadRequest(f"the engine {target} refused the request ({resp.status_code}): "
-                             f"{text}")
+                             f"{text}", param=engine_param(text, message))
         raise UpstreamUnreachable(f"upstream {target}: {method} answered {resp.status_code}: "
                                   f"{text}")
 
@@ -206,19 +275,22 @@ def _messages(messages: Sequence[Any]) -> list[dict]:
     return out
 
 
-def _common(doc: Mapping[str, Any], fields: Mapping[str, str], token_ids: Sequence[int],
+def _common(doc: Mapping[str, Any], fields: frozenset[str], token_ids: Sequence[int],
             service_request_id: str, prefill: str, decode: str, source_addr: str,
             x_request_id: str) -> dict[str, Any]:
-    msg: dict[str, Any] = {}
-    for src, dst in fields.items():
-        value = doc.get(src)
-        if value is not None:
-            msg[dst] = value
+    msg: dict[str, Any] = {name: value for name, value in doc.items()
+                           if name in fields and value is not None}
     stop = doc.get("stop")
     if isinstance(stop, str):
         msg["stop"] = [stop]
-    elif isinstance(stop, list):
-        msg["stop"] = [s for s in stop if isinstance(s, str)]
+    elif isinstance(stop, list) and stop:
+        msg["stop"] = list(stop)
+    # OpenAI's newer name wins over the deprecated max_tokens; xLLM has only max_tokens.
+    max_tokens = doc.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = doc.get("max_tokens")
+    if max_tokens is not None:
+        msg["max_tokens"] = max_tokens
     options = doc.get("stream_options")
     if isinstance(options, Mapping) and isinstance(options.get("include_usage"), bool):
         msg["stream_options"] = {"include_usage": options["include_usage"]}
@@ -235,16 +307,12 @@ def _common(doc: Mapping[str, Any], fields: Mapping[str, str], token_ids: Sequen
 def chat_request(doc: Mapping[str, Any], token_ids: Sequence[int], service_request_id: str,
                  prefill: str, decode: str = "", source_addr: str = "",
                  x_request_id: str = "") -> dict[str, Any]:
-    """The ``ChatRequest`` (JSON form) of a validated chat body (module docstring):
+    """The ``ChatRequest`` (JSON form) of a chat body validated by
+    :func:`check_xllm_fields` (module docstring): every field xLLM has under its name,
     ``max_completion_tokens`` (else ``max_tokens``) as ``max_tokens``, messages with their
     role and text content (content parts joined), ``stop`` as a list."""
     msg = _common(doc, _CHAT_FIELDS, token_ids, service_request_id, prefill, decode,
                   source_addr, x_request_id)
-    max_tokens = doc.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = doc.get("max_tokens")
-    if max_tokens is not None:
-        msg["max_tokens"] = max_tokens
     msg["messages"] = _messages(doc.get("messages") or [])
     return msg
 
@@ -256,8 +324,6 @@ def completion_request(doc: Mapping[str, Any], token_ids: Sequence[int],
     is kept in ``prompt`` (the engine uses ``token_ids``), a token prompt leaves it empty."""
     msg = _common(doc, _COMPLETION_FIELDS, token_ids, service_request_id, prefill, decode,
                   source_addr, x_request_id)
-    if doc.get("max_tokens") is not None:
-        msg["max_tokens"] = doc["max_tokens"]
     prompt = doc.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -591,15 +657,17 @@ class XllmDispatcher:
         :param x_request_id: the client's ``x-request-id``, passed on.
         :param client: the client's connection, watched between entries; ``None``: not.
         :raises ClientGone: not streamed, the client went away before the answer (cancelled).
-        :raises BadRequest: no token ids, or the engine refused the request.
+        :raises BadRequest: a field with no xLLM form (:func:`check_xllm_fields`), no token
+            ids, or the engine refused the request.
         :raises UpstreamTimeout: every attempt failed, the last by a timeout; or, not
             streamed, no entry came within the read timeout.
         :raises UpstreamUnreachable: every attempt failed; or, not streamed, the instance
             failed during the request.
         """
+        chat = path.split("?", 1)[0].endswith("/chat/completions")
+        check_xllm_fields(doc, chat)
         if token_ids is None:
             raise BadRequest(NEEDS_TOKENS)
-        chat = path.split("?", 1)[0].endswith("/chat/completions")
         streamed = doc.get("stream") is True
         decode_inst = decision.decode
         decode = decode_inst.name if decode_inst is not None else ""
@@ -670,7 +738,8 @@ class XllmDispatcher:
             if asm.error is not None:
                 status = http_status_of_engine_error(asm.error.status_code)
                 doc = error_body(status, asm.error.message,
-                                 f"engine_{asm.error.status_code}")
+                                 f"engine_{asm.error.status_code}",
+                                 engine_param(asm.error.message, asm.spec.fields))
             else:
                 status, doc = 200, asm.answer()
         finally:

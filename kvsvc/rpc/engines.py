@@ -5,11 +5,13 @@ package's Generations conversion reads routing's values)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from google.protobuf import json_format
 
 from kvsvc.errors import BadRequest, RpcCallFailed, RpcMessageError, UpstreamUnreachable
+from kvsvc.routing.answers import engine_param
 from kvsvc.rpc import messages
 from kvsvc.rpc.client import ClientSettings, RpcClient
 from kvsvc.rpc.codec import EREQUEST
@@ -19,6 +21,8 @@ API_SERVICE = "xllm.proto.XllmAPIService"
 CHAT_METHOD = "ChatCompletions"
 #: Bound of the engine's answer to the dispatch call (it answers at once), seconds.
 DISPATCH_ANSWER_TIMEOUT_S = 10.0
+#: The field protobuf's JSON parser names in its error ("Failed to parse n field: ...").
+_PARSE_FIELD = re.compile(r"Failed to parse (\w+) field")
 
 
 class BaiduStdCaller:
@@ -45,15 +49,19 @@ class BaiduStdCaller:
                 message, messages.ChatRequest() if chat else messages.CompletionRequest(),
                 ignore_unknown_fields=True)
         except json_format.ParseError as exc:
-            raise BadRequest(f"a field has no xLLM form: {exc}") from exc
+            # protobuf names the field: "Failed to parse max_tokens field: ...".
+            found = _PARSE_FIELD.search(str(exc))
+            param = found.group(1) if found else engine_param(str(exc), message)
+            raise BadRequest(f"{param or 'body'}: the value has no xLLM form ({exc})",
+                             param=param) from exc
         try:
             self._client.call_message(target, API_SERVICE, method, request,
                                       messages.ChatResponse if chat
                                       else messages.CompletionResponse)
         except RpcCallFailed as exc:
             if exc.code == EREQUEST:
-                raise BadRequest(f"the engine {target} refused the request: {exc.text}") \
-                    from exc
+                raise BadRequest(f"the engine {target} refused the request: {exc.text}",
+                                 param=engine_param(exc.text, message)) from exc
             raise UpstreamUnreachable(f"upstream {target}: {method} failed: {exc}") from exc
         except RpcMessageError as exc:
             raise UpstreamUnreachable(f"upstream {target}: {method} answered something "

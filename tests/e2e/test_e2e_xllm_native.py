@@ -196,6 +196,38 @@ def test_non_streamed_completions_and_chat(cluster) -> None:
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": expected(2)}
 
 
+def test_openai_fields_reach_the_engine_or_are_a_400_naming_them(cluster) -> None:
+    """Issue 19 items 3-5: ``n``, ``stop`` and the other fields xLLM has arrive in the
+    engine's ChatRequest / CompletionRequest over baidu_std; a field xLLM has no form for and a
+    bad value are 400s whose ``param`` is the field's name, and nothing is dispatched."""
+    server, _, engine, _ = cluster
+    r = server.post("/v1/chat/completions", json={
+        "model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "n": 2, "stop": "zz", "presence_penalty": 0.5, "frequency_penalty": 0.25,
+        "logprobs": True, "top_logprobs": 1, "user": "u-7"})
+    assert r.status_code == 200, r.text
+    got = engine.native.received[-1]
+    assert (got["n"], got["stop"], got["presence_penalty"], got["frequency_penalty"],
+            got["logprobs"], got["top_logprobs"], got["user"]) == (
+        2, ["zz"], 0.5, 0.25, True, 1, "u-7")
+    r = server.post("/v1/completions", json={"model": "sim", "prompt": PROMPT, "stop": ["a", "b"],
+                                             "max_tokens": 2, "logprobs": 2, "n": 1})
+    assert r.status_code == 200, r.text
+    got = engine.native.received[-1]
+    assert (got["stop"], got["logprobs"], got["max_tokens"], got["n"]) == (["a", "b"], 2, 2, 1)
+    accepted = engine.native.counts["accepted"]
+    for body, param in [
+            ({"seed": 3}, "seed"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+            ({"temperature": "hot"}, "temperature"), ({"top_p": 2}, "top_p"),
+            ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+            ({"max_tokens": -1}, "max_tokens")]:
+        r = server.post("/v1/chat/completions", json={
+            "model": "sim", "messages": [{"role": "user", "content": "hi"}], **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    assert engine.native.counts["accepted"] == accepted
+
+
 def test_text_prompt_without_tokenizer_is_a_clear_400(tmp_path, etcd_server) -> None:
     server = Server(tmp_path, free_port(), [
         "--etcd_addr", etcd_server.addr, "--xllm_dispatch", "native",

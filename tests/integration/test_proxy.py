@@ -202,6 +202,51 @@ def test_non_streamed_body_cut_short_raises_before_anything_is_sent(proxy, caplo
     assert proxy.errors() == {(up.name, "broken_body"): 1}
 
 
+def test_event_stream_ending_without_done_is_broken_not_a_clean_end(proxy, caplog):
+    """An engine framing its body by EOF (HTTP/1.0, no Content-Length) dies mid-stream: the
+    events before are relayed, then EOF before ``data: [DONE]`` raises like a reset body
+    (one WARNING, ``broken_body``, the relay end not complete) (issue 19 item 2)."""
+    ends: list[RelayEnd] = []
+    with upstreams("eof_sse") as (up,), caplog.at_level(logging.WARNING):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        reply.body.when_closed(ends.append)
+        chunks = iter(reply.body)
+        assert next(chunks) == b"data: 0\n\n"
+        with pytest.raises(UpstreamUnreachable) as err:
+            next(chunks)
+        assert status_of(err.value) == 502 and "without its final DONE event" in err.value.message
+        reply.body.close()
+    (warning,) = body_warnings(caplog)
+    assert up.name in warning and "/v1/completions" in warning and "DONE event" in warning
+    assert proxy.errors() == {(up.name, "broken_body"): 1}
+    (end,) = ends
+    assert end.complete is False and end.broken is not None
+
+
+def test_eof_framed_bodies_that_are_whole_end_cleanly(proxy, caplog):
+    with upstreams("eof_sse_done", "eof_json_whole") as (sse, js), \
+            caplog.at_level(logging.WARNING):
+        reply = proxy.forward([sse.name], "/v1/chat/completions", fixed(b"{}"), {})
+        assert b"".join(reply.body).endswith(b"data: [DONE]\n\n")
+        reply.body.close()
+        reply = proxy.forward([js.name], "/v1/completions", fixed(b"{}"), {})
+        assert reply.body.read_all() == b'{"whole": true}'
+    assert body_warnings(caplog) == [] and proxy.errors() == {}
+
+
+def test_non_streamed_eof_framed_body_cut_short_is_broken(proxy, caplog):
+    """A JSON answer framed by EOF that is no complete document: 502 before anything is
+    sent, logged and counted as ``broken_body`` (issue 19 item 2)."""
+    with upstreams("eof_json") as (up,), caplog.at_level(logging.WARNING):
+        reply = proxy.forward([up.name], "/v1/completions", fixed(b"{}"), {})
+        with pytest.raises(UpstreamUnreachable) as err:
+            reply.body.read_all()
+        assert status_of(err.value) == 502 and "incomplete" in err.value.message
+        assert reply.body.closed
+    assert len(body_warnings(caplog)) == 1
+    assert proxy.errors() == {(up.name, "broken_body"): 1}
+
+
 def test_upstream_errors_counted_by_instance_and_kind(proxy):
     dead = refused_name()
     with upstreams("hang", "error") as (slow, bad):
@@ -231,11 +276,11 @@ def test_relay_end_reports_the_first_data_event_not_a_comment(proxy):
         assert reply.body.first_data_at is None
         up.release.set()
         rest = b"".join(chunks)
-        assert rest == b"data: 1\n\n"
+        assert rest == b"data: 1\n\ndata: [DONE]\n\n"
         assert reply.body.first_data_at is not None
         reply.body.close()
     (end,) = ends
-    assert (end.bytes_relayed, end.complete, end.broken) == (8 + 9, True, None)
+    assert (end.bytes_relayed, end.complete, end.broken) == (8 + 9 + 14, True, None)
     assert end.first_data_at == reply.body.first_data_at
 
 

@@ -228,8 +228,34 @@ def test_proxied_answers_are_timed_by_endpoint_and_instance(etcd_server, etcd):
     ("/v1/chat/completions", b'{"model": "m1", "messages": []}', "messages"),
     ("/v1/chat/completions", b'{"model": "m1", "messages": [{"content": "x"}]}',
      "messages[0].role"),
-    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user"}], "tools": 1}',
-     "tools"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], '
+     b'"tools": 1}', "tools"),
+    # Standard fields' types and ranges (issue 19 item 5), for every backend.
+    *[("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": "x"}'
+       b'], ' + extra + b'}', param) for extra, param in [
+        (b'"temperature": "hot"', "temperature"), (b'"temperature": NaN', "temperature"),
+        (b'"temperature": Infinity', "temperature"), (b'"top_p": 1.5', "top_p"),
+        (b'"presence_penalty": 3', "presence_penalty"), (b'"n": 0', "n"), (b'"n": 1.5', "n"),
+        (b'"stop": 5', "stop"), (b'"stop": ["a", 1]', "stop"), (b'"logprobs": 1', "logprobs"),
+        (b'"top_logprobs": 21', "top_logprobs"), (b'"seed": "x"', "seed"),
+        (b'"stream_options": {"include_usage": "yes"}', "stream_options.include_usage"),
+        (b'"user": 7', "user"), (b'"max_tokens": true', "max_tokens")]],
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": "x"}, '
+     b'{"role": "wizard", "content": "y"}]}', "messages[1].role"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": 5}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": '
+     b'{"text": "x"}}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": '
+     b'[{"text": "x"}]}]}', "messages[0].content[0].type"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", "content": '
+     b'[{"type": "text", "text": 3}]}]}', "messages[0].content[0].text"),
+    ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "system"}]}',
+     "messages[0].content"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "logprobs": true}', "logprobs"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "best_of": 0}', "best_of"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "echo": "no"}', "echo"),
+    ("/v1/completions", b'{"model": "m1", "prompt": "x", "temperature": -0.1}', "temperature"),
     # A lone UTF-16 surrogate (the stdlib parser takes it; no tokenizer or upstream can).
     ("/v1/completions", b'{"model": "m1", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
     ("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", '
@@ -239,6 +265,32 @@ def test_malformed_body_is_400_before_routing(etcd_server, path, body, param):
     with running(etcd_server) as app:  # no instance at all: routing would answer 503
         r = app.test_client().post(path, data=body, content_type="application/json")
         assert openai_error(r) == (400, "invalid_request_error", param, None)
+
+
+def test_non_finite_numbers_are_named_so_and_extensions_pass(etcd_server):
+    """NaN is "not a finite number" (not a misleading range); a field kvsvc does not know
+    (an engine's extension) and valid standard fields pass validation (503 here: no
+    instance), for the HTTP relay's backends."""
+    with running(etcd_server) as app:
+        client = app.test_client()
+        r = client.post("/v1/completions", content_type="application/json",
+                        data=b'{"model": "m1", "prompt": "x", "top_p": NaN}')
+        assert openai_error(r)[:3] == (400, "invalid_request_error", "top_p")
+        assert "not a finite number" in r.get_json()["error"]["message"]
+        r = completion(client, {"model": "m1", "prompt": "x", "top_k": 5, "min_p": 0.1,
+                                "guided_json": {"type": "object"}, "temperature": 0,
+                                "top_p": 1, "n": 2, "stop": ["a"], "logprobs": 2, "seed": 7,
+                                "presence_penalty": -2, "stream_options": None})
+        assert r.status_code == 503, r.get_json()
+        r = client.post("/v1/chat/completions", json={
+            "model": "m1", "messages": [
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": [{"type": "text", "text": "x"},
+                                             {"type": "image_url", "image_url": {"url": "u"}}]},
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "r", "tool_call_id": "t"}],
+            "logprobs": True, "top_logprobs": 3, "repetition_penalty": 1.1})
+        assert r.status_code == 503, r.get_json()
 
 
 def test_unknown_model_404_models_list_and_413(etcd_server):

@@ -135,6 +135,37 @@ class Upstream:
         h.wfile.flush()
         h.close_connection = True
 
+    # An engine that answers HTTP/1.0 without Content-Length (the body ends when the
+    # connection closes, as the simulated engine's http.server does) and then dies: EOF is
+    # its only framing, so only the content can tell a cut body from a whole one.
+    def _eof_head(self, h, content_type: str) -> None:
+        h.protocol_version = "HTTP/1.0"
+        h.send_response(200)
+        h.send_header("Content-Type", content_type)
+        h.end_headers()
+        h.close_connection = True
+
+    def _eof_sse(self, h, body: bytes) -> None:
+        self._eof_head(h, "text/event-stream")
+        h.wfile.write(b"data: 0\n\n")
+        h.wfile.flush()
+        if self.hold:
+            self.release.wait(HANDLER_WAIT_S)
+
+    def _eof_sse_done(self, h, body: bytes) -> None:
+        self._eof_head(h, "text/event-stream")
+        h.wfile.write(b"data: 0\n\n")
+        h.wfile.flush()
+        h.wfile.write(b"data: [DONE]\n\n")
+
+    def _eof_json(self, h, body: bytes) -> None:
+        self._eof_head(h, "application/json")
+        h.wfile.write(b'{"partial": ')
+
+    def _eof_json_whole(self, h, body: bytes) -> None:
+        self._eof_head(h, "application/json")
+        h.wfile.write(b'{"whole": true}')
+
     def _hang(self, h, body: bytes) -> None:
         self.release.wait(HANDLER_WAIT_S)
         h.close_connection = True
@@ -158,6 +189,7 @@ class Upstream:
         self.release.wait(HANDLER_WAIT_S)
         self._chunk(h, b"da")
         self._chunk(h, b"ta: 1\n\n")
+        self._chunk(h, b"data: [DONE]\n\n")
         h.wfile.write(b"0\r\n\r\n")
 
     def _models_list(self, h) -> None:

@@ -501,3 +501,18 @@ def test_a_namespace_with_a_slash_is_refused_by_the_table(clean_env):
     assert (err.value.field, err.value.message) == ("--etcd_namespace",
                                                     "must not contain '/', got 'a/b'")
     assert load_service_settings(etcd_namespace="prod").etcd_namespace == "prod"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_is_named_so_not_a_range(clean_env, value):
+    """NaN fails every bound and infinity one of them: the message says what is wrong with the
+    value instead of quoting a bound it did not break (issue 19 item 5)."""
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(upstream_read_timeout_s=value)
+    assert info.value.field == "--upstream_read_timeout_s"
+    assert info.value.message == f"not a finite number, got {value!r}"
+    clean_env.setenv("KVSVC_CAR_PREFILL_LAMBDA", "nan")
+    with pytest.raises(ConfigError) as info:
+        load_service_settings()
+    assert (info.value.field, info.value.message) == (
+        "KVSVC_CAR_PREFILL_LAMBDA", "not a finite number, got 'nan'")

@@ -416,6 +416,9 @@ class NativeFront:
         #: pushes, links and unlinks received.
         self.counts = {"accepted": 0, "pushed": 0, "refused": 0, "push_failed": 0,
                        "links": 0, "unlinks": 0, "handovers": 0}
+        #: The last requests accepted (JSON form of the message as received, newest last):
+        #: what a test checks the router sent.
+        self.received: collections.deque[dict] = collections.deque(maxlen=32)
 
     def set_master(self, master: Callable[[], Optional[str]]) -> None:
         """Where the master's baidu_std address comes from (the registration thread's read of
@@ -535,6 +538,7 @@ class NativeFront:
         addr = str(doc.get("source_xservice_addr") or "") or self._master() or ""
         rid = f"sim-{self.name}-{next(self._ids)}"
         self._count("accepted")
+        self.received.append(dict(doc))
         tokens = [int(t) for t in doc.get("token_ids") or []]
         max_tokens = doc.get("max_tokens")
         max_tokens = int(max_tokens) if max_tokens else DEFAULT_MAX_TOKENS
