@@ -39,7 +39,7 @@ import logging
 import platform
 import threading
 import time
-from typing import Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import flask
 from flask import current_app
@@ -245,6 +245,15 @@ class TokenMetrics:
         self._m = instruments
         self._lock = threading.Lock()
         self._last: dict[int, float] = {}
+        # model -> its inter-token child (labels() takes the metric's lock and builds a key
+        # per call: once per model instead of once per token).
+        self._gaps: dict[str, Any] = {}
+
+    def _gap(self, model: str) -> Any:
+        child = self._gaps.get(model)
+        if child is None:
+            child = self._gaps[model] = self._m.inter_token_seconds.labels(model)
+        return child
 
     def on_dispatch(self, info: RequestInfo) -> None:
         """Nothing to observe yet."""
@@ -261,7 +270,21 @@ class TokenMetrics:
             last = self._last.get(info.attempt_id)
             self._last[info.attempt_id] = now
         if last is not None:
-            self._m.inter_token_seconds.labels(info.model or "unknown").observe(now - last)
+            self._gap(info.model or "unknown").observe(now - last)
+
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """``n`` tokens relayed together: the gap since the previous token, then ``n - 1``
+        gaps of 0 (they reach the client in one write)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(info.attempt_id)
+            self._last[info.attempt_id] = now
+        if last is None:
+            return
+        child = self._gap(info.model or "unknown")
+        child.observe(now - last)
+        for _ in range(n - 1):
+            child.observe(0.0)
 
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """The token counts of the answer's ``usage``."""
