@@ -65,7 +65,9 @@ Non-streamed answers carry the simulated timing in headers: ``x-sim-queue-ms``,
 token), ``x-sim-rank``. Streamed answers send the head at once (like vLLM), then one chunk per
 output token, the usage chunk when ``stream_options.include_usage`` is true (with the same
 timing as a non-standard ``sim_timing`` object beside ``usage``: ``queue_ms``, ``prefill_ms``,
-``ttft_ms``, ``tpot_ms``, ``rank``), and ``data: [DONE]``.
+``ttft_ms``, ``tpot_ms``, ``rank``, ``instance``: the engine's name, so a client behind a
+router sees which engine served it, and ``host_only_tokens``: the part of ``cached_tokens``
+loaded from Host), and ``data: [DONE]``.
 
 Like vLLM: a request for a model other than ``ServingConfig.model`` is answered 404
 ``model_not_found``; ``n`` choices (1-128, each the same text, one SSE chunk per choice and
@@ -1066,7 +1068,8 @@ class Serving:
             write(chunk([], _usage(req, pre, gen), {
                 "queue_ms": round(pre.queue_ms, 3), "prefill_ms": round(pre.prefill_ms, 3),
                 "ttft_ms": round(pre.ttft_ms, 3), "tpot_ms": round(tpot_ms, 3),
-                "rank": pre.rank}))
+                "rank": pre.rank, "instance": self.engine.name,
+                "host_only_tokens": pre.host_only_tokens}))
         write(b"data: [DONE]\n\n")
 
     def _finished(self, gen: Generation, decode_ms: float) -> float:
