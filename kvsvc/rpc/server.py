@@ -11,7 +11,9 @@ Two parts, the rules apart from the sockets:
     ``ok: false`` where HTTP answers 4xx or 503 (unknown instance, stale incarnation, a load
     out of range, no name, no registry);
   - ``Generations(DisaggStreamGenerations)`` -> ``StatusSet``: the entries go to the
-    :class:`~kvsvc.rpc.generations.GenerationSink` in one call and are answered at once,
+    :class:`~kvsvc.rpc.generations.GenerationSink` in one call and are answered at once (the
+    ``StatusSet`` is written as bytes; with a sink that defers, the entries are converted by
+    their requests' readers, which are woken once the answer was sent),
     **exactly one Status per entry, in order** whatever the sink returns (an engine aborts on
     another count); ``ok: false`` for an unknown ``service_req_id`` and whatever the sink
     refuses; without a sink, or when the sink raises (logged), every entry is ``ok: false``;
@@ -244,13 +246,13 @@ class XllmRpcHandler:
         sink = self._sink
         if sink is not None and n:
             try:
-                gens = [generation_from_proto(g) for g in entries]
                 deferred = getattr(sink, "deliver_deferred", None)
                 if deferred is not None:
-                    answers, wake = deferred(gens)
+                    # Converted by each request's reader, only for requests kvsvc holds.
+                    answers, wake = deferred(entries, generation_from_proto)
                     answers = list(answers)
                 else:
-                    answers = list(sink.deliver(gens))
+                    answers = list(sink.deliver([generation_from_proto(g) for g in entries]))
             except Exception:  # noqa: BLE001 - still one Status per entry (ok: false)
                 log.exception("generation sink failed on %d entries; answering ok: false", n)
                 answers = []
