@@ -719,7 +719,7 @@ class ServiceCollector(Collector):
         if registry is None:
             return ()
         snap = registry.snapshot()  # immutable, lock-free
-        now = time.monotonic()
+        now = registry.clock.now()   # the clock that dated the loads (received_at)
         fresh = GaugeMetricFamily("kvsvc_registry_fresh",
                                   "1 while the registry's etcd view is fresh (§9).",
                                   1.0 if snap.fresh else 0.0)

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kvsvc.errors import UpstreamError
 from kvsvc.routing.answers import Generation
@@ -85,8 +85,8 @@ class PendingRequest:
     """
 
     __slots__ = ("_owner", "service_req_id", "prefill", "decode", "opened_at", "_mutex",
-                 "_wakeup", "_waiting", "_scheduled", "_has_turn", "_queue", "_max_queued",
-                 "_cancelled", "_failure", "_closed", "last_entry_at")
+                 "_wakeup", "_waiting", "_scheduled", "_has_turn", "_queue", "_convert",
+                 "_max_queued", "_cancelled", "_failure", "_closed", "last_entry_at")
 
     def __init__(self, owner: "PendingRequests", service_req_id: str, prefill: str,
                  decode: str, max_queued: int) -> None:
@@ -103,7 +103,10 @@ class PendingRequest:
         self._waiting = False
         self._scheduled = False   # in the registry's queue of ready readers
         self._has_turn = False    # woken by the turn: pass it on (release_turn)
-        self._queue: collections.deque[Generation] = collections.deque()
+        # Entries as delivered; ``_convert`` (the deliverer's) makes them Generations on the
+        # reader's thread, outside the lock.
+        self._queue: collections.deque[Any] = collections.deque()
+        self._convert: Optional[Callable[[Any], Generation]] = None
         self._max_queued = max_queued
         self._cancelled: Optional[str] = None
         self._failure: Optional[UpstreamError] = None
@@ -118,9 +121,11 @@ class PendingRequest:
 
     # -- the server's side ---------------------------------------------------------------
 
-    def _put(self, gen: Generation, now: float, ready: list["PendingRequest"]) -> Optional[str]:
-        """Queue one entry (``now``: ``time.monotonic()``); ``None`` when taken, else why
-        not. A reader that waits is appended to ``ready`` (once) to be woken in turn."""
+    def _put(self, gen: Any, now: float, ready: list["PendingRequest"],
+             convert: Optional[Callable[[Any], Generation]]) -> Optional[str]:
+        """Queue one entry (``now``: ``time.monotonic()``; ``convert``: what makes it a
+        :class:`Generation`, ``None``: it is one); ``None`` when taken, else why not. A reader
+        that waits is appended to ``ready`` (once) to be woken in turn."""
         with self._mutex:
             if self._closed:
                 return "ended"
@@ -135,6 +140,8 @@ class PendingRequest:
                 self._wake()
                 return "overflow"
             self._queue.append(gen)
+            if convert is not None:
+                self._convert = convert
             self.last_entry_at = now
             if self._waiting and not self._scheduled:
                 self._scheduled = True
@@ -197,16 +204,17 @@ class PendingRequest:
                     if queue:
                         out = list(queue)
                         queue.clear()
-                        return out
+                        convert = self._convert
+                        break
                     if self._failure is not None:
                         raise self._failure
                     if not self._wait(deadline):
-                        break
+                        self.release_turn()
+                        return []
         except BaseException:
             self.release_turn()
             raise
-        self.release_turn()
-        return []
+        return out if convert is None else [convert(g) for g in out]
 
     def next(self, timeout_s: float) -> Optional[Generation]:
         """The next entry, waiting up to ``timeout_s`` seconds; ``None`` when none came.
@@ -219,20 +227,24 @@ class PendingRequest:
             with self._mutex:
                 while True:
                     if self._queue:
-                        return self._queue.popleft()
+                        gen = self._queue.popleft()
+                        convert = self._convert
+                        break
                     if self._failure is not None:
                         raise self._failure
                     if not self._wait(deadline):
                         return None
         finally:
             self.release_turn()
+        return gen if convert is None else convert(gen)
 
     def drain(self) -> list[Generation]:
         """Every entry queued now, without waiting (empty when none)."""
         with self._mutex:
             out = list(self._queue)
             self._queue.clear()
-            return out
+            convert = self._convert
+        return out if convert is None else [convert(g) for g in out]
 
     def cancel(self, reason: str = "client went away") -> None:
         """The client went away or the request was cancelled: the next entry is answered
@@ -325,12 +337,21 @@ class PendingRequests:
             wake()
         return answers
 
-    def deliver_deferred(self, gens: Sequence[Generation]
+    def deliver_deferred(self, gens: Sequence[Any],
+                         convert: Optional[Callable[[Any], Generation]] = None
                          ) -> tuple[list[bool], Optional[Callable[[], None]]]:
         """:meth:`deliver` without waking the readers: the answers and the function that
-        wakes them (in turn; ``None`` when no reader waits), for the caller to call once it has sent the answer (the engine
-        waits on it; the readers do not hold up its thread meanwhile). The entries are queued
-        already: a reader that is awake takes them without being woken."""
+        wakes them (in turn; ``None`` when no reader waits), for the caller to call once it
+        has sent the answer (the engine waits on it; the readers do not hold up its thread
+        meanwhile). The entries are queued already: a reader that is awake takes them without
+        being woken.
+
+        :param gens: the entries: :class:`Generation` values, or anything with a
+            ``service_req_id`` that ``convert`` turns into one.
+        :param convert: applied by the reader to each of its entries as it takes them (so
+            only entries of open requests are converted, and not on the caller's thread);
+            ``None``: the entries are Generations already.
+        """
         # dict.get is atomic: the registry's lock is only for its writers and counters.
         requests = self._requests
         now = time.monotonic()
@@ -343,7 +364,7 @@ class PendingRequests:
                 answers.append(False)
                 unknown += 1
                 continue
-            why = req._put(gen, now, ready)
+            why = req._put(gen, now, ready, convert)
             if why is None:
                 delivered += 1
                 answers.append(True)
