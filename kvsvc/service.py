@@ -123,7 +123,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
                          dp_rank_routing=settings.dp_rank_routing,
-                         ttft_work_weight=settings.ttft_work_weight)
+                         ttft_work_weight=settings.ttft_work_weight,
+                         ttft_host_hit_weight=settings.ttft_host_hit_weight)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
