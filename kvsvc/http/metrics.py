@@ -39,7 +39,7 @@ import logging
 import platform
 import threading
 import time
-from typing import Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import flask
 from flask import current_app
@@ -102,6 +102,28 @@ _STREAM_LABELS = ("instance", "dp_rank")
 COMPLETENESS_VALUES = tuple(c.value for c in Completeness if c is not Completeness.APPROXIMATE)
 #: ``event`` labels of ``kvsvc_overlay_block_events_total`` (:class:`~kvsvc.index.overlay.OverlayStats`).
 OVERLAY_EVENTS = ("added", "refreshed", "evicted", "expired", "settled")
+
+
+class Children:
+    """The children of one labelled metric by label values, kept once made: ``labels()``
+    takes the metric's lock and rebuilds its key on every call, and the request path asks
+    for several children per request. Children are never removed (neither does kvsvc remove
+    them from the metric), so a kept one is the metric's own.
+
+    :param metric: a labelled ``Counter`` or ``Histogram``.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._kept: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        """``metric.labels(*values)``."""
+        child = self._kept.get(values)
+        if child is None:
+            child = self._metric.labels(*values)
+            self._kept[values] = child
+        return child
 
 
 class Metrics:
@@ -175,6 +197,15 @@ class Metrics:
             "Generated tokens of answered requests (the engine's usage), by model.",
             ["model"], buckets=TOKEN_COUNT_BUCKETS, registry=reg)
         reg.register(ServiceCollector(service))
+        #: Kept children of the request path's labelled instruments (:class:`Children`).
+        self.route_seconds_of = Children(self.route_seconds)
+        self.decisions_of = Children(self.decisions)
+        self.proxied_of = Children(self.proxied)
+        self.request_seconds_of = Children(self.request_seconds)
+        self.ttft_seconds_of = Children(self.ttft_seconds)
+        self.inter_token_seconds_of = Children(self.inter_token_seconds)
+        self.prompt_tokens_of = Children(self.prompt_tokens)
+        self.completion_tokens_of = Children(self.completion_tokens)
         service.router.proxy.add_observer(TokenMetrics(self))
 
     def decide(self, router: Router, token_ids: Optional[Sequence[int]],
@@ -198,10 +229,10 @@ class Metrics:
         :param decision: the policy's decision.
         :param seconds: time spent deciding, seconds.
         """
-        self.route_seconds.labels(decision.policy).observe(seconds)
+        self.route_seconds_of(decision.policy).observe(seconds)
         prefill = decision.prefill
-        self.decisions.labels(decision.policy,
-                              prefill.name if prefill is not None else "none").inc()
+        self.decisions_of(decision.policy,
+                          prefill.name if prefill is not None else "none").inc()
         if prefill is None:
             return
         for cand in decision.candidates:
@@ -219,11 +250,11 @@ class Metrics:
         :param started: ``time.monotonic()`` seconds at the request's start.
         :param end: how the relay ended (:class:`~kvsvc.routing.proxy.RelayEnd`).
         """
-        self.proxied.labels(endpoint, status).inc()
-        self.request_seconds.labels(endpoint, end.target).observe(
+        self.proxied_of(endpoint, status).inc()
+        self.request_seconds_of(endpoint, end.target).observe(
             max(0.0, end.ended_at - started))
         if end.first_data_at is not None:
-            self.ttft_seconds.labels(endpoint, end.target).observe(
+            self.ttft_seconds_of(endpoint, end.target).observe(
                 max(0.0, end.first_data_at - started))
 
     def render(self) -> bytes:
@@ -261,7 +292,7 @@ class TokenMetrics:
             last = self._last.get(info.attempt_id)
             self._last[info.attempt_id] = now
         if last is not None:
-            self._m.inter_token_seconds.labels(info.model or "unknown").observe(now - last)
+            self._m.inter_token_seconds_of(info.model or "unknown").observe(now - last)
 
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """The token counts of the answer's ``usage``."""
@@ -271,9 +302,9 @@ class TokenMetrics:
         model = info.model or "unknown"
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if type(prompt) is int and prompt >= 0:
-            self._m.prompt_tokens.labels(model).observe(prompt)
+            self._m.prompt_tokens_of(model).observe(prompt)
         if type(completion) is int and completion >= 0:
-            self._m.completion_tokens.labels(model).observe(completion)
+            self._m.completion_tokens_of(model).observe(completion)
 
     def on_cancel(self, info: RequestInfo, reason: str) -> None:
         """Forget the attempt."""
