@@ -77,14 +77,15 @@ class Side:
     errors: int = 0
 
 
-def _start(mode: str, etcd: str, tmp: Path, namespace: str) -> Side:
+def _start(mode: str, etcd: str, tmp: Path, namespace: str,
+           serve_args: tuple[str, ...] = ()) -> Side:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
     env["PYTHONPATH"] = str(ROOT)
     port = free_port_run(1)
     args = [sys.executable, "-m", "kvsvc", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--etcd_addr", etcd, "--etcd_namespace", namespace, "--model", "sim",
             "--load_balance_policy", "RR", "--kv_events_config_file", "",
-            "--log_level", "warning", "--xllm_dispatch", mode]
+            "--log_level", "warning", "--xllm_dispatch", mode, *serve_args]
     if mode == "native":
         args += ["--rpc_port", str(free_port_run(1)), "--rpc_host", "127.0.0.1"]
     else:
@@ -168,6 +169,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument of both sides' `kvsvc serve` (repeatable), "
+                        "e.g. --serve-arg=--worker_switch_interval_ms=5")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as tmp_s:
         tmp = Path(tmp_s)
@@ -176,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sides: dict[str, Side] = {}
         try:
             for mode in ("http", "native"):
-                sides[mode] = _start(mode, etcd.addr, tmp, f"bench-{mode}-{secrets.token_hex(3)}")
+                sides[mode] = _start(mode, etcd.addr, tmp, f"bench-{mode}-{secrets.token_hex(3)}",
+                                     tuple(args.serve_arg))
             for mode in ("http", "native", "native", "http"):
                 _phase(sides[mode], args.seconds / 2, args.streams, args.tokens)
         finally:

@@ -22,8 +22,9 @@ the whole answer read, on a kept-alive connection.
 one entry per stream it holds (``--streams / --engines``), as engines push a token per
 running request per step: the server's load without the HTTP relay's.
 
-``python -m bench.rpc_latency [--seconds 30] [--streams 100] [--engines 2]``; prints one JSON
-line per call kind and a Markdown table.
+``python -m bench.rpc_latency [--seconds 30] [--streams 100] [--engines 2]
+[--serve-arg=--worker_switch_interval_ms=5]``; prints one JSON line per call kind and a
+Markdown table.
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--load", choices=("relay", "senders"), default="relay")
     parser.add_argument("--step-ms", type=float, default=20.0,
                         help="--load senders: one call per engine every this many ms")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument of `kvsvc serve` (repeatable), e.g. "
+                        "--serve-arg=--worker_switch_interval_ms=5 for an A/B run")
     parser.add_argument("--probe", nargs=3, metavar=("TARGET", "NAME", "INCARNATION"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--senders", metavar="TARGET", help=argparse.SUPPRESS)
@@ -205,7 +209,8 @@ def _run(args: argparse.Namespace) -> int:
              "--etcd_addr", etcd.addr, "--etcd_namespace", namespace, "--model", "sim",
              "--load_balance_policy", "RR", "--kv_events_config_file", "",
              "--log_level", "warning", "--xllm_dispatch", "native", "--rpc_port", str(rpc_port),
-             "--rpc_host", "127.0.0.1", "--worker_threads", str(max(128, args.streams + 32))],
+             "--rpc_host", "127.0.0.1", "--worker_threads", str(max(128, args.streams + 32)),
+             *args.serve_arg],
             env=env, cwd=ROOT, stdout=open(tmp / "serve.log", "w"), stderr=subprocess.STDOUT,
             start_new_session=True))
         names = []

@@ -41,13 +41,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence
 
 import zmq
 
+from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
     KvEventsConfig,
@@ -151,7 +151,7 @@ class _View:
     def of(cls, configs: dict[StreamId, StreamConfig],
            subscribers: dict[StreamId, StreamSubscriber],
            approximate: Optional[dict[StreamId, ApproximateIndex]] = None,
-           clock: Callable[[], float] = time.monotonic) -> "_View":
+           clock: Callable[[], float] = MONOTONIC.now) -> "_View":
         """Build a view from fresh dicts (the caller must not change them afterwards)."""
         approximate = approximate if approximate is not None else {}
         ordered = tuple(sorted(configs))
@@ -226,17 +226,20 @@ class Directory:
         passes ``ServiceSettings.max_concurrent_snapshots``.
     :param pending: the bounds of every exact stream's pending overlay (§16); ``None``: no
         pending prefixes (queries answer ``pending_hit_tokens`` 0).
-    :param clock: monotonic seconds of the overlays' TTLs (``time.monotonic``; tests inject).
+    :param clock: the service's clock (:mod:`kvsvc.clock`): the overlays' TTLs (approximate
+        indexes, pending blocks, §14, §16) and every stream's timer rules (its subscriber's
+        clock); real by default, a virtual one in tests.
     :raises ValueError: ``max_concurrent_snapshots`` < 1.
     """
 
     def __init__(self, config: KvEventsConfig, context: Optional[zmq.Context] = None,
                  max_concurrent_snapshots: int = DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
                  pending: Optional[OverlayLimits] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
         self._limits = config
         self._pending_limits = pending
-        self._clock = clock
+        self._time = clock
+        self._clock = clock.now
         discovery = config.discovery
         self._approximate_limits = (
             OverlayLimits(float(discovery.approximate_ttl_s), discovery.approximate_blocks)
@@ -255,12 +258,12 @@ class Directory:
         configs = {_stream_id(cfg): cfg for cfg in config.kept_streams()}
         subscribers = ({} if context is None else
                        {sid: self._subscriber(cfg, context) for sid, cfg in configs.items()})
-        self._view = _View.of(configs, subscribers, clock=clock)
+        self._view = _View.of(configs, subscribers, clock=self._clock)
 
     def _subscriber(self, cfg: StreamConfig, context: zmq.Context) -> StreamSubscriber:
         pending = self._pending_limits.new() if self._pending_limits is not None else None
         return StreamSubscriber(cfg, self._limits, context, gate=self._gate,
-                                live_turns=self._live_turns, pending=pending)
+                                live_turns=self._live_turns, pending=pending, clock=self._time)
 
     def _new_view(self, configs: dict[StreamId, StreamConfig],
                   subscribers: dict[StreamId, StreamSubscriber],

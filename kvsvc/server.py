@@ -26,6 +26,7 @@ access logger whenever ``logconfig_dict`` is set, so with ``--access_log`` off t
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from kvsvc.address import format_host_port
@@ -127,13 +128,18 @@ def _service(worker: Any) -> Service:
 
 
 def post_worker_init(worker: Any) -> None:
-    """gunicorn hook, in the worker after the app is loaded: start the service's streams.
+    """gunicorn hook, in the worker after the app is loaded: set the worker's switch interval
+    (``--worker_switch_interval_ms``), then start the service's streams.
 
     :raises LifecycleError: a stream did not start; gunicorn then reports the worker failed to
         boot and the arbiter stops.
     """
-    log.info("worker %s: starting service", worker.pid)
-    _service(worker).start(timeout_s=STREAM_TIMEOUT_S)
+    service = _service(worker)
+    # Per process, and the arbiter's own value must not change: set in the worker only.
+    sys.setswitchinterval(service.settings.worker_switch_interval_ms / 1000.0)
+    log.info("worker %s: starting service (switch interval %g ms)", worker.pid,
+             service.settings.worker_switch_interval_ms)
+    service.start(timeout_s=STREAM_TIMEOUT_S)
 
 
 def worker_exit(server: Any, worker: Any) -> None:

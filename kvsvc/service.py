@@ -97,7 +97,7 @@ def registry_settings(settings: ServiceSettings) -> Optional[RegistrySettings]:
 
 def build_router(settings: ServiceSettings, registry: Optional[Registry],
                  directory: Optional[Directory],
-                 cache_audit: Optional[CacheAudit] = None) -> Router:
+                 cache_audit: Optional[CacheAudit] = None, clock: Clock = MONOTONIC) -> Router:
     """The §11 router from the service settings: policy, tokenizer (loaded now), a proxy with
     its pooled session and the in-flight ledger it shares with the policy.
 
@@ -106,6 +106,7 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     :param directory: where hits come from, ``None`` with the index disabled.
     :param cache_audit: hears every answer after the ledger (predicted vs actual cached
         tokens, :mod:`kvsvc.routing.cache_audit`); ``None``: not audited.
+    :param clock: the service's clock, the in-flight ledger's dates (:mod:`kvsvc.clock`).
 
     With a directory, every dispatch is also recorded in its overlays (approximate indexes,
     pending blocks: :class:`~kvsvc.routing.dispatch_record.DispatchRecorder`, §14, §16).
@@ -125,7 +126,7 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
-    in_flight = InFlight(registry.clock.now if registry is not None else MONOTONIC.now)
+    in_flight = InFlight(clock.now)
     # One kept-alive connection per worker thread and instance: a thread proxies one request
     # at a time, so the pool never discards a connection it will need again.
     observers: list[RequestObserver] = [ledger]
@@ -200,13 +201,16 @@ class Service:
 
     :param settings: validated service settings (the internal token is read from them here).
     :param kv_config: the §8 config, or ``None`` for a disabled index (no directory).
-    :param clock: the registry's clock (:mod:`kvsvc.clock`): the §9 timers, the loads'
-        ``received_at``, and the router's load ages and in-flight dates judged on it; real by
+    :param clock: the one clock of every timer rule the service applies (:mod:`kvsvc.clock`):
+        the registry's §9 timers and the loads' ``received_at``, the router's load ages and
+        in-flight dates, the directory's streams and overlay TTLs (§14, §16), the refused
+        heartbeats' reminders, the P/D links' retries and the model lists' refreshes; real by
         default, a virtual one in tests.
     :raises ConfigError: discovery enabled without ``--etcd_addr``, bad registry or routing
         settings, an unreadable token file or tokenizer.
 
     :ivar settings: the settings it was built from.
+    :ivar clock: the clock it was given (the one every component here was given).
     :ivar token: the internal API token, ``None`` when none is required (§10).
     :ivar kv_config: the §8 config, ``None`` with the index disabled.
     :ivar directory: the directory, ``None`` with the index disabled.
@@ -239,13 +243,14 @@ class Service:
     def __init__(self, settings: ServiceSettings,
                  kv_config: Optional[KvEventsConfig] = None, clock: Clock = MONOTONIC) -> None:
         self.settings = settings
+        self.clock = clock
         self.token: Optional[str] = settings.token()
         self.kv_config = kv_config
         if kv_config is not None:
             check_discovery_needs_etcd(kv_config, settings.etcd_addr)
         self.directory: Optional[Directory] = (
             Directory(kv_config, max_concurrent_snapshots=settings.max_concurrent_snapshots,
-                      pending=pending_limits(settings))
+                      pending=pending_limits(settings), clock=clock)
             if kv_config is not None else None)
         reg_settings = registry_settings(settings)
         # The registry's clock dates the loads; the router judges their age on it (§11).
@@ -260,7 +265,8 @@ class Service:
         # Predicted vs actual cached tokens of every answer (issue 14).
         self.cache_audit = CacheAudit(block_sizes(kv_config),
                                       backend_of=_backend_reader(self.registry))
-        self.router = build_router(settings, self.registry, self.directory, self.cache_audit)
+        self.router = build_router(settings, self.registry, self.directory, self.cache_audit,
+                                   clock)
         backends = scrape_backends(settings.load_scrape_backends)
         # §15: vLLM and SGLang send no heartbeats; their load is read from their /metrics.
         self.load_scraper: Optional[LoadScraper] = (
@@ -285,15 +291,16 @@ class Service:
         if settings.xllm_dispatch == "native" and self.registry is not None:
             registry = self.registry
             self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
-                registration=lambda name: registration_fields(registry.registration(name))))
+                registration=lambda name: registration_fields(registry.registration(name))),
+                clock=clock.now)
             self.router.excluded = self.pd_links.excluded
         # §15: the instances' own model lists decide which serve a request's model; with
         # --model empty they are also /v1/models.
         self.models: Optional[ModelLister] = (
-            ModelLister(self.registry) if self.registry is not None else None)
+            ModelLister(self.registry, clock=clock.now) if self.registry is not None else None)
         self.router.model_lists = self.models
         self.static_streams = bool(kv_config is not None and kv_config.streams)
-        self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(),
+        self.heartbeats = HeartbeatIntake(self.registry, HeartbeatRejections(clock.now),
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
             RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,

@@ -203,7 +203,7 @@ class PdLinks(BackgroundThread):
     :param caller: makes the calls (on this thread).
     :param interval_s: period of the registry reads, seconds.
     :param retry_s: an instance whose link failed is tried again after this long, seconds.
-    :param clock: monotonic seconds.
+    :param clock: monotonic seconds of the retry rule (the service's clock, :mod:`kvsvc.clock`).
     """
 
     def __init__(self, snapshot: Callable[[], RegistrySnapshot], caller: LinkCaller,

@@ -109,7 +109,8 @@ class _Episode:
 class HeartbeatRejections:
     """The refused-heartbeat ledger (see the module docstring).
 
-    :param clock: monotonic seconds (``time.monotonic``; tests pass their own).
+    :param clock: monotonic seconds (``time.monotonic``; the service passes its clock's
+        ``now``, :mod:`kvsvc.clock`).
     :param reminder_interval_s: least time between two WARNINGs of one episode, seconds.
     :param forget_after_s: an episode without a refusal for this long is dropped, seconds.
     :param max_senders: most episodes (sender and reason) kept; the one refused longest ago

@@ -277,6 +277,10 @@ class TokenMetrics:
         self._lock = threading.Lock()
         self._last: dict[int, float] = {}
 
+    def _gap(self, model: str) -> Any:
+        # The kept child (Children): labels() would lock and build a key once per token.
+        return self._m.inter_token_seconds_of(model)
+
     def on_dispatch(self, info: RequestInfo) -> None:
         """Nothing to observe yet."""
 
@@ -292,7 +296,21 @@ class TokenMetrics:
             last = self._last.get(info.attempt_id)
             self._last[info.attempt_id] = now
         if last is not None:
-            self._m.inter_token_seconds_of(info.model or "unknown").observe(now - last)
+            self._gap(info.model or "unknown").observe(now - last)
+
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """``n`` tokens relayed together: the gap since the previous token, then ``n - 1``
+        gaps of 0 (they reach the client in one write)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(info.attempt_id)
+            self._last[info.attempt_id] = now
+        if last is None:
+            return
+        child = self._gap(info.model or "unknown")
+        child.observe(now - last)
+        for _ in range(n - 1):
+            child.observe(0.0)
 
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """The token counts of the answer's ``usage``."""
@@ -727,7 +745,7 @@ class ServiceCollector(Collector):
         if registry is None:
             return ()
         snap = registry.snapshot()  # immutable, lock-free
-        now = time.monotonic()
+        now = registry.clock.now()   # the clock that dated the loads (received_at)
         fresh = GaugeMetricFamily("kvsvc_registry_fresh",
                                   "1 while the registry's etcd view is fresh (§9).",
                                   1.0 if snap.fresh else 0.0)

@@ -385,6 +385,9 @@ class CacheAudit:
     def on_token(self, info: RequestInfo) -> None:
         """Ignored."""
 
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """Ignored."""
+
     def on_cancel(self, info: RequestInfo, reason: str) -> None:
         """Ignored: an answer that did not end has no usage to compare."""
 

@@ -89,6 +89,9 @@ class DispatchRecorder:
     def on_token(self, info: RequestInfo) -> None:
         """Ignored."""
 
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """Ignored."""
+
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """Ignored: blocks stay until their events, their TTL or the LRU bound."""
 

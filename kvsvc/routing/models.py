@@ -34,15 +34,15 @@ fetch is a logged state, never raised).
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 import requests
 import requests.adapters
 
+from kvsvc.clock import MONOTONIC
 from kvsvc.cluster.model import InstanceState, RegistrySnapshot
 from kvsvc.lifecycle import BackgroundThread
 
@@ -92,7 +92,7 @@ class _Listed:
     """An instance's last good list and the state of its fetches."""
 
     models: tuple[tuple[str, int, str], ...]  # (id, created, owned_by), the instance's order
-    fetched_at: float                         # time.monotonic() of the last attempt
+    fetched_at: float                         # the clock's seconds of the last attempt
     failing: bool                             # the last attempt failed
     known: bool = True                        # it answered once: ``models`` is its list
 
@@ -166,13 +166,17 @@ class ModelLister(BackgroundThread):
 
     :param registry: the instance registry (its snapshot is read, lock-free).
     :param settings: timings.
+    :param clock: monotonic seconds of the refresh rule (due after ``refresh_interval_s``):
+        the service's clock (:mod:`kvsvc.clock`).
     """
 
     def __init__(self, registry: "SnapshotSource",
-                 settings: ModelListerSettings = ModelListerSettings()) -> None:
+                 settings: ModelListerSettings = ModelListerSettings(),
+                 clock: Callable[[], float] = MONOTONIC.now) -> None:
         super().__init__("kvsvc-models")
         self._registry = registry
         self.settings = settings
+        self._clock = clock
         self._listed: dict[str, _Listed] = {}  # the thread's own
         self._models: tuple[BackendModel, ...] = ()
         self._lists: Mapping[str, frozenset[str]] = MappingProxyType({})
@@ -217,7 +221,7 @@ class ModelLister(BackgroundThread):
     def refresh(self, now: Optional[float] = None) -> None:
         """One round (on the thread): forget instances that left, fetch those due, swap in the
         new union when it changed."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         names = sorted(name for name, inst in self._registry.snapshot().instances.items()
                        if inst.state is not InstanceState.SUSPECT)
         for gone in set(self._listed) - set(names):

@@ -17,6 +17,10 @@ call                      when                                                  
                           the client went away, or the upstream answered >= 400
 ========================  =====================================================  =============
 
+An observer may also have ``on_tokens(info, n)``: ``n`` further tokens relayed together (one
+write), the same as ``n`` ``on_token`` calls; :func:`notify_tokens` calls it where it exists
+and ``on_token`` ``n`` times elsewhere.
+
 Every dispatched attempt gets exactly one of ``on_end`` / ``on_cancel``; a retry on the next
 candidate is a new attempt (a new :class:`RequestInfo`). A non-streamed answer has no token
 events: ``on_end`` comes alone (with the body's ``usage``), and an observer treats a request
@@ -123,6 +127,20 @@ def notify(observer: Optional[RequestObserver], method: str, *args: Any) -> None
         log.exception("request observer %s.%s failed", type(observer).__name__, method)
 
 
+def notify_tokens(observer: Optional[RequestObserver], info: RequestInfo, n: int) -> None:
+    """``n`` further tokens (GENERATE ``n`` times) relayed together: ``observer.on_tokens(info,
+    n)`` where it has one, else ``on_token(info)`` ``n`` times; logged, never raised, as
+    :func:`notify`."""
+    if observer is None or n <= 0:
+        return
+    batch = getattr(observer, "on_tokens", None)
+    if batch is not None:
+        notify(observer, "on_tokens", info, n)
+        return
+    for _ in range(n):
+        notify(observer, "on_token", info)
+
+
 class ObserverChain:
     """Several observers heard in order (e.g. the request-metrics ledger, then an accounting
     of cached tokens); one failing does not stop the others.
@@ -147,6 +165,11 @@ class ObserverChain:
         """See :meth:`RequestObserver.on_token`."""
         for o in self.observers:
             notify(o, "on_token", info)
+
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """``n`` further tokens at once (:func:`notify_tokens` on each observer)."""
+        for o in self.observers:
+            notify_tokens(o, info, n)
 
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """See :meth:`RequestObserver.on_end`."""
@@ -207,29 +230,41 @@ class RelayTracker:
         self._partial = lines.pop()
         if len(self._partial) > MAX_SSE_LINE_BYTES:
             self._partial = b""
+        tokens = 0
         for line in lines:
-            self._line(line.rstrip(b"\r"))
+            tokens += self._line(line.rstrip(b"\r"))
+        self._heard(tokens)
 
-    def _line(self, line: bytes) -> None:
-        if not line.startswith(b"data:"):
+    def _heard(self, tokens: int) -> None:
+        """Observer calls for ``tokens`` token events of one chunk (the first of the answer
+        is FINISH_PREFILL, the others GENERATE at once)."""
+        if tokens <= 0:
             return
+        if self.tokens == 0:
+            notify(self.observer, "on_first_token", self.info)
+            notify_tokens(self.observer, self.info, tokens - 1)
+        else:
+            notify_tokens(self.observer, self.info, tokens)
+        self.tokens += tokens
+
+    def _line(self, line: bytes) -> int:
+        """1 when ``line`` is a token event, else 0; keeps the last ``usage`` seen."""
+        if not line.startswith(b"data:"):
+            return 0
         payload = line[5:].strip()
         if not payload or payload == b"[DONE]":
-            return
+            return 0
         try:
             doc = orjson.loads(payload)  # every relayed event: the Rust parser
         except (ValueError, RecursionError):
-            return
+            return 0
         if not isinstance(doc, dict):
-            return
+            return 0
         usage = doc.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
         choices = doc.get("choices")
-        if isinstance(choices, list) and choices:
-            self.tokens += 1
-            notify(self.observer, "on_first_token" if self.tokens == 1 else "on_token",
-                   self.info)
+        return 1 if isinstance(choices, list) and choices else 0
 
     def finish(self, complete: bool, broken: Optional[str]) -> None:
         """The relay ended: ``complete`` (read to its end) or not; ``broken`` the error that
@@ -248,7 +283,7 @@ class RelayTracker:
                    f"{CANCEL_HTTP_ERROR}: {self.status}")
         else:
             if self.event_stream and self._partial:
-                self._line(self._partial.rstrip(b"\r"))
+                self._heard(self._line(self._partial.rstrip(b"\r")))
                 self._partial = b""
             if not self.event_stream:
                 self.usage = _body_usage(self._body, self._body_bytes)

@@ -281,6 +281,12 @@ class RequestMetricsLedger:
         if rec is not None and rec.info.decode:
             rec.generated += 1
 
+    def on_tokens(self, info: RequestInfo, n: int) -> None:
+        """GENERATE ``n`` times (lock-free, as :meth:`on_token`)."""
+        rec = self._open.get(info.attempt_id)
+        if rec is not None and rec.info.decode:
+            rec.generated += n
+
     def on_end(self, info: RequestInfo, usage: Optional[dict]) -> None:
         """FINISH_DECODE (after FINISH_PREFILL when the answer was not streamed)."""
         self._close(info)

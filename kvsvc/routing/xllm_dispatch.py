@@ -87,6 +87,7 @@ from kvsvc.routing.observer import (
     RequestInfo,
     RequestObserver,
     notify,
+    notify_tokens,
 )
 from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import ClientWatch, RelayEnd, UpstreamBody, UpstreamReply
@@ -372,7 +373,7 @@ class GenerationsBody(UpstreamBody):
     :param assembler: writes the answer: a :class:`~kvsvc.routing.answers.StreamAssembler`
         (iterating the body yields its events), or a
         :class:`~kvsvc.routing.answers.WholeAssembler` that the dispatcher feeds itself
-        (:meth:`next_entry`, :meth:`heard`, :meth:`finished`); either one's ``usage`` and
+        (:meth:`next_entries`, :meth:`heard`, :meth:`finished`); either one's ``usage`` and
         ``error`` decide what the observer hears at the end.
     :param snapshot: the registry's current snapshot (the instance checks).
     :param bounds: the instance generating until the first token, then the one after it (the
@@ -423,31 +424,41 @@ class GenerationsBody(UpstreamBody):
 
     def heard(self, tokens: int) -> None:
         """Observer calls for ``tokens`` more output tokens (FINISH_PREFILL for the first,
-        GENERATE for each further one)."""
+        GENERATE for each further one, :func:`~kvsvc.routing.observer.notify_tokens`)."""
         if self._info is None or tokens <= 0:
             return
         if self._tokens == 0:
             notify(self._observer, "on_first_token", self._info)
-            tokens -= 1
-            self._tokens = 1
-        for _ in range(tokens):
-            notify(self._observer, "on_token", self._info)
+            notify_tokens(self._observer, self._info, tokens - 1)
+        else:
+            notify_tokens(self._observer, self._info, tokens)
         self._tokens += tokens
 
-    def next_entry(self) -> Any:
-        """The request's next entry (blocking), checking the generating instance between
-        waits.
+    def release_turn(self) -> None:
+        """Pass the wake-up turn on (:meth:`PendingRequest.release_turn`)."""
+        self._pending.release_turn()
+
+    def next_entries(self) -> list[Any]:
+        """Every entry of the request queued now, waiting (blocking) for the first, checking
+        the generating instance between waits.
 
         :raises UpstreamTimeout: no entry for ``read_timeout_s``.
         :raises UpstreamUnreachable: the instance was removed, became SUSPECT or was replaced.
         :raises ClientGone: the client closed its connection (the request is cancelled: the
             engine's next entry gets ``ok: false``).
         """
+        try:
+            return self._next_entries()
+        except BaseException:
+            self._pending.release_turn()
+            raise
+
+    def _next_entries(self) -> list[Any]:
         while True:
-            gen = self._pending.next(CHECK_INTERVAL_S)
+            gens = self._pending.take(CHECK_INTERVAL_S)
             now = time.monotonic()
-            if gen is not None and now < self._next_check:
-                return gen
+            if gens and now < self._next_check:
+                return gens
             # Checked every CHECK_INTERVAL_S even while entries flow: a replaced or dead
             # instance may still have entries in flight.
             self._next_check = now + CHECK_INTERVAL_S
@@ -457,8 +468,8 @@ class GenerationsBody(UpstreamBody):
                 raise self._failed(UpstreamUnreachable(
                     f"upstream {bound.name}: {problem} while generating request "
                     f"{self._pending.service_req_id}"))
-            if gen is not None:
-                return gen
+            if gens:
+                return gens
             if self._client is not None and self._client.client_gone():
                 self._client.gone = True
                 self._pending.cancel(CANCEL_CLIENT_GONE)
@@ -485,32 +496,41 @@ class GenerationsBody(UpstreamBody):
         """
         asm = self._asm
         assert isinstance(asm, StreamAssembler), "a non-streamed answer is not iterated"
+        try:
+            yield from self._events(asm)
+        finally:
+            self._pending.release_turn()
+
+    def _events(self, asm: StreamAssembler) -> Iterator[bytes]:
         while not asm.done:
             with self._lock:
                 if self._closed:
                     return
             try:
-                gen = self.next_entry()
+                gens = self.next_entries()
             except ClientGone:
                 return  # nobody reads on: close() cancels the request
             except UpstreamError as exc:
                 if self.broken is None:  # the registry failed it (overflow)
                     self.broken = exc.message
                 raise
-            # Every entry already queued goes out in one write (an engine sends a step's
-            # tokens in a burst; one syscall and one chunk instead of several).
-            gens = [gen, *self._pending.drain()]
+            # Every entry queued while the last write went out goes in one write (an engine
+            # sends a step's tokens in a burst: one syscall and one chunk instead of several).
             parts = []
+            tokens = 0
             for g in gens:
-                self.heard(g.tokens)
+                tokens += g.tokens
                 parts.append(asm.feed(g))
                 if asm.done:
                     break
+            self.heard(tokens)
             data = b"".join(parts)
             if data:
                 if self.first_data_at is None:
                     self.first_data_at = time.monotonic()
                 self.bytes_relayed += len(data)
+                # The next ready reader runs while this one writes (generations.py).
+                self._pending.release_turn()
                 yield data
         self._complete = True
 
@@ -708,9 +728,12 @@ class XllmDispatcher:
         """Wait for the last entry of a non-streamed request and give its JSON answer."""
         try:
             while not asm.done:
-                gen = body.next_entry()
-                body.heard(gen.tokens)
-                asm.feed(gen)
+                gens = body.next_entries()
+                body.release_turn()
+                for gen in gens:
+                    body.heard(gen.tokens)
+                    if asm.feed(gen):
+                        break
             body.finished()
             if asm.error is not None:
                 status = http_status_of_engine_error(asm.error.status_code)

@@ -19,7 +19,11 @@ from kvsvc.rpc import messages
 
 
 class GenerationSink(Protocol):
-    """Takes the entries of one ``Generations`` call (module docstring)."""
+    """Takes the entries of one ``Generations`` call (module docstring). A sink may also have
+    ``deliver_deferred(entries, convert)`` (:meth:`kvsvc.routing.generations.PendingRequests.
+    deliver_deferred`): the parsed protobuf entries, converted by :func:`generation_from_proto`
+    only where a request takes them, and the readers woken by the function it returns, which
+    the server calls once the ``StatusSet`` was sent."""
 
     def deliver(self, gens: Sequence[Generation]) -> list[bool]:
         """One ``ok`` per entry, in order: ``False`` for an unknown ``service_req_id``, a

@@ -11,7 +11,9 @@ Two parts, the rules apart from the sockets:
     ``ok: false`` where HTTP answers 4xx or 503 (unknown instance, stale incarnation, a load
     out of range, no name, no registry);
   - ``Generations(DisaggStreamGenerations)`` -> ``StatusSet``: the entries go to the
-    :class:`~kvsvc.rpc.generations.GenerationSink` in one call and are answered at once,
+    :class:`~kvsvc.rpc.generations.GenerationSink` in one call and are answered at once (the
+    ``StatusSet`` is written as bytes; with a sink that defers, the entries are converted by
+    their requests' readers, which are woken once the answer was sent),
     **exactly one Status per entry, in order** whatever the sink returns (an engine aborts on
     another count); ``ok: false`` for an unknown ``service_req_id`` and whatever the sink
     refuses; without a sink, or when the sink raises (logged), every entry is ``ok: false``;
@@ -50,7 +52,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from kvsvc.cluster.heartbeat import HeartbeatIntake, HeartbeatOutcome
 from kvsvc.cluster.model import InstanceState, InstanceType, RegistrySnapshot
@@ -75,11 +77,15 @@ _RECV_BYTES = 256 * 1024
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to one call: ``message`` bytes on success, else ``error_code`` and
-    ``error_text`` (brpc's codes, :mod:`kvsvc.rpc.codec`)."""
+    ``error_text`` (brpc's codes, :mod:`kvsvc.rpc.codec`); ``after`` what is left to do once
+    it was sent."""
 
     message: bytes = b""
     error_code: int = 0
     error_text: str = ""
+    #: Called once the answer was sent (``handle(..., defer=True)``): wakes the readers of
+    #: the delivered entries; ``None``: nothing to do.
+    after: Optional[Callable[[], None]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,22 @@ class RpcStats:
     connections: int
     connections_total: int
     broken_streams: int
+
+
+#: ``StatusSet.all_status`` entries as bytes: field 1, length-delimited, holding a ``Status``
+#: whose ``ok`` (field 1, varint) is true, or an empty ``Status`` (proto3: ``ok`` false is
+#: not written).
+_STATUS_OK = b"\x0a\x02\x08\x01"
+_STATUS_REFUSED = b"\x0a\x00"
+
+
+def status_set_bytes(answers: Sequence[bool]) -> bytes:
+    """The serialized ``xllm.proto.StatusSet`` with one ``Status{ok}`` per answer, in order:
+    the bytes protobuf writes for it (a Generations answer is built per call, so without a
+    message object per entry)."""
+    if all(answers):
+        return _STATUS_OK * len(answers)
+    return b"".join([_STATUS_OK if ok else _STATUS_REFUSED for ok in answers])
 
 
 class XllmRpcHandler:
@@ -139,13 +161,22 @@ class XllmRpcHandler:
             "Hello": (messages.Empty, self._hello),
         }
 
-    def handle(self, request: Request) -> Reply:
-        """Answer one call (module docstring); never raises."""
+    def handle(self, request: Request, defer: bool = False) -> Reply:
+        """Answer one call (module docstring); never raises.
+
+        :param defer: leave the wake-up of the delivered entries' readers to the caller
+            (``reply.after``, to call once the answer was sent: the engine waits on the
+            answer, the readers can wait the few microseconds); False: done before the
+            return, ``reply.after`` is ``None``.
+        """
         reply = self._dispatch(request)
         with self._lock:
             self._calls[request.method] += 1
             if reply.error_code:
                 self._errors[reply.error_code] += 1
+        if reply.after is not None and not defer:
+            reply.after()
+            reply = Reply(reply.message, reply.error_code, reply.error_text)
         return reply
 
     def bad_call(self, call: BadCall) -> Reply:
@@ -179,7 +210,10 @@ class XllmRpcHandler:
                 f"{codec.COMPRESS_NAMES.get(request.compress_type, request.compress_type)}, "
                 f"request_size={len(request.message)}: {exc}"))
         try:
-            return Reply(messages.serialize(fn(msg)))
+            out = fn(msg)
+            if type(out) is tuple:   # (answer bytes, what wakes the readers)
+                return Reply(out[0], after=out[1])
+            return Reply(out if type(out) is bytes else messages.serialize(out))
         except Exception as exc:  # noqa: BLE001 - one call's bug is that call's EINTERNAL
             log.exception("rpc %s.%s failed", SERVICE_SHORT_NAME, request.method)
             return Reply(error_code=codec.EINTERNAL, error_text=f"{type(exc).__name__}: {exc}")
@@ -195,28 +229,33 @@ class XllmRpcHandler:
             self._hb[outcome.value] += 1
         return messages.Status(ok=outcome is HeartbeatOutcome.OK)
 
-    def _generations(self, req: Any) -> Any:
+    def _generations(self, req: Any) -> tuple[bytes, Optional[Callable[[], None]]]:
         entries = req.gens
+        n = len(entries)
         answers: list[bool] = []
-        if self._sink is not None and len(entries):
+        wake: Optional[Callable[[], None]] = None
+        sink = self._sink
+        if sink is not None and n:
             try:
-                answers = list(self._sink.deliver([generation_from_proto(g) for g in entries]))
+                deferred = getattr(sink, "deliver_deferred", None)
+                if deferred is not None:
+                    # Converted by each request's reader, only for requests kvsvc holds.
+                    answers, wake = deferred(entries, generation_from_proto)
+                    answers = list(answers)
+                else:
+                    answers = list(sink.deliver([generation_from_proto(g) for g in entries]))
             except Exception:  # noqa: BLE001 - still one Status per entry (ok: false)
-                log.exception("generation sink failed on %d entries; answering ok: false",
-                              len(entries))
+                log.exception("generation sink failed on %d entries; answering ok: false", n)
                 answers = []
-            if answers and len(answers) != len(entries):
+            if answers and len(answers) != n:
                 log.error("generation sink answered %d statuses for %d entries; the missing "
-                          "ones are ok: false", len(answers), len(entries))
-        answers = (answers + [False] * len(entries))[:len(entries)]
-        reply = messages.StatusSet()
-        for ok in answers:
-            reply.all_status.add(ok=bool(ok))
+                          "ones are ok: false", len(answers), n)
+        answers = (answers + [False] * n)[:n]
         good = sum(1 for ok in answers if ok)
         with self._lock:
             self._entries_ok += good
-            self._entries_refused += len(answers) - good
-        return reply
+            self._entries_refused += n - good
+        return status_set_bytes(answers), wake
 
     def _instance_info(self, req: Any) -> Any:
         info = messages.InstanceMetaInfo()
@@ -410,9 +449,12 @@ class RpcServer(BackgroundThread):
                 if not data:
                     return
                 out = []
+                after = []
                 for event in events:
                     if isinstance(event, Request):
-                        reply = handler.handle(event)
+                        reply = handler.handle(event, defer=True)
+                        if reply.after is not None:
+                            after.append(reply.after)
                     elif isinstance(event, BadCall):
                         reply = handler.bad_call(event)
                     else:  # pragma: no cover - a server's codec yields no Response
@@ -420,11 +462,16 @@ class RpcServer(BackgroundThread):
                     out.append(conn.send_response(event.correlation_id, reply.message,
                                                   error_code=reply.error_code,
                                                   error_text=reply.error_text))
-                if out:
-                    try:
+                try:
+                    if out:
                         sock.sendall(b"".join(out))
-                    except OSError:
-                        return
+                except OSError:
+                    return
+                finally:
+                    # The answers went out first (the engine waits on them); then the
+                    # entries' readers are woken, even when the send failed.
+                    for wake in after:
+                        wake()
                 if conn.broken is not None:   # the calls before the break were answered
                     with self._lock:
                         self._broken += 1

@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import flask
 import pytest
 
+from kvsvc.clock import MONOTONIC, Clock, VirtualClock
 from kvsvc.http.app import create_app
 from kvsvc.http.body import parse_heartbeat
 from kvsvc.http.errors import status_of
@@ -20,7 +21,6 @@ from kvsvc.http.internal import HEARTBEAT_PATH, ROUTE_PATH
 from kvsvc.settings import load_service_settings
 from kvsvc.errors import BadRequest, InvalidHeartbeat
 from kvsvc.cluster.etcd import EtcdClient
-from kvsvc.cluster.rejections import HeartbeatRejections
 from tests.support.metrics import scrape
 
 TOKEN = "hb-token"
@@ -32,10 +32,11 @@ INCARNATION = "inc-aaaa"
 
 
 @contextmanager
-def running_app(etcd_addr: str = "", token: Optional[str] = TOKEN) -> Iterator[flask.Flask]:
+def running_app(etcd_addr: str = "", token: Optional[str] = TOKEN,
+                clock: Clock = MONOTONIC) -> Iterator[flask.Flask]:
     settings = load_service_settings(internal_api_token=token, etcd_addr=etcd_addr,
                                      host="127.0.0.1", port=18888)
-    app = create_app(settings, None)
+    app = create_app(settings, None, clock)
     svc = app.extensions[EXTENSION]
     svc.start(timeout_s=10.0)
     try:
@@ -62,7 +63,9 @@ def post(client, doc: object, headers: Optional[dict] = None):
 @pytest.fixture
 def registered(etcd_server) -> Iterator[flask.Flask]:
     """A running app whose registry holds NAME (incarnation INCARNATION) and NAME2 without an
-    incarnation; the keys are written directly, held by a long lease."""
+    incarnation; the keys are written directly, held by a long lease. The service runs on a
+    :class:`~kvsvc.clock.VirtualClock` (``service.clock``): its timers move only when a test
+    advances it."""
     client = EtcdClient(etcd_server.addr)
     try:
         lease = client.grant_lease(60)
@@ -71,7 +74,7 @@ def registered(etcd_server) -> Iterator[flask.Flask]:
             "register_ts_ms": 1000, "dp_size": 1, "backend_type": "xllm"}), lease_id=lease)
         client.put("XLLM:DECODE:127.0.0.1:7002", json.dumps({
             "name": "127.0.0.1:7002", "type": 2, "register_ts_ms": 2000}), lease_id=lease)
-        with running_app(etcd_server.addr) as app:
+        with running_app(etcd_server.addr, clock=VirtualClock()) as app:
             registry = app.extensions[EXTENSION].registry
             registry.wait_for(lambda s: len(s.instances) == 2, timeout_s=10.0)
             yield app
@@ -207,16 +210,6 @@ def test_parse_heartbeat_checks_the_shape_only():
 
 # -- refused heartbeats are said (issue 13: silent rejections) ---------------------------------
 
-class FakeClock:
-    """The ledger's clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 REJECTION_LOGGER = "kvsvc.cluster.rejections"
 UNKNOWN = "127.0.0.1:9999"
 
@@ -245,19 +238,18 @@ def rejection_lines(caplog, level: str) -> list[str]:
 def test_refused_heartbeats_log_one_warning_a_reminder_a_minute_and_info_when_accepted(
         case, registered, etcd_server, caplog):
     """One WARNING naming the sender and the likely cause when refusals start, none more
-    within the minute (the injected clock), a reminder with the count after it, one INFO when
+    within the minute (the service's virtual clock), a reminder with the count after it, one INFO when
     accepted again; ``/ready`` and ``/v1/internal/route`` list the refused sender meanwhile."""
     headers, doc, status, who, reason, cause = REFUSALS[case]
     name = doc["name"]
     svc = registered.extensions[EXTENSION]
-    clock = FakeClock()
-    svc.heartbeat_rejections = HeartbeatRejections(clock=clock)
+    clock = svc.clock   # the service's: the ledger's reminders are judged on it
     client = registered.test_client()
     caplog.set_level("INFO", logger=REJECTION_LOGGER)
 
     for _ in range(3):
         assert post(client, doc, headers).status_code == status
-        clock.now += 10.0
+        clock.advance(10.0)
     warnings = rejection_lines(caplog, "WARNING")
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"heartbeats from {who} refused: {cause}")
@@ -271,7 +263,7 @@ def test_refused_heartbeats_log_one_warning_a_reminder_a_minute_and_info_when_ac
                 listed[name]["claimed"]) == (reason, 3, 30.0, status == 401)
         assert listed[name]["cause"].startswith(cause)
 
-    clock.now += 31.0   # 61 s after the first refusal
+    clock.advance(31.0)   # 61 s after the first refusal
     assert post(client, doc, headers).status_code == status
     warnings = rejection_lines(caplog, "WARNING")
     assert len(warnings) == 2, warnings

@@ -150,3 +150,32 @@ def test_client_closing_mid_stream_is_a_cancel(engine, observed):
     assert rec.events()[-1] == "cancel" and rec.calls[-1][2] == CANCEL_CLIENT_GONE
     snap = ledger.snapshot()
     assert snap.of(target) == NO_REQUESTS and snap.of("D:1") == NO_REQUESTS
+
+
+def test_tokens_of_one_chunk_are_heard_together_or_one_by_one() -> None:
+    """``notify_tokens``: an observer with ``on_tokens`` hears a count, the others ``on_token``
+    that many times; RelayTracker hears each chunk's token events at once."""
+    from kvsvc.routing.observer import ObserverChain, RelayTracker, RequestInfo
+
+    class One:
+        def __init__(self) -> None:
+            self.events: list = []
+
+        def __getattr__(self, name: str):
+            if name == "on_tokens":
+                raise AttributeError(name)
+            return lambda info, *a: self.events.append(name)
+
+    class Batch(One):
+        def on_tokens(self, info, n) -> None:
+            self.events.append(("on_tokens", n))
+
+    one, batch = One(), Batch()
+    tracker = RelayTracker(ObserverChain([one, batch]), RequestInfo(1, "p:1", "", 4), 200, True)
+    chunk = b"".join(b'data: {"choices": [{"index": 0, "text": "t"}]}\n\n' for _ in range(3))
+    tracker.chunk(chunk)
+    tracker.chunk(b'data: {"choices": [{"index": 0, "text": "u"}]}\n\ndata: [DONE]\n\n')
+    tracker.finish(True, None)
+    assert one.events == ["on_first_token", "on_token", "on_token", "on_token", "on_end"]
+    assert batch.events == ["on_first_token", ("on_tokens", 2), ("on_tokens", 1), "on_end"]
+    assert tracker.tokens == 4

@@ -373,6 +373,7 @@ def test_prefill_and_tpot_follow_the_model_exactly(stream, coalesce_ms):
             last = json.loads(events[-2][len("data: "):])
             timing = last["sim_timing"]
             assert (timing["prefill_ms"], timing["tpot_ms"], timing["rank"]) == (2.05, 1.615, 0)
+            assert timing["instance"] == eng.name  # which engine served, seen behind a router
             assert timing["ttft_ms"] == pytest.approx(timing["queue_ms"] + 2.05, abs=1e-3)
         else:
             assert r.headers["x-sim-prefill-ms"] == "2.050"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Optional
 
+from kvsvc.clock import VirtualClock
 from kvsvc.cluster.discovery import Discovery, plan_streams
 from kvsvc.cluster.model import (
     Instance,
@@ -87,8 +88,8 @@ def test_approximate_indexes_count_against_max_streams():
 
 def test_discovery_follows_the_instances_lifecycle():
     source = Source(inst("10.0.0.1:8000"))
-    clock = {"t": 1000.0}
-    d = Directory(CFG, clock=lambda: clock["t"])
+    clock = VirtualClock(1000.0)
+    d = Directory(CFG, clock=clock)
     disc = Discovery(source, d, DISC, CFG)
     r = disc.refresh()
     sid = StreamId("10.0.0.1:8000", 0)
@@ -110,7 +111,7 @@ def test_discovery_follows_the_instances_lifecycle():
     _, pk = d.query_prompt(tokens(3))
     d.record_dispatch(sid.instance_name, [(0, 0)], pk)
     assert d.overlay_stats()[sid][1].blocks == 3
-    clock["t"] += DISC.approximate_ttl_s
+    clock.advance(DISC.approximate_ttl_s)
     disc.refresh()
     assert d.overlay_stats()[sid][1].blocks == 0
     # SUSPECT: dropped.

@@ -96,3 +96,94 @@ def test_next_times_out_with_none() -> None:
     req = PendingRequests().open("a", "p:1")
     assert req.next(0.01) is None
     assert req.drain() == []
+
+
+def _waiting_reader(req, got: list) -> threading.Thread:
+    """A reader thread taking its entries once, holding the turn until released."""
+    def run() -> None:
+        entries = req.take(5.0)
+        got.append((req.service_req_id, [g.outputs[0].text for g in entries], req._has_turn))
+        req.release_turn()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _wait_until(cond, timeout_s: float = 5.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.001)
+
+
+def test_deferred_delivery_wakes_no_reader_until_asked_then_one_at_a_time() -> None:
+    reg = PendingRequests()
+    a, b = reg.open("a", "p:1"), reg.open("b", "p:1")
+    got: list = []
+    readers = [_waiting_reader(a, got), _waiting_reader(b, got)]
+    _wait_until(lambda: a._waiting and b._waiting)
+    answers, wake = reg.deliver_deferred([_gen("a", "1"), _gen("b", "2"), _gen("a", "3")])
+    assert answers == [True, True, True]
+    assert got == [] and a._waiting and b._waiting   # queued, nobody woken yet
+    wake()
+    for t in readers:
+        t.join(5.0)
+    # Both woken in turn, each with the turn, each with every entry queued for it.
+    assert sorted(got) == [("a", ["1", "3"], True), ("b", ["2"], True)]
+    assert reg._turn_taken is False and not reg._ready
+
+
+def test_an_awake_reader_takes_its_entries_and_is_skipped_by_the_turn() -> None:
+    reg = PendingRequests()
+    a, b = reg.open("a", "p:1"), reg.open("b", "p:1")
+    got: list = []
+    reader = _waiting_reader(b, got)
+    _wait_until(lambda: b._waiting)
+    answers, wake = reg.deliver_deferred([_gen("a", "x"), _gen("b", "y")])
+    assert answers == [True, True]
+    assert [g.outputs[0].text for g in a.take(0)] == ["x"]   # a's reader was not waiting
+    wake()
+    reader.join(5.0)
+    assert got == [("b", ["y"], True)]
+    assert reg._turn_taken is False
+
+
+def test_a_turn_holder_that_closes_passes_the_turn_on() -> None:
+    reg = PendingRequests()
+    a, b = reg.open("a", "p:1"), reg.open("b", "p:1")
+    got: list = []
+    holder: list = []
+
+    def first() -> None:
+        holder.append(a.take(5.0))
+        a.close()   # ends without release_turn: close passes it
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    t2 = _waiting_reader(b, got)
+    _wait_until(lambda: a._waiting and b._waiting)
+    reg.deliver([_gen("a"), _gen("b", "z")])
+    t1.join(5.0)
+    t2.join(5.0)
+    assert got == [("b", ["z"], True)] and len(holder[0]) == 1
+    assert reg._turn_taken is False
+
+
+def test_a_failed_request_wakes_its_reader_without_the_turn() -> None:
+    reg = PendingRequests()
+    req = reg.open("a", "p:1")
+    errors: list = []
+
+    def run() -> None:
+        try:
+            req.take(5.0)
+        except UpstreamError as exc:
+            errors.append((exc, req._has_turn))
+
+    t = threading.Thread(target=run)
+    t.start()
+    _wait_until(lambda: req._waiting)
+    req.fail(UpstreamUnreachable("gone"))
+    t.join(5.0)
+    assert len(errors) == 1 and errors[0][1] is False

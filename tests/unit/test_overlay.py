@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
+from kvsvc.clock import VirtualClock
 from kvsvc.config import KvEventsConfig
 from kvsvc.directory import ApproximateIndex, Directory, OverlayLimits
 from kvsvc.events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored
@@ -23,16 +24,6 @@ from kvsvc.streams.state import Completeness, StreamId
 
 BS = 4
 SEED = 1024
-
-
-class Clock:
-    """An injected monotonic clock (seconds)."""
-
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def tokens(n_blocks: int, base: int = 0) -> list[int]:
@@ -204,7 +195,7 @@ def approx_config(ttl_s: int = 60, blocks: int = 100) -> KvEventsConfig:
 
 
 def test_directory_answers_an_approximate_index_as_approximate_and_synchronized():
-    clock = Clock()
+    clock = VirtualClock(100.0)
     d = Directory(approx_config(), clock=clock)
     sid = StreamId("10.0.0.1:8000", 0)
     d.add_approximate(sid, block_size=BS, hash_seed=SEED, identity="inc-1", backend="xllm")
@@ -223,7 +214,7 @@ def test_directory_answers_an_approximate_index_as_approximate_and_synchronized(
     # A longer prompt with the same prefix hits the prefix; TTL after the last use.
     (m,) = d.query(tokens(5))
     assert m.device_hit_tokens == 3 * BS
-    clock.t += 60
+    clock.advance(60)
     (m,) = d.query(prompt)
     assert m.device_hit_tokens == 0
     (kind, st), = d.overlay_stats().values()
@@ -231,7 +222,7 @@ def test_directory_answers_an_approximate_index_as_approximate_and_synchronized(
 
 
 def test_directory_approximate_lru_bound_and_removal():
-    clock = Clock()
+    clock = VirtualClock(100.0)
     d = Directory(approx_config(blocks=4), clock=clock)
     sid = StreamId("10.0.0.1:8000", 0)
     d.add_approximate(sid, block_size=BS, hash_seed=SEED)
@@ -239,7 +230,7 @@ def test_directory_approximate_lru_bound_and_removal():
         d.add_approximate(sid, block_size=BS, hash_seed=SEED)
     _, pk = d.query_prompt(tokens(3))
     d.record_dispatch(sid.instance_name, [(0, 0)], pk)
-    clock.t += 1
+    clock.advance(1)
     _, pk2 = d.query_prompt(tokens(3, base=1000))
     d.record_dispatch(sid.instance_name, [(0, 0)], pk2)
     assert [m.device_hit_tokens for m in d.query(tokens(3))] == [BS]   # LRU kept its root
@@ -266,7 +257,7 @@ def static_stream(port: int = 18000) -> dict:
 def test_pending_hits_come_after_the_exact_prefix_and_never_inside_device_hits():
     import zmq
 
-    clock = Clock()
+    clock = VirtualClock(100.0)
     ctx = zmq.Context()
     try:
         cfg = KvEventsConfig.model_validate({"streams": [static_stream()]})
@@ -291,7 +282,7 @@ def test_pending_hits_come_after_the_exact_prefix_and_never_inside_device_hits()
         (m,) = d.query(prompt)
         assert (m.device_hit_tokens, m.pending_hit_tokens) == (3 * BS, BS)
         # The TTL passes: nothing pending is left to count.
-        clock.t += 2.0
+        clock.advance(2.0)
         (m,) = d.query(prompt)
         assert (m.device_hit_tokens, m.pending_hit_tokens) == (3 * BS, 0)
         # An unsynchronized stream answers no pending hit.

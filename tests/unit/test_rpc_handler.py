@@ -117,3 +117,30 @@ def test_static_lists_are_the_schedulable_candidates():
     prefill = call(h, "GetStaticPrefillList", messages.InstanceID(name="d:1"))
     assert list(messages.parse(messages.InstanceIDs, decode.message).names) == ["d:1", "d:4"]
     assert list(messages.parse(messages.InstanceIDs, prefill.message).names) == ["p:1", "x:1"]
+
+
+def test_status_set_bytes_are_protobufs_bytes():
+    import itertools
+
+    from kvsvc.rpc.server import status_set_bytes
+    for n in range(5):
+        for combo in itertools.product([True, False], repeat=n):
+            msg = messages.StatusSet()
+            for ok in combo:
+                msg.all_status.add(ok=ok)
+            assert status_set_bytes(list(combo)) == messages.serialize(msg), combo
+
+
+def test_deferred_wake_is_left_to_the_caller_only_when_asked():
+    from kvsvc.routing.generations import PendingRequests
+    reg = PendingRequests()
+    req = reg.open("a", "p:1")
+    h = XllmRpcHandler(HeartbeatIntake(None, HeartbeatRejections()), None, reg)
+    data = messages.serialize(gens("a", "zz"))
+    reply = h.handle(Request(1, SERVICE_NAME, "Generations", data), defer=True)
+    assert [s.ok for s in messages.parse(messages.StatusSet, reply.message).all_status] == [
+        True, False]
+    assert reply.after is None   # no reader waited: nothing to wake
+    assert len(req.take(0)) == 1
+    reply = h.handle(Request(2, SERVICE_NAME, "Generations", data))
+    assert reply.after is None and len(req.take(0)) == 1

@@ -113,3 +113,27 @@ def test_a_tokenizer_that_does_not_load_is_named_as_it_was_given(monkeypatch, tm
     with pytest.raises(ConfigError) as info:
         resolve_serve_settings(by_env)
     assert (info.value.field, info.value.message) == ("KVSVC_TOKENIZER_PATH", f"{missing} not found")
+
+
+def test_post_worker_init_sets_the_switch_interval_then_starts(clean_env) -> None:
+    """The worker's switch interval comes from ``--worker_switch_interval_ms``, set before the
+    service starts (after the fork: the arbiter keeps Python's own)."""
+    import sys
+    from types import SimpleNamespace
+
+    from kvsvc.http.extensions import EXTENSION
+    from kvsvc.server import post_worker_init
+    from kvsvc.settings import load_service_settings
+    settings = load_service_settings(worker_switch_interval_ms=0.25, kv_events_config_file="")
+    seen: list[float] = []
+    service = SimpleNamespace(settings=settings,
+                              start=lambda timeout_s: seen.append(sys.getswitchinterval()))
+    worker = SimpleNamespace(pid=1, wsgi=SimpleNamespace(extensions={EXTENSION: service}))
+    saved = sys.getswitchinterval()
+    try:
+        post_worker_init(worker)
+        assert seen == [sys.getswitchinterval()]
+        assert abs(seen[0] - 0.00025) < 1e-9
+    finally:
+        sys.setswitchinterval(saved)
+    assert load_service_settings(kv_events_config_file="").worker_switch_interval_ms == 0.5

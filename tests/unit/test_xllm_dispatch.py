@@ -79,7 +79,10 @@ class Recorder:
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         def hear(info: RequestInfo, *args: Any) -> None:
-            self.calls.append((name, args[0] if args else None))
+            if name == "on_tokens":   # n tokens at once: recorded as n GENERATE events
+                self.calls.extend([("on_token", None)] * args[0])
+            else:
+                self.calls.append((name, args[0] if args else None))
             getattr(self.ledger, name)(info, *args)
         return hear
 

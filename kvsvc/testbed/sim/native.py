@@ -12,12 +12,14 @@ and P/D links run end to end without a real engine.
 - **Answers**: every output token goes to the service with
   ``xllm_service.proto.XllmRpcService.Generations`` over baidu_std (one entry per request and
   decode step, the step's tokens), to the request's ``source_xservice_addr`` or, without one,
-  to the address in ``XLLM:SERVICE:MASTER``, from one sending thread
-  (:class:`GenerationsPusher`): the entries of every request queued while a call is in flight
-  go out together in the next call, as a real engine sends a step's outputs. The last entry carries ``finish_reason``
+  to the address in ``XLLM:SERVICE:MASTER``, from one sending thread shaped as xLLM's
+  (:class:`GenerationsPusher`): each call carries the oldest unsent entry of every request
+  that has one (a decode step of every running request), and the decode steps do not wait
+  for the answers (xLLM's step loop does not); the first token's entry is waited for (P/D:
+  D's entries must not overtake P's). The last entry carries ``finish_reason``
   ``"length"``, ``usage`` (prompt, generated, total, cached tokens) and ``finished``. An entry
-  answered ``ok: false`` (unknown request, client gone) cancels the request, as the engine does;
-  a push the service does not answer cancels it too.
+  answered ``ok: false`` (unknown request, client gone) cancels the request at its next
+  step, as the engine does; a push the service does not answer cancels it too.
 - **Heartbeats** (:func:`rpc_heartbeat`): ``XllmRpcService.Heartbeat`` over baidu_std to the
   master key's address (the registration thread calls it instead of the HTTP heartbeat).
 - **P/D** (``routing.decode_name`` set to another instance): this engine is P: it prefills,
@@ -82,6 +84,26 @@ _RECV_BYTES = 64 * 1024
 def token_text(i: int) -> str:
     """Text of output token ``i`` (the HTTP mode's too)."""
     return f" t{i}"
+
+
+def entry_bytes(gen: Generation) -> bytes:
+    """One ``DisaggStreamGeneration`` serialized (the last entry with its ``gen_status``)."""
+    return messages.serialize(generation_to_proto(gen, with_status=gen.finished))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def generations_message(entries: Sequence[bytes]) -> bytes:
+    """The serialized ``DisaggStreamGenerations`` of serialized entries: each as field 1
+    (``gens``), length-delimited, in order (the bytes protobuf writes for the message)."""
+    return b"".join([b"\x0a" + _varint(len(e)) + e for e in entries])
 
 
 class RpcChannel:
@@ -175,11 +197,16 @@ class ServiceClient:
 
         :raises RpcError: the call failed (see :meth:`RpcChannel.call`).
         """
-        msg = messages.DisaggStreamGenerations()
-        for gen in gens:
-            msg.gens.append(generation_to_proto(gen, with_status=gen.finished))
+        return self.generations_encoded(address, [entry_bytes(gen) for gen in gens])
+
+    def generations_encoded(self, address: str, entries: Sequence[bytes]) -> list[bool]:
+        """One ``Generations`` call of entries already serialized (:func:`entry_bytes`); the
+        ``ok`` of each entry.
+
+        :raises RpcError: the call failed (see :meth:`RpcChannel.call`).
+        """
         answer = messages.parse(messages.StatusSet, self.channel(address).call(
-            SERVICE_RPC, "Generations", messages.serialize(msg)))
+            SERVICE_RPC, "Generations", generations_message(entries)))
         return [s.ok for s in answer.all_status]
 
     def heartbeat(self, address: str, name: str, incarnation_id: str, waiting: int,
@@ -220,71 +247,138 @@ def rpc_heartbeat(client: ServiceClient) -> Callable[[str, dict], Optional[int]]
 
 
 class _Item:
-    __slots__ = ("address", "gen", "done", "ok")
+    __slots__ = ("address", "gen", "data", "done", "ok", "on_answer")
 
-    def __init__(self, address: str, gen: Generation) -> None:
+    def __init__(self, address: str, gen: Generation,
+                 on_answer: Optional[Callable[[Optional[bool]], None]] = None) -> None:
         self.address = address
         self.gen = gen
-        self.done = threading.Event()
+        # Serialized by the request's thread: the sending thread only joins the bytes, so a
+        # call follows the previous answer at once, as from a C++ engine.
+        self.data = entry_bytes(gen)
+        self.done = threading.Event() if on_answer is None else None
         self.ok: Optional[bool] = None
+        self.on_answer = on_answer
+
+    def answer(self, ok: Optional[bool]) -> None:
+        self.ok = ok
+        if self.done is not None:
+            self.done.set()
+        elif self.on_answer is not None:
+            try:
+                self.on_answer(ok)
+            except Exception:  # noqa: BLE001 - the sending thread must go on
+                log.exception("sim: Generations answer callback failed")
 
 
 class GenerationsPusher(BackgroundThread):
-    """The engine's one sending thread (``sim-native-push-<name>``): the requests' entries
-    queued since the last call go out together, one ``Generations`` call per service address,
-    as an xLLM engine sends a step's outputs of every request in one call and waits for its
-    answer (§13). :meth:`push` waits for its entry's ``ok``.
+    """The engine's one sending thread (``sim-native-push-<name>``), shaped as xLLM's
+    (``AsyncResponseProcessor::batch_process_stream_requests``: after every decode step one
+    ``Generations`` call per service address carrying the step's entry of every running
+    request, sent from one RPC thread that waits for each answer, §13):
+
+    - each call carries, per service address, the oldest unsent entry of every request that
+      has one, in the order the requests first queued; a request's further entries (later
+      steps) go in the following calls, in order, as xLLM's queued per-step calls do;
+    - :meth:`send` queues an entry without waiting (xLLM's step loop does not wait for the
+      service's answer: a request answered ``ok: false`` is cancelled when the answer comes,
+      :meth:`send`'s callback); :meth:`push` queues one and waits for its ``ok``;
+    - at most :data:`MAX_UNSENT` entries wait unsent; :meth:`send` then blocks until calls
+      drain them (the sim's bound: a real engine's step time keeps its backlog short).
 
     :param client: the baidu_std calls.
     :param name: the instance name (thread name, logs).
     """
 
+    #: Unsent entries at most before :meth:`send` blocks.
+    MAX_UNSENT = 65536
+
     def __init__(self, client: ServiceClient, name: str) -> None:
         super().__init__(f"sim-native-push-{name}")
         self._client = client
         self._cond = threading.Condition()
-        self._queue: list[_Item] = []
+        # (address, service_req_id) -> that request's unsent entries, oldest first.
+        self._queues: dict[tuple[str, str], collections.deque[_Item]] = {}
+        self._unsent = 0
+        #: Generations calls made; entries they carried.
         self.calls = 0
+        self.entries = 0
+
+    def _queue(self, item: _Item) -> None:
+        with self._cond:
+            while self._unsent >= self.MAX_UNSENT and not self.stopping:
+                self._cond.wait(0.2)
+            if self.stopping:
+                item.answer(None)
+                return
+            key = (item.address, item.gen.service_req_id)
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = collections.deque()
+            q.append(item)
+            self._unsent += 1
+            self._cond.notify_all()
 
     def push(self, address: str, gen: Generation, timeout_s: float = 10.0) -> Optional[bool]:
         """Queue one entry and wait for its answer: its ``ok``, ``None`` when the call failed
         or was not made within ``timeout_s`` (or the pusher stopped)."""
         item = _Item(address, gen)
-        with self._cond:
-            self._queue.append(item)
-            self._cond.notify()
+        self._queue(item)
+        assert item.done is not None
         item.done.wait(timeout_s)
         return item.ok
+
+    def send(self, address: str, gen: Generation,
+             on_answer: Callable[[Optional[bool]], None]) -> None:
+        """Queue one entry without waiting; ``on_answer(ok)`` is called on the sending thread
+        with its ``ok``, ``None`` when the call failed or the pusher stopped."""
+        self._queue(_Item(address, gen, on_answer))
 
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
 
+    def _next_calls(self) -> dict[str, list[_Item]]:
+        """One step's calls: the oldest unsent entry of each request, per address (under
+        ``_cond``)."""
+        by_address: dict[str, list[_Item]] = {}
+        emptied = []
+        for key, q in self._queues.items():
+            by_address.setdefault(key[0], []).append(q.popleft())
+            if not q:
+                emptied.append(key)
+        for key in emptied:
+            del self._queues[key]
+        self._unsent -= sum(len(items) for items in by_address.values())
+        self._cond.notify_all()
+        return by_address
+
     def _loop(self) -> None:
         while not self.stopping:
             with self._cond:
-                while not self._queue and not self.stopping:
+                while not self._queues and not self.stopping:
                     self._cond.wait(0.2)
-                batch, self._queue = self._queue, []
-            by_address: dict[str, list[_Item]] = {}
-            for item in batch:
-                by_address.setdefault(item.address, []).append(item)
+                by_address = self._next_calls()
             for address, items in by_address.items():
                 self.calls += 1
+                self.entries += len(items)
                 try:
-                    answers = self._client.generations(address, [i.gen for i in items])
+                    answers = self._client.generations_encoded(address,
+                                                               [i.data for i in items])
                 except RpcError as exc:
                     log.warning("sim: Generations to %s failed: %s", address, exc)
                     answers = []
                 for i, item in enumerate(items):
-                    item.ok = answers[i] if i < len(answers) else None
-                    item.done.set()
+                    item.answer(answers[i] if i < len(answers) else None)
 
     def _teardown(self) -> None:
         with self._cond:
-            batch, self._queue = self._queue, []
-        for item in batch:
-            item.done.set()
+            queues, self._queues = list(self._queues.values()), {}
+            self._unsent = 0
+            self._cond.notify_all()
+        for q in queues:
+            for item in q:
+                item.answer(None)
 
 
 class NativeFront:
@@ -477,6 +571,37 @@ class NativeFront:
                      gen.service_req_id)
         return ok
 
+    def _send(self, addr: str, gen: Generation, cancel: CancelFlag) -> bool:
+        """Queue one decode step's entry without waiting for its answer (xLLM's step loop does
+        not wait); an answer ``ok: false``, or none, cancels the request then. False (and
+        ``cancel`` set) when the request is already cancelled or has no address."""
+        if cancel.is_set():
+            return False
+        if not addr:
+            cancel.set()
+            self._count("push_failed")
+            return False
+        sid = gen.service_req_id
+
+        def answered(ok: Optional[bool]) -> None:
+            if ok is None:
+                if not cancel.is_set():
+                    log.warning("sim %s: Generations to %s failed: request %s cancelled",
+                                self.name, addr, sid)
+                self._count("push_failed")
+                cancel.set()
+                return
+            self._count("pushed")
+            if not ok:
+                self._count("refused")
+                if not cancel.is_set():
+                    log.info("sim %s: request %s answered ok: false: cancelled", self.name,
+                             sid)
+                cancel.set()
+
+        self.pusher.send(addr, gen, answered)
+        return True
+
     @staticmethod
     def _tokens(first: int, last: int) -> GenOutput:
         return GenOutput(0, "".join(token_text(i) for i in range(first, last + 1)),
@@ -512,7 +637,7 @@ class NativeFront:
                 raise SimClientDisconnected("refused")
 
         def emit(lo: int, hi: int) -> None:
-            if not self._push(addr, last_entry(lo, hi), cancel):
+            if not self._send(addr, last_entry(lo, hi), cancel):
                 raise SimClientDisconnected("refused")
 
         try:
@@ -581,7 +706,7 @@ class NativeFront:
                                                           "length" if done else ""),),
                              usage=GenUsage(prompt, hi + 1, prompt + hi + 1, cached)
                              if done else None, finished=done)
-            if not self._push(addr, gen, cancel):
+            if not self._send(addr, gen, cancel):
                 raise SimClientDisconnected("refused")
 
         try:

@@ -65,7 +65,9 @@ Non-streamed answers carry the simulated timing in headers: ``x-sim-queue-ms``,
 token), ``x-sim-rank``. Streamed answers send the head at once (like vLLM), then one chunk per
 output token, the usage chunk when ``stream_options.include_usage`` is true (with the same
 timing as a non-standard ``sim_timing`` object beside ``usage``: ``queue_ms``, ``prefill_ms``,
-``ttft_ms``, ``tpot_ms``, ``rank``), and ``data: [DONE]``.
+``ttft_ms``, ``tpot_ms``, ``rank``, ``instance``: the engine's name, so a client behind a
+router sees which engine served it, and ``host_only_tokens``: the part of ``cached_tokens``
+loaded from Host), and ``data: [DONE]``.
 
 Like vLLM: a request for a model other than ``ServingConfig.model`` is answered 404
 ``model_not_found``; ``n`` choices (1-128, each the same text, one SSE chunk per choice and
@@ -86,6 +88,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -388,25 +391,34 @@ def generate(max_tokens: int, stop: Sequence[str] = ()) -> Generation:
     """The sim's output: token ``i`` is :func:`_token_text` ``(i)``, up to ``max_tokens``
     tokens; with ``stop``, generation ends with the token that completes the first stop string
     found, and the text ends before that string (OpenAI's rule: the stop string is not
-    returned), ``finish_reason`` ``"stop"``."""
-    full = ""
-    starts: list[int] = []
-    longest = max((len(x) for x in stop), default=0)
-    for i in range(max_tokens):
-        starts.append(len(full))
-        full += _token_text(i)
-        if not stop:
-            continue
+    returned), ``finish_reason`` ``"stop"``. The same arguments give the same (shared, frozen)
+    value, computed once: a request of 100k tokens costs tens of ms to spell out, and every
+    request of a benchmark asks for the same."""
+    return _generate(max_tokens, tuple(stop))
+
+
+@functools.lru_cache(maxsize=32)
+def _generate(max_tokens: int, stop: tuple[str, ...]) -> Generation:
+    texts = [_token_text(i) for i in range(max_tokens)]
+    if not stop:
+        return Generation(tuple(texts), "length")
+    longest = max(len(x) for x in stop)
+    tail = ""   # the last longest - 1 characters before the current token
+    start = 0   # where the current token starts in the whole text
+    for i, text in enumerate(texts):
         # Only a match ending in this token is new (an earlier one would have stopped).
-        lo = max(0, starts[-1] - longest + 1)
-        found = [at for at in (full.find(x, lo) for x in stop) if at >= 0]
+        window = tail + text
+        found = [at for at in (window.find(x) for x in stop) if at >= 0]
         if found:
-            cut = min(found)
-            ends = starts[1:] + [len(full)]
-            return Generation(tuple(full[st:min(end, cut)] if st < cut else ""
-                                    for st, end in zip(starts, ends)), "stop")
-    ends = starts[1:] + [len(full)]
-    return Generation(tuple(full[st:end] for st, end in zip(starts, ends)), "length")
+            cut = start - len(tail) + min(found)
+            out, at = [], 0
+            for t in texts[:i + 1]:
+                out.append(t if at + len(t) <= cut else t[:max(0, cut - at)])
+                at += len(t)
+            return Generation(tuple(out), "stop")
+        start += len(text)
+        tail = window[-(longest - 1):] if longest > 1 else ""
+    return Generation(tuple(texts), "length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1056,7 +1068,8 @@ class Serving:
             write(chunk([], _usage(req, pre, gen), {
                 "queue_ms": round(pre.queue_ms, 3), "prefill_ms": round(pre.prefill_ms, 3),
                 "ttft_ms": round(pre.ttft_ms, 3), "tpot_ms": round(tpot_ms, 3),
-                "rank": pre.rank}))
+                "rank": pre.rank, "instance": self.engine.name,
+                "host_only_tokens": pre.host_only_tokens}))
         write(b"data: [DONE]\n\n")
 
     def _finished(self, gen: Generation, decode_ms: float) -> float:
