@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
@@ -60,6 +60,7 @@ from kvsvc.routing.dispatch_record import DispatchRecorder
 from kvsvc.routing.observer import ObserverChain, RequestObserver
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
+from kvsvc.routing.engine_loss import LostEngines
 from kvsvc.routing.generations import PendingRequests
 from kvsvc.routing.xllm_dispatch import XllmDispatcher
 from kvsvc.rpc.engines import BaiduStdCaller
@@ -122,7 +123,8 @@ def build_router(settings: ServiceSettings, registry: Optional[Registry],
                          target_tpot_ms=settings.target_tpot,
                          default_prefill_tokens_per_s=settings.default_prefill_tokens_per_s,
                          dp_rank_routing=settings.dp_rank_routing,
-                         ttft_work_weight=settings.ttft_work_weight)
+                         ttft_work_weight=settings.ttft_work_weight,
+                         ttft_host_hit_weight=settings.ttft_host_hit_weight)
     tokenizer = (PromptTokenizer.load(settings.tokenizer_path,
                                       cache_tokens=settings.tokenizer_cache_tokens)
                  if settings.tokenizer_path else None)
@@ -148,6 +150,24 @@ def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
     if settings.pending_ttl_ms <= 0:
         return None
     return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
+
+
+def _no_candidates(pd_links: Optional[PdLinks], lost: Optional[LostEngines]
+                   ) -> Optional[Callable[[], Mapping[str, str]]]:
+    """The instances that are no routing candidate however the registry sees them -> why: a
+    failed P/D link (§13) and an engine known dead (:mod:`kvsvc.routing.engine_loss`);
+    ``None`` when neither applies."""
+    parts = [p.excluded for p in (pd_links, lost) if p is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    first, second = parts
+
+    def excluded() -> Mapping[str, str]:
+        a, b = first(), second()
+        return {**a, **b} if a and b else (a or b)
+    return excluded
 
 
 def _backend_reader(registry: Optional[Registry]) -> Callable[[str], str]:
@@ -279,21 +299,28 @@ class Service:
         self.rpc_address: Optional[str] = (reg_settings.service_address or None
                                            if reg_settings is not None else None)
         self.rpc_source_address = self.rpc_address or ""
+        # xLLM engines whose baidu_std connection closed and whose port refuses: their
+        # requests fail at once, not when their lease expires (issue 19).
+        self.lost_engines: Optional[LostEngines] = None
         if settings.xllm_dispatch == "native":
             registry = self.registry
+            snapshot = registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT)
+            self.lost_engines = LostEngines(snapshot)
             self.router.xllm = XllmDispatcher(
                 BaiduStdCaller(settings.upstream_connect_timeout_s),
-                self.generations,
-                registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT),
+                self.generations, snapshot,
                 self.router.in_flight, self.router.proxy.observer,
-                settings.upstream_read_timeout_s, lambda: self.rpc_source_address)
+                settings.upstream_read_timeout_s, lambda: self.rpc_source_address,
+                lost=self.lost_engines)
         self.pd_links: Optional[PdLinks] = None
         if settings.xllm_dispatch == "native" and self.registry is not None:
             registry = self.registry
             self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
                 registration=lambda name: registration_fields(registry.registration(name))),
                 clock=clock.now)
-            self.router.excluded = self.pd_links.excluded
+        excluded = _no_candidates(self.pd_links, self.lost_engines)
+        if excluded is not None:
+            self.router.excluded = excluded
         # §15: the instances' own model lists decide which serve a request's model; with
         # --model empty they are also /v1/models.
         self.models: Optional[ModelLister] = (
@@ -304,8 +331,10 @@ class Service:
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
             RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
-                                     self.pd_links.excluded if self.pd_links else None),
-                      settings.rpc_host, settings.rpc_port)
+                                     excluded),
+                      settings.rpc_host, settings.rpc_port,
+                      on_connection_closed=(self.lost_engines.connection_closed
+                                            if self.lost_engines is not None else None))
             if self.rpc_address is not None else None)
         self._lock = threading.Lock()
         self._running = False

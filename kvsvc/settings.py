@@ -109,8 +109,14 @@ CAR_WEIGHT_RANGE = (0.0, 1.0)
 DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
-#: TTFT policy's work term (``--ttft_work_weight``): default and closed range.
-DEFAULT_TTFT_WORK_WEIGHT = 0.0
+#: TTFT policy's work term (``--ttft_work_weight``): default and closed range (D29 in
+#: docs/decisions.md: 3 keeps a conversation on the engine holding its prefix unless another
+#: is faster by more than three times the prefill the move recomputes; 0 is §12 exactly).
+DEFAULT_TTFT_WORK_WEIGHT = 3.0
+#: TTFT's price of a Host-only hit token (``--ttft_host_hit_weight``, D30): the share of a
+#: token's prefill a Host -> Device load saves (PCIe ~2 us against ~50 us of prefill per token
+#: of a 7B model on one H100); range CAR_WEIGHT_RANGE.
+DEFAULT_TTFT_HOST_HIT_WEIGHT = 0.95
 TTFT_WORK_WEIGHT_RANGE = (0.0, 10.0)
 #: §16 pending prefixes: ``--pending_ttl_ms`` default and closed range (0: off), ms, and
 #: ``--pending_blocks`` default and closed range, blocks per (instance, DP rank).
@@ -278,8 +284,14 @@ class ServiceSettings(BaseSettings):
     car_host_hit_weight: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0], le=CAR_WEIGHT_RANGE[1]),
                                    Setting(SECTION_ROUTING,
                                            "CAR weight of a Host-only hit token against a "
-                                           "Device hit token", policies=("CAR", "TTFT"),
+                                           "Device hit token", policies=("CAR",),
                                            summary="host hit weight")] = 0.5
+    ttft_host_hit_weight: Annotated[float, Field(ge=CAR_WEIGHT_RANGE[0],
+                                                 le=CAR_WEIGHT_RANGE[1]), Setting(
+        SECTION_ROUTING, "TTFT: share of a token's prefill a Host-only hit saves (its load "
+        "from Host to Device costs the rest); §12's CAR weight is `--car_host_hit_weight` "
+        "(D30)", policies=("TTFT",),
+        summary="host hit weight")] = DEFAULT_TTFT_HOST_HIT_WEIGHT
     target_ttft: Annotated[int, Field(ge=TARGET_TTFT_RANGE_MS[0], le=TARGET_TTFT_RANGE_MS[1]),
                            Setting(SECTION_ROUTING, "SLO_AWARE: time-to-first-token target; "
                                    "above it prefill may go to a lightly loaded decode "
@@ -316,8 +328,9 @@ class ServiceSettings(BaseSettings):
     ttft_work_weight: Annotated[float, Field(ge=TTFT_WORK_WEIGHT_RANGE[0],
                                              le=TTFT_WORK_WEIGHT_RANGE[1]), Setting(
         SECTION_ROUTING, "TTFT: weight of the prefill work a candidate adds beyond the "
-        "best-cached candidate's (the delay it imposes on the requests behind it there); 0: "
-        "§12's predicted TTFT alone (docs/routing-overlays.md)")] = DEFAULT_TTFT_WORK_WEIGHT
+        "best-cached candidate's (the prefix it recomputes: time the requests behind it there "
+        "wait, and cache the cluster loses); 0: §12's predicted TTFT alone "
+        "(docs/routing-overlays.md, D29)")] = DEFAULT_TTFT_WORK_WEIGHT
     pending_ttl_ms: Annotated[int, Field(ge=PENDING_TTL_RANGE_MS[0],
                                          le=PENDING_TTL_RANGE_MS[1]), Setting(
         SECTION_ROUTING, "pending prefixes (§16): the full blocks of a routed prompt count as "

@@ -22,6 +22,8 @@ from kvsvc.settings import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_TARGET_TPOT_MS,
     DEFAULT_TARGET_TTFT_MS,
+    DEFAULT_TTFT_HOST_HIT_WEIGHT,
+    DEFAULT_TTFT_WORK_WEIGHT,
     PolicyName,
 )
 
@@ -35,12 +37,13 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
                 target_tpot_ms: int = DEFAULT_TARGET_TPOT_MS,
                 default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                 dp_rank_routing: bool = True,
-                ttft_work_weight: float = 0.0) -> Policy:
+                ttft_work_weight: float = DEFAULT_TTFT_WORK_WEIGHT,
+                ttft_host_hit_weight: float = DEFAULT_TTFT_HOST_HIT_WEIGHT) -> Policy:
     """The policy selected by ``--load_balance_policy`` (xllm-service's names, plus TTFT).
 
     :param name: ``RR``, ``CAR``, ``SLO_AWARE`` or ``TTFT``.
     :param prefill_lambda: ``--car_prefill_lambda``, CAR only.
-    :param host_hit_weight: ``--car_host_hit_weight``, CAR and TTFT.
+    :param host_hit_weight: ``--car_host_hit_weight``, CAR.
     :param max_load_age_s: ``--max_load_age_s``, every policy.
     :param ledger: the request-metrics ledger the proxy feeds, SLO_AWARE and TTFT (without
         one they see no traffic of their own).
@@ -49,6 +52,7 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, TTFT.
     :param dp_rank_routing: ``--dp_rank_routing`` (§15), CAR and TTFT.
     :param ttft_work_weight: ``--ttft_work_weight``, TTFT.
+    :param ttft_host_hit_weight: ``--ttft_host_hit_weight``, TTFT (D30).
     :raises ValueError: ``name`` is none of :class:`~kvsvc.settings.PolicyName` (a bug: the
         setting's validator admits only those).
     """
@@ -70,7 +74,7 @@ def make_policy(name: str, prefill_lambda: float = 0.5, host_hit_weight: float =
                  "age %g s)", slo.target_ttft_ms, slo.target_tpot_ms, slo.max_load_age_s)
         return slo
     if name == PolicyName.TTFT:
-        ttft = TtftPolicy(ledger, host_hit_weight, default_prefill_tokens_per_s,
+        ttft = TtftPolicy(ledger, ttft_host_hit_weight, default_prefill_tokens_per_s,
                           max_load_age_s, dp_rank_routing, ttft_work_weight)
         log.info("routing policy TTFT (host hit weight %.3f, default prefill %g tokens/s, "
                  "max load age %g s, DP-rank routing %s, work weight %g)",

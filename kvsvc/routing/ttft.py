@@ -5,7 +5,10 @@
 with ``uncached = input_tokens - device_hit - host_weight * host_only_hit - pending_hit`` from
 CAR's hit terms (:func:`~kvsvc.routing.policy.rank_hits`, :func:`~kvsvc.routing.policy.hit_tokens`:
 the minimum over DP ranks, subset hits as they are, 0 hits for a missing, unsynchronized or stale
-rank), i.e. ``input_tokens * (1 - hit_ratio)``. Pending hits (§16: blocks this router sent to
+rank), i.e. ``input_tokens * (1 - hit_ratio)``. ``host_weight`` is TTFT's own,
+``--ttft_host_hit_weight`` (default 0.95, D30): the share of a token's prefill a Host -> Device
+load saves (§12 reuses CAR's unitless weight, 0.5 by default, which prices a Host-only prefix
+at half the time it saves). Pending hits (§16: blocks this router sent to
 P whose events have not arrived) are priced as available when the own prefill computing them
 ends: with pending hits, ``queued_ms(P)`` is at least the own backlog (below), which ends
 with that prefill (it was dispatched before this request, on the same FCFS lane).
@@ -42,12 +45,15 @@ predicted when it was dispatched, plus the requests of other senders that P's la
   recent), else ``prefill_ms(P, input_tokens)`` of the request being routed (a queued request
   of unknown size costs a full prefill of this size).
 
-The work term (``--ttft_work_weight`` ``w``, default 0: §12 exactly): a candidate's score is
-``predicted_ttft(P) + w * (prefill_ms(P, uncached) - min over candidates of the same)``. The
-predicted TTFT is the request's own; the prefill a colder candidate must compute beyond the
-best-cached one's is also time every request queued behind it there waits (the prefix the
-request would have reused is recomputed, the lane busy meanwhile), which the request's own TTFT
-does not count. ``predicted_ttft_ms`` stays the TTFT; ``score`` is what was compared.
+The work term (``--ttft_work_weight`` ``w``, default 3, D29; 0 is §12 exactly): a
+candidate's score is ``predicted_ttft(P) + w * (prefill_ms(P, uncached) - min over candidates
+of the same)``. The predicted TTFT is the request's own; the prefill a colder candidate must
+compute beyond the best-cached one's is also time every request queued behind it there waits
+(the prefix the request would have reused is recomputed, the lane busy meanwhile) and cache
+the cluster gives up, which the request's own TTFT does not count: by default a request
+leaves the engine holding its prefix only when its predicted TTFT elsewhere is lower by more
+than three times the prefill the move recomputes. With the same hit everywhere the term is 0.
+``predicted_ttft_ms`` stays the TTFT; ``score`` is what was compared.
 
 Nothing here does I/O; the choice reads the ledger's snapshot (copied under its lock) and the
 registry's.
@@ -85,6 +91,8 @@ from kvsvc.routing.request_metrics import (
 from kvsvc.settings import (
     DEFAULT_MAX_LOAD_AGE_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
+    DEFAULT_TTFT_HOST_HIT_WEIGHT,
+    DEFAULT_TTFT_WORK_WEIGHT,
     PolicyName,
 )
 from kvsvc.streams.state import StreamMatch
@@ -183,15 +191,16 @@ class TtftPolicy(CacheAware):
     """``TTFT`` (§12, module docstring). Thread-safe.
 
     :param ledger: the service's request-metrics ledger (the queued prefill estimate).
-    :param host_hit_weight: ``--car_host_hit_weight``, [0, 1].
+    :param host_hit_weight: ``--ttft_host_hit_weight`` (D30), [0, 1]: the share of a
+        token's prefill a Host-only hit saves.
     :param default_prefill_tokens_per_s: ``--default_prefill_tokens_per_s``, ``(0, 1e9]``.
     :param max_load_age_s: ``--max_load_age_s``, seconds in ``(0, 3600]``.
     :param dp_rank_routing: ``--dp_rank_routing``: score (instance, DP rank) pairs of the
         backends that honour a rank (§15), each with its rank's hits, own pending prefills
         and reported queue.
-    :param work_weight: ``--ttft_work_weight`` ``w`` >= 0: a candidate's score is its
-        predicted TTFT plus ``w`` times the prefill it adds beyond the best-cached candidate's
-        (module docstring); 0: §12's predicted TTFT alone.
+    :param work_weight: ``--ttft_work_weight`` ``w`` >= 0 (default 3, D29): a candidate's
+        score is its predicted TTFT plus ``w`` times the prefill it adds beyond the
+        best-cached candidate's (module docstring); 0: §12's predicted TTFT alone.
 
     The values arrive valid (the settings table's ranges, checked once there).
     """
@@ -199,10 +208,11 @@ class TtftPolicy(CacheAware):
     name = PolicyName.TTFT.value
 
     def __init__(self, ledger: Optional[RequestMetricsLedger] = None,
-                 host_hit_weight: float = 0.5,
+                 host_hit_weight: float = DEFAULT_TTFT_HOST_HIT_WEIGHT,
                  default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                  max_load_age_s: float = DEFAULT_MAX_LOAD_AGE_S,
-                 dp_rank_routing: bool = True, work_weight: float = 0.0) -> None:
+                 dp_rank_routing: bool = True,
+                 work_weight: float = DEFAULT_TTFT_WORK_WEIGHT) -> None:
         super().__init__(0.5, host_hit_weight, max_load_age_s, dp_rank_routing)
         self.work_weight = float(work_weight)
         self.default_prefill_tokens_per_s = float(default_prefill_tokens_per_s)

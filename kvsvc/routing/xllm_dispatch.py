@@ -77,6 +77,7 @@ from kvsvc.routing.answers import (
     error_body,
     http_status_of_engine_error,
 )
+from kvsvc.routing.engine_loss import LostEngines
 from kvsvc.routing.generations import PendingRequest, PendingRequests
 from kvsvc.routing.in_flight import Dispatch, InFlight
 from kvsvc.routing.observer import (
@@ -343,8 +344,10 @@ class Bound:
     incarnation_id: Optional[str]
 
 
-def instance_problem(snapshot: RegistrySnapshot, bound: Bound) -> Optional[str]:
-    """Why ``bound`` can no longer answer (removed, SUSPECT, replaced by a new incarnation),
+def instance_problem(snapshot: RegistrySnapshot, bound: Bound,
+                     lost: Optional[LostEngines] = None) -> Optional[str]:
+    """Why ``bound`` can no longer answer (removed, SUSPECT, replaced by a new incarnation, or
+    known dead from its closed baidu_std connection, :mod:`kvsvc.routing.engine_loss`),
     ``None`` while it can."""
     inst = snapshot.instances.get(bound.name)
     if inst is None:
@@ -355,7 +358,7 @@ def instance_problem(snapshot: RegistrySnapshot, bound: Bound) -> Optional[str]:
             and inst.incarnation_id != bound.incarnation_id):
         return (f"instance {bound.name} was replaced (incarnation {bound.incarnation_id} -> "
                 f"{inst.incarnation_id})")
-    return None
+    return lost.problem(bound.name, bound.incarnation_id) if lost is not None else None
 
 
 class GenerationsBody(UpstreamBody):
@@ -385,6 +388,8 @@ class GenerationsBody(UpstreamBody):
     :param path: the request path (logs).
     :param client: the client's connection, peeked at between entries (a client gone while
         the engine is silent, e.g. in a long prefill, cancels at once); ``None``: not watched.
+    :param lost: the engines known dead (:mod:`kvsvc.routing.engine_loss`), checked with the
+        registry; ``None``: the registry only.
     """
 
     def __init__(self, pending: PendingRequest,
@@ -392,8 +397,10 @@ class GenerationsBody(UpstreamBody):
                  snapshot: Callable[[], RegistrySnapshot], bounds: tuple[Bound, Bound],
                  read_timeout_s: float, dispatch: Optional[Dispatch],
                  observer: Optional[RequestObserver], info: Optional[RequestInfo],
-                 path: str = "", client: Optional[ClientWatch] = None) -> None:
+                 path: str = "", client: Optional[ClientWatch] = None,
+                 lost: Optional[LostEngines] = None) -> None:
         self._client = client
+        self._lost = lost
         self._next_check = 0.0
         self._pending = pending
         self._asm = assembler
@@ -449,6 +456,11 @@ class GenerationsBody(UpstreamBody):
         """
         try:
             return self._next_entries()
+        except UpstreamError as exc:
+            if self.broken is None:   # failed from outside (its queue overflowed)
+                self.broken = exc.message
+            self._pending.release_turn()
+            raise
         except BaseException:
             self._pending.release_turn()
             raise
@@ -463,7 +475,7 @@ class GenerationsBody(UpstreamBody):
             # instance may still have entries in flight.
             self._next_check = now + CHECK_INTERVAL_S
             bound = self._bounds[1 if self._tokens else 0]
-            problem = instance_problem(self._snapshot(), bound)
+            problem = instance_problem(self._snapshot(), bound, self._lost)
             if problem is not None:
                 raise self._failed(UpstreamUnreachable(
                     f"upstream {bound.name}: {problem} while generating request "
@@ -620,13 +632,17 @@ class XllmDispatcher:
     :param read_timeout_s: the longest wait for an entry, seconds (§13's upstream timeout).
     :param source_addr: this replica's baidu_std ``ip:port`` (``""`` while it has none).
     :param max_attempts: instances tried at most per request.
+    :param lost: the engines known dead from their closed baidu_std connection
+        (:mod:`kvsvc.routing.engine_loss`); ``None``: only the registry's states count.
     """
 
     def __init__(self, caller: EngineCaller, pending: PendingRequests,
                  snapshot: Callable[[], RegistrySnapshot], in_flight: InFlight,
                  observer: Optional[RequestObserver], read_timeout_s: float,
-                 source_addr: Callable[[], str], max_attempts: int = 2) -> None:
+                 source_addr: Callable[[], str], max_attempts: int = 2,
+                 lost: Optional[LostEngines] = None) -> None:
         self.caller = caller
+        self.lost = lost
         self.pending = pending
         self._snapshot = snapshot
         self.in_flight = in_flight
@@ -714,7 +730,7 @@ class XllmDispatcher:
             asm = (StreamAssembler(spec, bool(decode)) if streamed
                    else WholeAssembler(spec, bool(decode)))
             body = GenerationsBody(pending, asm, self._snapshot, bounds, self.read_timeout_s,
-                                   dispatch, self.observer, info, path, client)
+                                   dispatch, self.observer, info, path, client, self.lost)
             if streamed:
                 return UpstreamReply(target, 200, [("Content-Type", "text/event-stream"),
                                                    ("Cache-Control", "no-cache")], body, tried)

@@ -37,7 +37,10 @@ Two parts, the rules apart from the sockets:
   all its calls (brpc ``connection_type`` single); every method is answered without waiting
   on I/O, so per-connection order costs nothing and the answers of pipelined calls carry their
   own correlation ids. A broken stream (wrong magic, a body over 64 MiB, a meta that does not
-  parse) closes that connection, logged once; nothing else is affected.
+  parse) closes that connection, logged once; nothing else is affected. A connection that
+  carried calls and closes (not by :meth:`RpcServer.close`) is reported, with the names that
+  heartbeated on it, to ``on_connection_closed`` (an engine that died: its requests fail at
+  once, not when its lease expires; :mod:`kvsvc.routing.engine_loss`).
 
 The port is unauthenticated (xLLM engines send no credential): bind it to the engines'
 network (docs/xllm.md). Thread-safe counters: :meth:`RpcServer.stats`.
@@ -161,15 +164,19 @@ class XllmRpcHandler:
             "Hello": (messages.Empty, self._hello),
         }
 
-    def handle(self, request: Request, defer: bool = False) -> Reply:
+    def handle(self, request: Request, defer: bool = False,
+               heard: Optional[set[str]] = None) -> Reply:
         """Answer one call (module docstring); never raises.
 
         :param defer: leave the wake-up of the delivered entries' readers to the caller
             (``reply.after``, to call once the answer was sent: the engine waits on the
             answer, the readers can wait the few microseconds); False: done before the
             return, ``reply.after`` is ``None``.
+        :param heard: the instance names heard on the call's connection: a Heartbeat's
+            ``name`` is added (:class:`RpcServer`'s ``on_connection_closed``); ``None``: not
+            collected.
         """
-        reply = self._dispatch(request)
+        reply = self._dispatch(request, heard)
         with self._lock:
             self._calls[request.method] += 1
             if reply.error_code:
@@ -193,7 +200,7 @@ class XllmRpcHandler:
             return (dict(self._calls), dict(self._errors), dict(self._hb), self._entries_ok,
                     self._entries_refused)
 
-    def _dispatch(self, request: Request) -> Reply:
+    def _dispatch(self, request: Request, heard: Optional[set[str]] = None) -> Reply:
         if request.service not in (SERVICE_NAME, SERVICE_SHORT_NAME):
             return Reply(error_code=codec.ENOSERVICE,
                          error_text=f"Fail to find service={request.service}")
@@ -209,6 +216,8 @@ class XllmRpcHandler:
                 f"Fail to parse request message, CompressType="
                 f"{codec.COMPRESS_NAMES.get(request.compress_type, request.compress_type)}, "
                 f"request_size={len(request.message)}: {exc}"))
+        if heard is not None and request.method == "Heartbeat" and msg.name:
+            heard.add(msg.name)
         try:
             out = fn(msg)
             if type(out) is tuple:   # (answer bytes, what wakes the readers)
@@ -305,12 +314,21 @@ class RpcServer(BackgroundThread):
     :param port: TCP port; 0 picks a free one (tests), see :attr:`port`.
     :param max_connections: connections served at once; more are closed at accept (logged).
     :param max_body_size: the codec's body bound, bytes (64 MiB, brpc's).
+    :param on_connection_closed: called as ``(names, peer)`` on the connection's own thread
+        when a connection that carried calls closes other than by :meth:`close` (the engine
+        died or dropped it: :meth:`kvsvc.routing.engine_loss.LostEngines.connection_closed`);
+        ``names``: the Heartbeat ``name`` of every instance that heartbeated on it (may be
+        empty: an engine may send Generations on a connection before its next heartbeat),
+        ``peer``: its ``ip:port``; ``None``: nobody.
     """
 
     def __init__(self, handler: XllmRpcHandler, host: str, port: int,
                  max_connections: int = 1024,
-                 max_body_size: int = codec.MAX_BODY_SIZE) -> None:
+                 max_body_size: int = codec.MAX_BODY_SIZE,
+                 on_connection_closed: Optional[Callable[[frozenset[str], str], Any]] = None
+                 ) -> None:
         super().__init__("kvsvc-rpc-accept")
+        self._on_connection_closed = on_connection_closed
         self.handler = handler
         self.host = host
         self._port = port
@@ -432,6 +450,8 @@ class RpcServer(BackgroundThread):
         # Blocking reads: close() shuts the socket down, which ends a blocked recv with b"".
         conn = codec.Connection(codec.Role.SERVER, self._max_body_size)
         handler = self.handler
+        heard: set[str] = set()   # the instances that heartbeated on this connection
+        called = False            # any call came on it (an engine's connection)
         log.debug("baidu_std connection from %s", peer)
         try:
             while not self.stopping:
@@ -452,7 +472,8 @@ class RpcServer(BackgroundThread):
                 after = []
                 for event in events:
                     if isinstance(event, Request):
-                        reply = handler.handle(event, defer=True)
+                        called = True
+                        reply = handler.handle(event, defer=True, heard=heard)
                         if reply.after is not None:
                             after.append(reply.after)
                     elif isinstance(event, BadCall):
@@ -481,3 +502,18 @@ class RpcServer(BackgroundThread):
             with self._lock:
                 self._conns.pop(sock, None)
             sock.close()
+            if called:
+                self._closed(heard, peer)
+
+    def _closed(self, heard: set[str], peer: str) -> None:
+        """Tell ``on_connection_closed`` that a connection that carried calls is gone (not
+        when this server closes it)."""
+        callback = self._on_connection_closed
+        if callback is None or self.stopping:
+            return
+        log.info("baidu_std connection from %s (%s) closed", peer,
+                 ", ".join(sorted(heard)) or "no heartbeat on it")
+        try:
+            callback(frozenset(heard), peer)
+        except Exception:  # noqa: BLE001 - a connection thread's end must not fail
+            log.exception("baidu_std connection from %s: close callback failed", peer)

@@ -327,17 +327,32 @@ def test_instance_replaced_mid_stream_fails_the_request_visibly(cluster) -> None
     wait_for(lambda: _candidates(server, {engine.name}), BOUND_S, 0.1, "candidate again")
 
 
-def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> None:
-    server, _, _, etcd_addr = cluster
+def _sim_process(etcd_addr: str, log_path: Path, *extra: str
+                 ) -> tuple[subprocess.Popen, str]:
+    """A native simulated xLLM engine as its own process (to be killed), and its name."""
     port = free_instance_port(1, 10000, 30000)   # the sim's §9 event/replay ports fit too
-    log = open(tmp_path / "sim.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsvc", "sim", "--serve", "--native", "--kv-events", "off",
-         "--host", "127.0.0.1", "--port", str(port), "--etcd", etcd_addr, "--type", "DEFAULT",
-         "--heartbeat-interval-s", "0.3", "--log-level", "warning"],
-        env=serve_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    name = f"127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsvc", "sim", "--serve", "--native", "--kv-events", "off",
+             "--host", "127.0.0.1", "--port", str(port), "--etcd", etcd_addr, "--type",
+             "DEFAULT", "--heartbeat-interval-s", "0.3", "--log-level", "warning", *extra],
+            env=serve_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> None:
+    """Killed mid-stream: the client gets the OpenAI error event (no ``[DONE]``) once kvsvc
+    sees the engine's baidu_std connection close and its port refuse, well before its lease
+    expires; a WARNING names the instance and the request; counted ``upstream_broken``."""
+    server, _, _, etcd_addr = cluster
+    proc, name = _sim_process(etcd_addr, tmp_path / "sim.log")
     try:
         wait_for(lambda: _candidates(server, {name}), BOUND_S, 0.1, "the sim process candidate")
         # Route to it alone: a prompt both engines could take goes where RR says; retry until
@@ -355,15 +370,75 @@ def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> No
         for line in lines:
             if b" t1" in line:
                 break
+        sid = ""
         os.killpg(proc.pid, signal.SIGKILL)
         rest = b"\n".join(l for l in _drain(lines))
         assert b'"error"' in rest and b"upstream_broken" in rest
         assert b"[DONE]" not in rest
+        # The connection-close path (not the lease): "died ... refuses connections".
+        event = json.loads(rest[rest.index(b'{"error"'):].split(b"\n")[0])
+        message = event["error"]["message"]
+        assert f"instance {name} died" in message and "refuses connections" in message
+        sid = message.rsplit(" ", 1)[-1]
+        wait_for(lambda: any(f'"WARNING"' in line and name in line and sid in line
+                             for line in server.log().splitlines()), BOUND_S, 0.1,
+                 "a WARNING naming the instance and the request")
+        metrics = server.get("/metrics").text
+        assert 'kvsvc_proxy_requests_total{endpoint="completions",status="upstream_broken"}' \
+            in metrics
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        log.close()
+        _kill(proc)
+
+
+def test_engine_killed_the_openai_sdk_raises_and_non_streamed_is_502(tmp_path,
+                                                                    etcd_server) -> None:
+    """What the official ``openai`` SDK shows when the engine dies: streamed, the error event
+    raises ``openai.APIError`` (the SDK raises on an event whose data has ``error``; it would
+    stop silently at a ``[DONE]``, so none is sent); not streamed, a 502 JSON error
+    (``InternalServerError``). Counted as ``upstream_broken`` and 502 in the metrics."""
+    import openai
+
+    # A namespace of its own: this server sees the one engine the test kills.
+    server, _ = _serve(tmp_path, etcd_server.addr, "--etcd_namespace", "killed")
+    procs: list[subprocess.Popen] = []
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+                           timeout=BOUND_S)
+    try:
+        for streamed in (True, False):
+            proc, name = _sim_process(etcd_server.addr, tmp_path / f"sim-{streamed}.log",
+                                      "--etcd-namespace", "killed")
+            procs.append(proc)
+            wait_for(lambda: _candidates(server, {name}), BOUND_S, 0.1, "the sim a candidate")
+            if streamed:
+                stream = client.completions.create(model="sim", prompt=PROMPT,
+                                                   max_tokens=5000, stream=True)
+                texts = []
+                with pytest.raises(openai.APIError) as err:
+                    for chunk in stream:
+                        texts.append(chunk.choices[0].text)
+                        if len(texts) == 2:
+                            os.killpg(proc.pid, signal.SIGKILL)
+                assert texts[:2] == [" t0", " t1"]
+                assert isinstance(err.value.body, dict)
+                assert err.value.body["code"] == "upstream_broken"
+                assert f"instance {name} died" in err.value.message
+            else:
+                threading.Timer(1.0, os.killpg, (proc.pid, signal.SIGKILL)).start()
+                with pytest.raises(openai.InternalServerError) as bad:
+                    client.completions.create(model="sim", prompt=PROMPT, max_tokens=5000)
+                assert bad.value.status_code == 502
+                assert f"instance {name} died" in bad.value.message
+            _kill(proc)
+            wait_for(lambda: not _candidates(server, {name}), BOUND_S, 0.1, "no candidate")
+        metrics = server.get("/metrics").text
+        for status in ("upstream_broken", "502"):
+            assert (f'kvsvc_proxy_requests_total{{endpoint="completions",status="{status}"}} '
+                    "1.0") in metrics
+    finally:
+        client.close()
+        for proc in procs:
+            _kill(proc)
+        server.stop()
 
 
 def _drain(lines: Iterator[bytes]) -> Iterator[bytes]:

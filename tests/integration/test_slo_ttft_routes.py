@@ -163,7 +163,7 @@ def test_out_of_range_targets_refuse_start_up_naming_the_flag(argv, flag, capsys
 
 @pytest.mark.parametrize("argv, summary", [
     (["--load_balance_policy", "TTFT", "--default_prefill_tokens_per_s", "4000"],
-     "routing: TTFT (host hit weight 0.5, default prefill 4000 tokens/s)"),
+     "routing: TTFT (host hit weight 0.95, default prefill 4000 tokens/s)"),
     (["--load_balance_policy", "SLO_AWARE", "--target_ttft", "800"],
      "routing: SLO_AWARE (target TTFT 800 ms, target TPOT 50 ms)"),
     (["--load_balance_policy", "CAR", "--car_prefill_lambda", "0.7"],

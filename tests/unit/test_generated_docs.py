@@ -94,7 +94,7 @@ def test_env_file_holds_every_setting_but_the_token_and_loads_as_the_deployment_
 
 @pytest.mark.parametrize("policy, expected", [
     ("CAR", "lambda 0.5, host hit weight 0.5"),
-    ("TTFT", "host hit weight 0.5, default prefill 10000 tokens/s"),
+    ("TTFT", "host hit weight 0.95, default prefill 10000 tokens/s"),
     ("SLO_AWARE", "target TTFT 1000 ms, target TPOT 50 ms"),
     ("RR", "no parameters"),
 ])

@@ -385,10 +385,14 @@ def test_make_policy_names_and_ranges(caplog):
     slo = make_policy("SLO_AWARE", target_ttft_ms=800, target_tpot_ms=40)
     assert isinstance(slo, SloAware)
     assert (slo.name, slo.target_ttft_ms, slo.target_tpot_ms) == ("SLO_AWARE", 800, 40)
-    ttft = make_policy("TTFT", host_hit_weight=0.25, default_prefill_tokens_per_s=5000)
+    # TTFT takes its own Host weight (D30); CAR's does not reach it.
+    ttft = make_policy("TTFT", host_hit_weight=0.25, default_prefill_tokens_per_s=5000,
+                       ttft_host_hit_weight=0.8, ttft_work_weight=2.0)
     assert isinstance(ttft, TtftPolicy)
-    assert (ttft.name, ttft.host_hit_weight, ttft.default_prefill_tokens_per_s) == (
-        "TTFT", 0.25, 5000.0)
+    assert (ttft.name, ttft.host_hit_weight, ttft.default_prefill_tokens_per_s,
+            ttft.work_weight) == ("TTFT", 0.8, 5000.0, 2.0)
+    ttft = make_policy("TTFT")
+    assert (ttft.host_hit_weight, ttft.work_weight) == (0.95, 3.0)   # D30, D29
     # An unknown name is a bug: the settings table admits only these (its ranges and names
     # are checked there once, tests/unit/test_settings.py).
     with pytest.raises(ValueError, match="LEAST_LOAD"):

@@ -134,6 +134,7 @@ def _non_default_values(tmp_path: Path) -> dict[str, Any]:
         "api_key": "client-key-1", "max_in_flight_requests": 12,
         "tokenizer_cache_tokens": 4096,
         "xllm_dispatch": "native", "pending_ttl_ms": 0, "pending_blocks": 100, "ttft_work_weight": 1.0,
+        "ttft_host_hit_weight": 0.5,
         "rpc_port": 9889, "rpc_host": "127.0.0.1", "rpc_advertise_host": "10.0.0.1",
     }
     names = {row.name for row in SETTINGS}

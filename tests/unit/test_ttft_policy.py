@@ -14,7 +14,11 @@ import pytest
 
 from kvsvc.cluster.model import InstanceType, LoadMetrics, ProfilingData
 from kvsvc.errors import ConfigError
-from kvsvc.settings import load_service_settings
+from kvsvc.settings import (
+    DEFAULT_TTFT_HOST_HIT_WEIGHT,
+    DEFAULT_TTFT_WORK_WEIGHT,
+    load_service_settings,
+)
 from kvsvc.routing.observer import RequestInfo
 from kvsvc.routing.policy import REASON_MISSING, REASON_STALE, REASON_UNSYNCHRONIZED
 from kvsvc.routing.request_metrics import PendingPrefill, PrefillEnd, RequestMetricsLedger
@@ -34,7 +38,7 @@ def p_scores(d) -> dict[str, tuple[float, float, float]]:
 
 
 def test_cache_hits_are_weighed_in_time_against_the_queue():
-    policy = TtftPolicy(RequestMetricsLedger())
+    policy = TtftPolicy(RequestMetricsLedger(), work_weight=0.0)  # §12's predicted TTFT alone
     cached_busy = inst("a:1", waiting=3)
     idle = inst("b:1")
     m = [match("a:1", dev=800), match("b:1")]
@@ -48,6 +52,29 @@ def test_cache_hits_are_weighed_in_time_against_the_queue():
     assert {c.name: c.score for c in d.candidates} == {"a:1": 20.0, "b:1": 100.0}
 
 
+def test_the_default_work_term_keeps_a_long_prefix_unless_the_move_saves_three_times_it():
+    """D29: by default a candidate pays 3x the prefill it recomputes beyond the best-cached
+    candidate's; the predicted TTFT shown is still the request's own."""
+    policy = TtftPolicy(RequestMetricsLedger())
+    assert policy.work_weight == DEFAULT_TTFT_WORK_WEIGHT == 3.0
+    idle = inst("b:1")
+    m = [match("a:1", dev=800), match("b:1")]
+    # a: 3 queued x 100 ms + 20 ms = 320; b: 100 + 3 x (100 - 20) = 340: a keeps the prefix.
+    d = policy.choose(TOKENS, snap(inst("a:1", waiting=3), idle), m, now=NOW)
+    assert d.prefill.name == "a:1"
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 320.0, "b:1": 340.0}
+    assert p_scores(d) == {"a:1": (300.0, 20.0, 320.0), "b:1": (0.0, 100.0, 100.0)}
+    # A queue ahead worth more than the move's threefold recompute still moves it: 4 x 100.
+    d = policy.choose(TOKENS, snap(inst("a:1", waiting=4), idle), m, now=NOW)
+    assert d.prefill.name == "b:1"
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 420.0, "b:1": 340.0}
+    # Nothing cached anywhere: no work term, the lowest predicted TTFT (the shorter queue).
+    d = policy.choose(TOKENS, snap(inst("a:1", waiting=1), idle),
+                      [match("a:1"), match("b:1")], now=NOW)
+    assert d.prefill.name == "b:1"
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 200.0, "b:1": 100.0}
+
+
 @pytest.mark.parametrize("ranks, m, identities, own, reason", [
     (1, [match("a:1", host=800)], None, 60.0, None),          # 1000 - 0.5 * 800
     (1, [match("a:1", dev=200, host=400)], None, 60.0, None),  # 1000 - 200 - 0.5 * 400
@@ -57,11 +84,31 @@ def test_cache_hits_are_weighed_in_time_against_the_queue():
     (2, [match("a:1", dev=800), match("a:1", dev=300, rank=1)], None, 70.0, None),
 ])
 def test_uncached_tokens_use_cars_hit_terms(ranks, m, identities, own, reason):
-    d = TtftPolicy(RequestMetricsLedger()).choose(TOKENS, snap(inst("a:1", dp=ranks)), m,
-                                                   identities, now=NOW)
+    d = TtftPolicy(RequestMetricsLedger(), host_hit_weight=0.5).choose(
+        TOKENS, snap(inst("a:1", dp=ranks)), m, identities, now=NOW)
     (c,) = d.candidates
     assert c.predicted_prefill_ms == pytest.approx(own)
     assert reason in {r.reason for r in c.ranks}
+
+
+def test_a_host_only_prefix_is_priced_by_the_time_its_load_saves():
+    """D30: TTFT's own Host weight (default 0.95), not CAR's 0.5: 800 Host-only tokens of 1000
+    leave 240 to compute, so the Host-cached engine with 60 ms queued beats an idle cold one
+    (§12 with CAR's 0.5 would price 600 tokens: 120 ms against 100)."""
+    policy = TtftPolicy(RequestMetricsLedger(), work_weight=0.0)
+    assert policy.host_hit_weight == DEFAULT_TTFT_HOST_HIT_WEIGHT == 0.95
+    assert load_service_settings().ttft_host_hit_weight == 0.95
+    assert load_service_settings().car_host_hit_weight == 0.5   # CAR's stays §11's
+    m = [match("a:1", host=800), match("b:1")]
+    s = snap(inst("a:1"), inst("b:1"))
+    ledger = RequestMetricsLedger(clock=lambda: NOW)
+    ledger.on_dispatch(RequestInfo(1, "a:1", "", N, 60.0, "TTFT", dispatched_at=NOW))
+    policy = TtftPolicy(ledger, work_weight=0.0)
+    d = policy.choose(TOKENS, s, m, now=NOW)
+    assert d.prefill.name == "a:1"
+    assert p_scores(d)["a:1"] == (60.0, 24.0, 84.0)
+    d = TtftPolicy(ledger, host_hit_weight=0.5, work_weight=0.0).choose(TOKENS, s, m, now=NOW)
+    assert d.prefill.name == "b:1" and p_scores(d)["a:1"] == (60.0, 60.0, 120.0)
 
 
 def test_own_backlog_replays_the_pending_prefills_one_at_a_time():
@@ -117,7 +164,7 @@ def test_report_adds_only_the_requests_that_are_not_the_routers():
 
 def test_dispatches_through_the_ledger_move_the_next_choice():
     ledger = RequestMetricsLedger(clock=lambda: NOW)
-    policy = TtftPolicy(ledger)
+    policy = TtftPolicy(ledger, work_weight=0.0)  # §12's predicted TTFT alone
     s = snap(inst("a:1"), inst("b:1"))
     m = [match("a:1", dev=500), match("b:1")]
     d = policy.choose(TOKENS, s, m, now=NOW)

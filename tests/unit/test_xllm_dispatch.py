@@ -34,6 +34,7 @@ from kvsvc.routing.answers import (
     answer_spec,
     engine_param,
 )
+from kvsvc.routing.engine_loss import LostEngines
 from kvsvc.routing.generations import PendingRequests
 from kvsvc.routing.in_flight import InFlight
 from kvsvc.routing.observer import RequestInfo
@@ -286,7 +287,7 @@ def test_client_gone_makes_the_next_entry_false() -> None:
     assert in_flight.snapshot().total(P1) == 0
 
 
-@pytest.mark.parametrize("change", ["suspect", "removed", "replaced"])
+@pytest.mark.parametrize("change", ["suspect", "removed", "replaced", "lost"])
 def test_instance_failing_mid_stream_fails_the_request_visibly(change: str) -> None:
     p = inst(P1)
     reg = Registry(p)
@@ -294,18 +295,22 @@ def test_instance_failing_mid_stream_fails_the_request_visibly(change: str) -> N
     def script(sid: str) -> list[Generation]:
         return [Generation(sid, outputs=(GenOutput(0, " t0", (0,)),))]
     disp, engine, rec, _ = dispatcher(lambda q: Engine(q, script=script), reg)
+    disp.lost = LostEngines(reg.snapshot, refuses=lambda name: True)
     reply = disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS, "stream": True},
                          TOKENS)
     it = iter(reply.body)
     assert b" t0" in next(it)
-    if change == "suspect":
+    if change == "lost":   # its baidu_std connection closed and its port refuses
+        assert disp.lost.connection_closed({P1}, "10.0.0.1:40000") == [P1]
+    elif change == "suspect":
         reg.instances[P1] = dataclasses.replace(p, state=InstanceState.SUSPECT)
     elif change == "removed":
         del reg.instances[P1]
     else:
         reg.instances[P1] = dataclasses.replace(p, incarnation_id="inc-new")
     with pytest.raises(UpstreamUnreachable, match={"suspect": "SUSPECT", "removed": "removed",
-                                                   "replaced": "replaced"}[change]):
+                                                   "replaced": "replaced",
+                                                   "lost": "died"}[change]):
         next(it)
     reply.body.close()
     assert rec.names()[-1] == "on_cancel" and "broke" in rec.calls[-1][1]
@@ -320,6 +325,20 @@ def test_silent_engine_times_out_non_streamed() -> None:
         disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS)
     assert time.monotonic() - started < 5
     assert rec.names() == ["on_dispatch", "on_cancel"]
+    assert disp.pending.stats().open == 0
+
+
+def test_engine_lost_fails_a_non_streamed_request_at_once_counted_broken() -> None:
+    p = inst(P1)
+    reg = Registry(p)
+    disp, _, rec, _ = dispatcher(lambda q: Engine(q), reg, timeout_s=30.0)
+    disp.lost = LostEngines(reg.snapshot, refuses=lambda name: True)
+    threading.Timer(0.2, disp.lost.connection_closed, ({P1}, "10.0.0.1:40000")).start()
+    started = time.monotonic()
+    with pytest.raises(UpstreamUnreachable, match=f"{P1} died .* while generating request"):
+        disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS)
+    assert time.monotonic() - started < 5          # not the 30 s read timeout
+    assert rec.names() == ["on_dispatch", "on_cancel"] and "broke" in rec.calls[-1][1]
     assert disp.pending.stats().open == 0
 
 
