@@ -4,8 +4,8 @@
   the upstream answers ``text/event-stream``, else one JSON body): validated (400), the model
   checked (404), tokenized, routed, then proxied to the chosen P (retried once on the next-best
   P when it refuses before the first byte; :meth:`kvsvc.routing.router.Router.forward`). Every
-  proxied response carries ``x-kvsvc-prefill`` (the P that answered) and ``x-kvsvc-decode``
-  (the D, empty when none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
+  proxied response carries ``x-kvsvc-prefill`` (the P that answered) and, in P/D mode,
+  ``x-kvsvc-decode`` (the D; absent when there is none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
   that P's reusable prefix (:func:`~kvsvc.routing.cache_audit.prediction`; not RR), and
   ``x-kvsvc-predicted-ttft-ms`` when it predicted that P's time to first token (SLO_AWARE,
   TTFT; :func:`predicted_ttft_ms`). Bodies over ``--max_request_bytes`` get 413 before they are read.
@@ -262,7 +262,9 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
                              _client_headers(), client_watch(), token_ids)
     reply = routed.reply
     try:
-        headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
+        headers = reply.headers + [(PREFILL_HEADER, reply.target)]
+        if routed.decode:   # no D (no P/D split): no header, rather than an empty one
+            headers.append((DECODE_HEADER, routed.decode))
         predicted = prediction(decision, reply.target)  # what the cache audit compares
         if predicted is not None:
             headers.append((PREDICTED_HEADER, str(predicted.predicted_tokens)))
