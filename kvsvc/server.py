@@ -29,6 +29,8 @@ import logging
 import sys
 from typing import Any
 
+from gunicorn.glogging import Logger as GunicornGlogging
+
 from kvsvc.address import format_host_port
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.service import Service
@@ -96,6 +98,20 @@ def log_config(level: str, log_format: str = "json", access_log: bool = False) -
     }
 
 
+class GunicornLogger(GunicornGlogging):
+    """gunicorn's logger, building a request's access line only when the access logger would
+    write it (``--access_log``). With a ``logconfig_dict`` gunicorn takes access logging as on
+    and builds every request's log atoms (its environ, both header sets, a ``strftime``) for a
+    logger that drops them at INFO (:func:`log_config` sets it to WARNING)."""
+
+    def setup(self, cfg: Any) -> None:
+        """gunicorn's setup, then whether access lines are built, judged by the access logger
+        as configured (gunicorn judges it before applying the configuration)."""
+        super().setup(cfg)
+        self._access_log_enabled = (self._compute_access_log_enabled()
+                                    and self.access_log.isEnabledFor(logging.INFO))
+
+
 def gunicorn_settings() -> dict[str, Any]:
     """gunicorn settings from the ``KVSVC_*`` environment (what ``kvsvc serve`` exports).
 
@@ -116,6 +132,7 @@ def gunicorn_settings() -> dict[str, Any]:
         "loglevel": level,
         "logconfig_dict": log_config(level, settings.log_format, settings.access_log),
         "access_log_format": ACCESS_LOG_FORMAT,
+        "logger_class": "kvsvc.server.GunicornLogger",
         "proc_name": "kvsvc",
         # gunicorn >= 25.1 opens a control socket at one fixed per-user path by default; two
         # services on a host would fight over it, and kvsvc needs no runtime control surface.

@@ -4,8 +4,8 @@
   the upstream answers ``text/event-stream``, else one JSON body): validated (400), the model
   checked (404), tokenized, routed, then proxied to the chosen P (retried once on the next-best
   P when it refuses before the first byte; :meth:`kvsvc.routing.router.Router.forward`). Every
-  proxied response carries ``x-kvsvc-prefill`` (the P that answered) and ``x-kvsvc-decode``
-  (the D, empty when none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
+  proxied response carries ``x-kvsvc-prefill`` (the P that answered) and, in P/D mode,
+  ``x-kvsvc-decode`` (the D; absent when there is none), and ``x-kvsvc-predicted-cached-tokens`` when the policy predicted
   that P's reusable prefix (:func:`~kvsvc.routing.cache_audit.prediction`; not RR), and
   ``x-kvsvc-predicted-ttft-ms`` when it predicted that P's time to first token (SLO_AWARE,
   TTFT; :func:`predicted_ttft_ms`). Bodies over ``--max_request_bytes`` get 413 before they are read.
@@ -144,8 +144,7 @@ def _count_proxied(response: flask.Response) -> flask.Response:
     endpoint = _PROXIED.get(request.path)
     if endpoint is not None and not flask.g.get(_COUNTED_AT_END):
         status = response.status_code
-        metrics().proxied.labels(endpoint, CLIENT_CLOSED if status == 499 else str(status)
-                                 ).inc()
+        metrics().proxied_of(endpoint, CLIENT_CLOSED if status == 499 else str(status)).inc()
     return response
 
 
@@ -242,10 +241,10 @@ def _client_headers() -> list[tuple[str, str]]:
     """The client's headers, its ``X-Request-Id`` replaced by the request's id
     (:mod:`kvsvc.http.admission`: the client's own when valid, else a new one)."""
     rid = request_id()
-    headers = [(k, v) for k, v in request.headers.items()
-               if rid is None or k.lower() != "x-request-id"]
-    if rid is not None:
-        headers.append((REQUEST_ID_HEADER, rid))
+    if rid is None:
+        return list(request.headers.items())
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() != "x-request-id"]
+    headers.append((REQUEST_ID_HEADER, rid))
     return headers
 
 
@@ -263,7 +262,9 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
                              _client_headers(), client_watch(), token_ids)
     reply = routed.reply
     try:
-        headers = reply.headers + [(PREFILL_HEADER, reply.target), (DECODE_HEADER, routed.decode)]
+        headers = reply.headers + [(PREFILL_HEADER, reply.target)]
+        if routed.decode:   # no D (no P/D split): no header, rather than an empty one
+            headers.append((DECODE_HEADER, routed.decode))
         predicted = prediction(decision, reply.target)  # what the cache audit compares
         if predicted is not None:
             headers.append((PREDICTED_HEADER, str(predicted.predicted_tokens)))
@@ -289,7 +290,7 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
         response = flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
         target = reply.target
         # Runs when the WSGI server closes the response, after its last byte was written.
-        response.call_on_close(lambda: instruments.request_seconds.labels(
+        response.call_on_close(lambda: instruments.request_seconds_of(
             endpoint, target).observe(time.monotonic() - started))
         return response
     except BaseException:

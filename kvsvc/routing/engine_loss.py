@@ -16,9 +16,11 @@ host may run several engines), is probed with one TCP connect to its ``host:port
   :data:`~kvsvc.routing.xllm_dispatch.CHECK_INTERVAL_S`, :func:`problem`), and it is no
   routing candidate (:meth:`LostEngines.excluded`) until the registry shows another
   incarnation under that name or forgets it. One WARNING per lost incarnation.
-- accepted, timed out or any other error: nothing is concluded (a connection may close for
-  other reasons; the lease, the heartbeats' age and ``--upstream_read_timeout_s`` still
-  apply). A timeout never marks an engine lost: only a refusal is proof.
+- accepted, timed out or any other error: probed again after 0.1, 0.3 and 0.7 s
+  (:data:`RETRY_DELAYS_S`: a killed process's kernel may close its connections before its
+  listening socket, so the first probe can still be accepted); still not refused: nothing is
+  concluded (a connection may close for other reasons; the lease and
+  ``--upstream_read_timeout_s`` still apply). Only a refusal is proof.
 
 The other two ways a dead engine shows are handled where they are seen: its lease expiring
 (the registry: ``SUSPECT``) and its silence (no entry for ``--upstream_read_timeout_s``).
@@ -30,8 +32,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from kvsvc.cluster.model import RegistrySnapshot, instance_identity
 
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Bound of the TCP connect probe, seconds.
 PROBE_TIMEOUT_S = 0.5
+#: Waits before the probes after the first of the instances not refused yet, seconds.
+RETRY_DELAYS_S = (0.1, 0.2, 0.4)
 
 
 def port_refuses(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -68,30 +73,50 @@ class LostEngines:
 
     :param snapshot: the registry's current snapshot (the incarnation a loss is tied to).
     :param refuses: the probe (:func:`port_refuses`; replaceable in tests).
+    :param retry_delays_s: the waits before the probes after the first
+        (:data:`RETRY_DELAYS_S`).
+    :param sleep: waits that long (``time.sleep``; replaceable in tests).
     """
 
     def __init__(self, snapshot: Callable[[], RegistrySnapshot],
-                 refuses: Callable[[str], bool] = port_refuses) -> None:
+                 refuses: Callable[[str], bool] = port_refuses,
+                 retry_delays_s: Sequence[float] = RETRY_DELAYS_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self._sleep = sleep
         self._snapshot = snapshot
         self._refuses = refuses
+        self._delays = tuple(retry_delays_s)
         self._lock = threading.Lock()
         self._lost: dict[str, tuple[str, str]] = {}   # name -> (identity, why)
 
     def connection_closed(self, names: Iterable[str], peer: str) -> list[str]:
         """A baidu_std connection from ``peer`` (``ip:port``) on which ``names`` heartbeated
         closed: probe each registered one and each registered on ``peer``'s host; those whose
-        port refuses are marked lost (logged once). Blocks up to :data:`PROBE_TIMEOUT_S` per
-        instance probed (call it off the request path).
+        port refuses are marked lost (logged once). Blocks for the retries (about 0.7 s) and
+        up to :data:`PROBE_TIMEOUT_S` per probe (call it off the request path).
 
         :returns: the names marked lost by this call.
         """
         marked = []
         instances = self._snapshot().instances
         host = _host(peer)
-        probe = set(names) | {n for n in instances if host and _host(n) == host}
-        for name in sorted(probe):
+        left = sorted(n for n in set(names) | {n for n in instances if host and _host(n) == host}
+                      if n in instances)
+        for delay in (0.0, *self._delays):
+            if not left:
+                break
+            if delay:
+                self._sleep(delay)
+            refused = [n for n in left if self._refuses(n)]
+            left = [n for n in left if n not in refused]
+            marked += self._mark(refused, peer)
+        return marked
+
+    def _mark(self, names: list[str], peer: str) -> list[str]:
+        marked = []
+        for name in names:
             inst = self._snapshot().instances.get(name)
-            if inst is None or not self._refuses(name):
+            if inst is None:
                 continue
             identity = instance_identity(inst)
             why = (f"instance {name} died (its baidu_std connection from {peer} closed and "

@@ -7,10 +7,11 @@ process, which then stops them in order):
    data directory (:class:`~kvsvc.testbed.etcd_launcher.LocalEtcd`, Debian's ``etcd-server``),
    or the one given by ``--etcd``.
 2. ``--engines`` simulated engines, each exactly ``kvsvc sim --serve --etcd E --port P``
-   (:mod:`kvsvc.testbed.sim.cli`): it serves ``/health``, ``/v1/completions`` and
-   ``/v1/chat/completions`` on ``P``, publishes its KV events on the §9 ports
-   ``P + 10000 + r`` / ``P + 30000 + r``, registers in etcd and heartbeats its load to the
-   master. ``P`` is picked so that all of its ports are free and outside the ephemeral range
+   (:mod:`kvsvc.testbed.sim.cli`): it serves ``/health``, ``/v1/completions``,
+   ``/v1/chat/completions`` and ``/v1/embeddings`` on ``P``, publishes its KV events on the §9
+   ports ``P + 10000 + r`` / ``P + 30000 + r``, registers in etcd and heartbeats its load to
+   the master (``--flavor vllm``/``sglang``: their event forms and history replay, no
+   heartbeats: the router scrapes their ``/metrics``, and with ``--dp`` > 1 DP-rank routing). ``P`` is picked so that all of its ports are free and outside the ephemeral range
    (:func:`~kvsvc.testbed.ports.free_instance_port`), unless ``--engine-port`` says.
 Engines and router share one tokenizer, written once into the temporary directory
 (:func:`~kvsvc.testbed.tokenizer.write_tokenizer`: a byte-level BPE built in code, ChatML chat
@@ -59,6 +60,7 @@ from kvsvc.errors import ConfigError, KvsvcError, LifecycleError
 from kvsvc.settings import add_flag, add_log_level
 from kvsvc.testbed.demo import DemoOptions, ServiceProcess, discovery_config
 from kvsvc.testbed.etcd_launcher import LocalEtcd
+from kvsvc.testbed.sim.flavors import Flavor
 from kvsvc.testbed.ports import free_instance_port, instance_ports
 from kvsvc.testbed.tokenizer import write_tokenizer
 
@@ -92,9 +94,14 @@ class UpOptions:
         ``native`` (§13: xLLM engines with service routing; the router runs ``--xllm_dispatch
         native`` with a baidu_std port and a byte-level tokenizer,
         :mod:`kvsvc.testbed.tokenizer`, for text prompts).
-    :param kv_events: the engines publish KV events; without, the router routes xLLM
+    :param kv_events: the engines publish KV events; without, the router routes the
         engines with the approximate index (§14: ``backends`` ``[]``,
-        ``approximate_backends`` ``["xllm"]``).
+        ``approximate_backends`` ``[flavor]``).
+    :param flavor: the engines' flavor (``kvsvc sim --flavor``,
+        :class:`~kvsvc.testbed.sim.flavors.Flavor`): ``xllm`` (snapshots, heartbeats),
+        ``vllm`` or ``sglang`` (their event forms and history replay, §7h; no heartbeats: the
+        router reads their load from ``/metrics``, §15; with ``dp`` > 1 they honour
+        ``X-data-parallel-rank``, so the router routes to an (engine, DP rank) pair).
     """
 
     engines: int = 2
@@ -108,6 +115,7 @@ class UpOptions:
     resync_interval_ms: int = 30000
     xllm: str = "http"
     kv_events: bool = True
+    flavor: str = Flavor.XLLM.value
 
     def check(self) -> None:
         """:raises ConfigError: a value out of range (naming the flag)."""
@@ -123,6 +131,10 @@ class UpOptions:
             raise ConfigError("--ready-timeout-s", "must be > 0")
         if self.xllm not in ("http", "native"):
             raise ConfigError("--xllm", f"must be http or native, got {self.xllm!r}")
+        if self.flavor not in {f.value for f in Flavor}:
+            raise ConfigError("--flavor", f"must be xllm, vllm or sglang, got {self.flavor!r}")
+        if self.xllm == "native" and self.flavor != Flavor.XLLM.value:
+            raise ConfigError("--xllm", f"native needs --flavor xllm, got {self.flavor!r}")
 
 
 def read_or_create_token(path: Path) -> str:
@@ -290,7 +302,8 @@ class LocalCluster:
             self.etcd_addr = self._etcd.addr
         deadline = time.monotonic() + o.ready_timeout_s
         sim_args: tuple[str, ...] = (("--native",) if o.xllm == "native" else ()) + (
-            () if o.kv_events else ("--kv-events", "off"))
+            () if o.kv_events else ("--kv-events", "off")) + (
+            ("--flavor", o.flavor) if o.flavor != Flavor.XLLM.value else ())
         # One tokenizer for the engines and the router: text prompts hit (issue 20 item 5);
         # a native xLLM engine takes the router's token ids.
         tokenizer = write_tokenizer(self.tmp / "tokenizer")
@@ -304,11 +317,11 @@ class LocalCluster:
             for eng in self.engines:
                 eng.wait_serving(deadline, http)
         demo_opts = DemoOptions(refresh_interval_ms=o.refresh_interval_ms,
-                                resync_interval_ms=o.resync_interval_ms)
+                                resync_interval_ms=o.resync_interval_ms, flavor=o.flavor)
         doc = discovery_config(demo_opts)
         if not o.kv_events:
             doc["discovery"]["backends"] = []
-            doc["discovery"]["approximate_backends"] = ["xllm"]
+            doc["discovery"]["approximate_backends"] = [Flavor(o.flavor).backend_type]
         cfg = self.tmp / "kv_events.json"
         cfg.write_text(json.dumps(doc, indent=2), encoding="utf-8")
         router_args = ["--log_format", "text", "--tokenizer_path", str(tokenizer)]
@@ -359,11 +372,22 @@ class LocalCluster:
                  "Ctrl-C stops everything.",
                  f"  router   {self.router_url}  (kvsvc serve, discovery; log "
                  f"{self.tmp / 'router.log'})"]
+        flavor = Flavor(o.flavor)
+        replay = "history" if flavor.history else "snapshots"
         for eng in self.engines:
-            lines.append(f"  engine   http://{eng.name}  events tcp://127.0.0.1:"
-                         f"{eng.port + DemoOptions.event_port_offset}, snapshots "
-                         f"tcp://127.0.0.1:{eng.port + DemoOptions.replay_port_offset}"
-                         f"{' (+ rank)' if o.dp > 1 else ''}  ({eng.command()})")
+            # Without KV events nothing is published or replayed there: no endpoint to show.
+            ports = (f"events tcp://127.0.0.1:{eng.port + DemoOptions.event_port_offset}, "
+                     f"{replay} tcp://127.0.0.1:{eng.port + DemoOptions.replay_port_offset}"
+                     f"{' (+ rank)' if o.dp > 1 else ''}" if o.kv_events else "no KV events")
+            lines.append(f"  engine   http://{eng.name}  {flavor.value}, {o.dp} DP "
+                         f"rank{'s' if o.dp > 1 else ''}, {ports}  ({eng.command()})")
+        if flavor is not Flavor.XLLM:
+            lines.append(f"  load     {flavor.value} engines send no heartbeats: the router reads "
+                         "their load from their /metrics (§15)")
+            if o.dp > 1:
+                lines.append("  DP rank  the router picks an (engine, DP rank) pair and sends "
+                             "X-data-parallel-rank; the answer's x-sim-rank header (curl -i) "
+                             "and /v1/internal/route's prefill_dp_rank show it")
         if self.rpc_port:
             lines.append(f"  xLLM     native (§13): the router's baidu_std port 127.0.0.1:"
                          f"{self.rpc_port} takes the engines' heartbeats and Generations")
@@ -390,6 +414,8 @@ class LocalCluster:
                   "  curl -sN $URL/v1/chat/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", "
                   "\"content\": \"Hello!\"}], \"max_tokens\": 4, \"stream\": true}'",
+                  "  curl -s $URL/v1/embeddings -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{MODEL}\", \"input\": \"Hello!\"}}'",
                   "  curl -s -X POST $URL/v1/internal/kv-cache/query -H \"$AUTH\" "
                   "-H 'Content-Type: application/json' -d \"{\\\"token_ids\\\": [$PROMPT]}\"",
                   "  curl -s -X POST $URL/v1/internal/route -H \"$AUTH\" "
@@ -399,7 +425,9 @@ class LocalCluster:
                   f"  kvsvc sim --serve --etcd {self.etcd_addr} "
                   f"--internal-api-token-file {shlex.quote(str(self.token_file))}"
                   + (" --native" if o.xllm == "native" else "")
-                  + ("" if o.kv_events else " --kv-events off")]
+                  + ("" if o.kv_events else " --kv-events off")
+                  + (f" --flavor {flavor.value}" if flavor is not Flavor.XLLM else "")
+                  + (f" --dp {o.dp}" if o.dp > 1 else "")]
         return "\n".join(lines)
 
 
@@ -431,6 +459,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-events", default="on", choices=("on", "off"),
              help="off: the engines publish no KV events (today's xLLM); the router uses the "
                   "approximate index (§14)")
+    add_flag(parser, "--flavor", default=d.flavor, choices=[f.value for f in Flavor],
+             help="the engines' flavor (kvsvc sim --flavor): vllm and sglang publish their "
+                  "own event forms, answer replays with history (§7h), send no heartbeats "
+                  "(the router scrapes /metrics) and, with --dp > 1, honour "
+                  "X-data-parallel-rank (DP-rank routing)")
     add_log_level(parser, "warning")
 
 def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
@@ -450,7 +483,7 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None,
     opts = UpOptions(engines=args.engines, dp=args.dp, port=args.port,
                      engine_port=args.engine_port, token_file=args.token_file, etcd=args.etcd,
                      ready_timeout_s=args.ready_timeout_s, xllm=args.xllm,
-                     kv_events=args.kv_events == "on")
+                     kv_events=args.kv_events == "on", flavor=args.flavor)
     main = threading.current_thread() is threading.main_thread()
     if main:
         # SIGTERM as Ctrl-C: either ends the start-up waits or the idle wait alike.

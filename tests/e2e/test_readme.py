@@ -46,7 +46,7 @@ DOCS = ROOT / "docs"
 SHELL_LANGS = {"sh", "bash", "console", "shell"}
 MARKER = re.compile(r"^<!-- readme-test: (.*) -->\s*$")
 MANUAL_SECTION = "## Running the service"
-SESSION_TIMEOUT_S = 60.0
+SESSION_TIMEOUT_S = 120.0   # three local clusters (Quick start, xLLM, vLLM) on 2 shared cores
 STOP_TIMEOUT_S = 30.0
 PROMPT = list(range(1, 1025))  # the README's $(seq -s, 1 1024)
 
@@ -298,6 +298,11 @@ def test_quick_start_and_the_other_sections_run_against_kvsvc_up(tmp_path):
         # (its native xLLM cluster, answers written from Generations).
         assert out.count("data: [DONE]") == 4
         assert 'kvsvc_instance_state{instance="127.0.0.1:' in out
+        # docs/vllm-sglang.md's vLLM cluster with 2 DP ranks: the rank that served, the route
+        # naming a rank; the README's embeddings answer.
+        assert re.search(r"^x-sim-rank: [01]\s*$", out, re.M | re.I), out
+        assert re.search(r'"prefill_dp_rank":[01]\b', out), out
+        assert '"object":"embedding"' in out.replace(" ", "")
         _assert_prompt_hits(session.url, session.token())
         up_dirs = set(re.findall(r"(/tmp/kvsvc-up-\w+)/router\.log", out))
         assert up_dirs

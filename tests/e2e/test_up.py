@@ -152,3 +152,58 @@ def test_up_refuses_a_router_port_in_use_at_once(tmp_path):
     assert f"--port: cannot listen on 127.0.0.1:{port}: already in use" in proc.stderr
     assert time.monotonic() - t0 < 10
     assert not (tmp_path / "kvsvc.token").exists()  # nothing started, nothing written
+
+
+def test_up_flavor_vllm_with_two_dp_ranks_routes_to_the_rank_that_holds_the_prompt(tmp_path):
+    """``kvsvc up --flavor vllm --dp 2``: vLLM-style engines (history replay, load from their
+    /metrics) with two DP ranks each; a prompt is answered on a rank (``x-sim-rank``), indexed
+    on that rank's stream only, and the router then picks that same (engine, rank) pair and
+    sends the repeat there with ``X-data-parallel-rank``. Embeddings are relayed too, and
+    there is no ``x-kvsvc-decode`` header without a decode instance."""
+    port = free_port_run(1)
+    proc, lines = _start_up(tmp_path, port, "--engines", "1", "--dp", "2",
+                            "--flavor", "vllm")
+    try:
+        text = "".join(lines)
+        assert "vllm, 2 DP ranks, events tcp://" in text and "history tcp://" in text, text
+        assert "X-data-parallel-rank" in text and "--flavor vllm --dp 2" in text
+        (engine,) = re.findall(r"engine   http://(127\.0\.0\.1:\d+)", text)
+        token = (tmp_path / "kvsvc.token").read_text().strip()
+        url = f"http://127.0.0.1:{port}"
+        prompt = list(range(5000, 5000 + 1024))
+        with requests.Session() as http:
+            http.trust_env = False
+            auth = {"X-Internal-Token": token}
+            r = http.post(url + "/v1/completions", json={"model": "sim", "prompt": prompt,
+                                                         "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvsvc-prefill"] == engine
+            assert "x-kvsvc-decode" not in r.headers
+            rank = int(r.headers["x-sim-rank"])
+
+            def ranks_hit() -> dict:
+                ms = http.post(url + "/v1/internal/kv-cache/query", json={"token_ids": prompt},
+                               headers=auth, timeout=10).json()["matches"]
+                return {m["dp_rank"]: m["device_hit_tokens"] for m in ms
+                        if m["instance_name"] == engine}
+
+            wait_for(lambda: ranks_hit() == {rank: 1024, 1 - rank: 0}, 15,
+                     what="the prompt indexed on the rank that served it only")
+            route = http.post(url + "/v1/internal/route", json={"token_ids": prompt},
+                              headers=auth, timeout=10).json()
+            assert (route["prefill"], route["prefill_dp_rank"]) == (engine, rank), route
+            again = http.post(url + "/v1/completions", json={
+                "model": "sim", "prompt": prompt, "max_tokens": 2}, timeout=30)
+            assert again.status_code == 200 and int(again.headers["x-sim-rank"]) == rank
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024 - 128
+            emb = http.post(url + "/v1/embeddings", json={"model": "sim", "input": ["a", "b"]},
+                            timeout=30)
+            assert emb.status_code == 200, emb.text
+            vectors = [d["embedding"] for d in emb.json()["data"]]
+            assert len(vectors) == 2 and vectors[0] != vectors[1] and len(vectors[0]) == 16
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(40) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

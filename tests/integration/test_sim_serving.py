@@ -241,8 +241,28 @@ def test_null_max_tokens_is_the_default_as_in_openai(engine):
 
 
 def test_unknown_path_is_404_and_health_still_answers(engine):
-    assert requests.post(url(engine, "/v1/embeddings"), json={}, timeout=10).status_code == 404
+    assert requests.post(url(engine, "/v1/rerank"), json={}, timeout=10).status_code == 404
     assert requests.get(url(engine, "/health"), timeout=10).json() == {"status": "ok"}
+
+
+def test_embeddings_are_answered_with_deterministic_vectors(engine):
+    """``POST /v1/embeddings`` (kvsvc.testbed.sim.embeddings): OpenAI's shape, the same input
+    the same vector, 404 for another model, 400 naming the field for a bad input."""
+    body = {"model": "sim", "input": ["Hello!", "Hello!", "other"]}
+    r = requests.post(url(engine, "/v1/embeddings"), json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    vectors = [d["embedding"] for d in doc["data"]]
+    assert vectors[0] == vectors[1] != vectors[2] and len(vectors[0]) == 16
+    assert doc["usage"]["prompt_tokens"] == len(byte_tokens("Hello!")) * 2 + len("other")
+    again = requests.post(url(engine, "/v1/embeddings"), json=body, timeout=10).json()
+    assert [d["embedding"] for d in again["data"]] == vectors
+    r = requests.post(url(engine, "/v1/embeddings"), json={"model": "x", "input": "a"},
+                      timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = requests.post(url(engine, "/v1/embeddings"), json={"model": "sim", "input": 3},
+                      timeout=10)
+    assert r.status_code == 400 and "'input'" in r.json()["error"]["message"]
 
 
 def test_time_scale_compresses_wall_time_not_reported_time():

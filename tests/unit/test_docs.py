@@ -126,3 +126,30 @@ def test_every_service_module_is_in_the_layout_table():
     assert sorted(modules - named) == []
     stale = sorted(n for n in named if "testbed" not in n and not (ROOT / n).exists())
     assert stale == []
+
+
+def _shell_blocks(path: Path) -> list[str]:
+    return re.findall(r"```(?:sh|bash)\n(.*?)```", path.read_text(encoding="utf-8"), re.S)
+
+
+def _ignored(name: str) -> bool:
+    """``name`` (a file in the checkout's root) matches a pattern of .gitignore."""
+    import fnmatch
+
+    patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    return any(fnmatch.fnmatch(name, p.rstrip("/")) for p in patterns)
+
+
+def test_the_files_the_docs_commands_write_into_the_checkout_are_ignored_by_git():
+    """A walkthrough of the README and docs leaves nothing for ``git status`` to show: every
+    token file (``--token-file``, the token written by ``> f``) and log a shell block writes
+    under a relative name is in .gitignore."""
+    written: set[str] = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in _shell_blocks(doc):
+            written.update(re.findall(r"--token[-_]file[ =]([\w.-]+)", block))
+            written.update(re.findall(r"(?<![\d&])>\s*([\w-][\w.-]*\.(?:token|log|txt|json))\b",
+                                      block))
+    assert {"kvsvc.token", "xllm.token", "etcd.log"} <= written, written
+    assert [n for n in sorted(written) if not _ignored(n)] == []

@@ -39,7 +39,7 @@ class Snap:
 def test_a_refusing_engine_is_lost_for_its_incarnation_only(caplog) -> None:
     snap = Snap(inst(NAME), inst("127.0.0.1:10"))
     refusing = {NAME}
-    lost = LostEngines(snap, refuses=lambda name: name in refusing)
+    lost = LostEngines(snap, refuses=lambda name: name in refusing, retry_delays_s=())
     with caplog.at_level("WARNING", "kvsvc.routing.engine_loss"):
         assert lost.connection_closed({NAME, "127.0.0.1:10", "127.0.0.1:11"}, "peer:1") == [NAME]
         assert lost.connection_closed({NAME}, "peer:2") == []   # already known: one WARNING
@@ -60,7 +60,7 @@ def test_a_refusing_engine_is_lost_for_its_incarnation_only(caplog) -> None:
 def test_an_unregistered_or_accepting_engine_is_not_lost() -> None:
     probed: list[str] = []
     lost = LostEngines(Snap(inst("127.0.0.1:10")),
-                       refuses=lambda name: probed.append(name) or False)
+                       refuses=lambda name: probed.append(name) or False, retry_delays_s=())
     assert lost.connection_closed({NAME, "127.0.0.1:10"}, "peer") == []
     assert probed == ["127.0.0.1:10"]          # a name the registry does not know: no probe
     assert dict(lost.excluded()) == {}
@@ -75,8 +75,28 @@ def test_a_connection_without_heartbeat_probes_the_instances_on_its_host() -> No
     def refuses(name: str) -> bool:
         probed.append(name)
         return name == dead
-    lost = LostEngines(Snap(inst(dead), inst(live), inst(other)), refuses=refuses)
+    lost = LostEngines(Snap(inst(dead), inst(live), inst(other)), refuses=refuses,
+                       retry_delays_s=())
     assert lost.connection_closed(frozenset(), "10.0.0.1:51000") == [dead]
     assert probed == [dead, live]
     assert set(lost.excluded()) == {dead}
+
+
+def test_a_port_still_accepting_is_probed_again_before_nothing_is_concluded() -> None:
+    """A killed process's kernel may close its connections before its listening socket: the
+    first probe accepted, a later one refused is still a loss; a port that keeps accepting
+    is probed once per delay and never marked."""
+    answers = {NAME: [False, False, True], "127.0.0.1:10": [False] * 10}
+    probed: list[str] = []
+
+    def refuses(name: str) -> bool:
+        probed.append(name)
+        return answers[name].pop(0)
+    waits: list[float] = []
+    lost = LostEngines(Snap(inst(NAME), inst("127.0.0.1:10")), refuses=refuses,
+                       retry_delays_s=(0.1, 0.2, 0.4), sleep=waits.append)
+    assert lost.connection_closed({NAME, "127.0.0.1:10"}, "peer") == [NAME]
+    assert waits == [0.1, 0.2, 0.4]
+    assert probed.count(NAME) == 3 and probed.count("127.0.0.1:10") == 4
+    assert set(lost.excluded()) == {NAME}
 

@@ -1,5 +1,6 @@
 """The simulated engine serves OpenAI requests: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` (streamed as SSE or not) on the instance's HTTP port, with a
+``POST /v1/chat/completions`` (streamed as SSE or not) and ``POST /v1/embeddings``
+(deterministic vectors, :mod:`kvsvc.testbed.sim.embeddings`) on the instance's HTTP port, with a
 latency model driven by its own prefix cache, so routing (§11) can be measured end to end.
 
 Model, per DP rank (all durations are *simulated* time, divided by ``time_scale`` on the wall):
@@ -103,6 +104,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvsvc.errors import SimBadRequest, SimClientDisconnected, SimServingClosed
+from kvsvc.testbed.sim.embeddings import EMBEDDINGS_PATH, embeddings_answer
 from kvsvc.testbed.sim.results import ExecResult
 
 log = logging.getLogger(__name__)
@@ -726,6 +728,9 @@ class Serving:
             absent: the request runs on that rank (as vLLM and SGLang do); a value that is
             not a rank of this engine is answered 400.
         """
+        if path == EMBEDDINGS_PATH:
+            self._serve_embeddings(body, start_response, write)
+            return
         if path not in (COMPLETIONS_PATH, CHAT_PATH):
             _send_json(start_response, write, 404, _error(f"no route {path}", "not_found"))
             return
@@ -789,6 +794,32 @@ class Serving:
                                                               "service_unavailable"))
         else:
             self._count(completed=1)
+
+    def _serve_embeddings(self, body: bytes, start_response: Callable,
+                          write: Callable) -> None:
+        """``POST /v1/embeddings`` (:mod:`kvsvc.testbed.sim.embeddings`): answered at once,
+        no queue and no cache (an embedding request reuses no KV cache)."""
+        tokenizer = self.tokenizer
+        encode = tokenizer.encode_text if tokenizer is not None else byte_tokens
+        try:
+            doc = json.loads(body)
+            model = doc.get("model") if isinstance(doc, dict) else None
+            if isinstance(model, str) and model != self.config.model:
+                self._count(rejected=1)
+                _send_json(start_response, write, 404, _error(
+                    f"The model `{model}` does not exist.", "NotFoundError",
+                    code="model_not_found", param="model"))
+                return
+            answer = embeddings_answer(doc, self.config.model, encode)
+        except ValueError:
+            self._count(rejected=1)
+            _send_json(start_response, write, 400, _error("body is not valid JSON"))
+            return
+        except SimBadRequest as exc:
+            self._count(rejected=1)
+            _send_json(start_response, write, 400, _error(str(exc)))
+            return
+        _send_json(start_response, write, 200, answer)
 
     def _pick_rank(self) -> int:
         # The least busy rank (waiting + running), the lowest on ties: deterministic.
