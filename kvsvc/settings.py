@@ -110,9 +110,9 @@ DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
 #: TTFT policy's work term (``--ttft_work_weight``): default and closed range (D29 in
-#: docs/decisions.md: 3 keeps a conversation on the engine holding its prefix unless another
-#: is faster by more than three times the prefill the move recomputes; 0 is §12 exactly).
-DEFAULT_TTFT_WORK_WEIGHT = 3.0
+#: docs/decisions.md: 6 keeps a conversation on the engine holding its prefix unless another
+#: is faster by more than six times the prefill the move recomputes; 0 is §12 exactly).
+DEFAULT_TTFT_WORK_WEIGHT = 6.0
 #: TTFT's price of a Host-only hit token (``--ttft_host_hit_weight``, D30): the share of a
 #: token's prefill a Host -> Device load saves (PCIe ~2 us against ~50 us of prefill per token
 #: of a 7B model on one H100); range CAR_WEIGHT_RANGE.
