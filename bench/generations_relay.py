@@ -5,21 +5,26 @@ Each side is a real ``kvsvc serve`` (one gunicorn ``gthread`` worker) with one s
 engine in its own process (``kvsvc sim --serve``, flavor xllm, registered in a local etcd):
 
 - **native**: ``--xllm_dispatch native`` with a baidu_std port; the engine runs ``--native``:
-  it takes each request over ``XllmAPIService`` and pushes every output token to kvsvc with one
-  ``Generations`` call (one entry) over baidu_std, waiting for each answer, as an xLLM engine
-  does; kvsvc writes one SSE chunk per entry;
+  it takes each request over ``XllmAPIService`` and pushes every output token to kvsvc with
+  ``Generations`` over baidu_std as an xLLM engine does: one call at a time, each carrying one
+  decode step (one entry, one token) of every running request, the next call once the
+  previous is answered (``kvsvc.testbed.sim.native.GenerationsPusher``); kvsvc writes one SSE
+  chunk per entry, the entries queued for a request in one write;
 - **http**: the same engine serving OpenAI over HTTP; kvsvc relays its SSE body.
 
-The engine's latency model is compressed (``--time-scale``) so that the engine and kvsvc, not
-the model, bound the rate; ``--stream-coalesce-ms 0``: one write (HTTP) or one entry (native)
-per token on both sides. ``--streams`` concurrent clients each ask for ``--tokens`` tokens,
-repeatedly, for ``--seconds`` per phase; phases run http, native, native, http, so a change of
-the shared machine's load weighs on both sides alike. Figures per side: tokens counted in the
-SSE answers the clients read, the wall rate, and the kvsvc process group's CPU time (user +
-system, ``/proc/<pid>/stat``), whose ratio is the rate **per core** (the figure compared).
+The engine's latency model is compressed (``--time-scale``, 1000 by default) so that the
+engine and kvsvc, not the model, bound the rate; ``--stream-coalesce-ms 0``: one write (HTTP)
+or one entry (native) per token and step on both sides. With ``--time-scale 1`` the engines
+run at a real pace and both sides relay the same offered load (compare CPU per token there).
+``--streams`` concurrent clients each ask for ``--tokens`` tokens, repeatedly, for
+``--seconds`` per phase; phases run http, native, native, http, so a change of the shared
+machine's load weighs on both sides alike. Figures per side: tokens counted in the SSE answers
+the clients read, the wall rate, and the kvsvc process group's CPU time (user + system,
+``/proc/<pid>/stat``), whose ratio is the rate **per core** (the figure compared). Both sides
+run the same ``kvsvc serve`` settings (``--serve-arg`` adds one to both).
 
-``python -m bench.generations_relay [--seconds 20] [--streams 16] [--tokens 256]``; prints one
-JSON line per side and a Markdown table.
+``python -m bench.generations_relay [--seconds 20] [--streams 16] [--tokens 256]
+[--time-scale 1000] [--serve-arg=...]``; prints one JSON line per side and a Markdown table.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ class Side:
 
 
 def _start(mode: str, etcd: str, tmp: Path, namespace: str,
-           serve_args: tuple[str, ...] = ()) -> Side:
+           serve_args: tuple[str, ...] = (), time_scale: float = 1000.0) -> Side:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSVC_")}
     env["PYTHONPATH"] = str(ROOT)
     port = free_port_run(1)
@@ -96,7 +101,8 @@ def _start(mode: str, etcd: str, tmp: Path, namespace: str,
     eport = free_instance_port(1, 10000, 30000)
     eargs = [sys.executable, "-m", "kvsvc", "sim", "--serve", "--host", "127.0.0.1",
              "--port", str(eport), "--etcd", etcd, "--etcd-namespace", namespace,
-             "--time-scale", "1000", "--max-num-seqs", "256", "--stream-coalesce-ms", "0",
+             "--time-scale", str(time_scale), "--max-num-seqs", "256",
+             "--stream-coalesce-ms", "0",
              "--max-connections", "512", "--heartbeat-interval-s", "0.5",
              "--log-level", "warning"]
     if mode == "native":
@@ -169,6 +175,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--time-scale", type=float, default=1000.0,
+                        help="the simulated engines' time compression: 1000 (default) makes "
+                        "the engine and kvsvc the bound; 1 is an engine's real pace (about "
+                        "20-40 ms per token per stream), at which both sides relay the same "
+                        "offered load")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more argument of both sides' `kvsvc serve` (repeatable), "
                         "e.g. --serve-arg=--worker_switch_interval_ms=5")
@@ -181,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             for mode in ("http", "native"):
                 sides[mode] = _start(mode, etcd.addr, tmp, f"bench-{mode}-{secrets.token_hex(3)}",
-                                     tuple(args.serve_arg))
+                                     tuple(args.serve_arg), args.time_scale)
             for mode in ("http", "native", "native", "http"):
                 _phase(sides[mode], args.seconds / 2, args.streams, args.tokens)
         finally:

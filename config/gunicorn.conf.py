@@ -15,6 +15,7 @@ timeout = _settings["timeout"]
 loglevel = _settings["loglevel"]
 logconfig_dict = _settings["logconfig_dict"]
 access_log_format = _settings["access_log_format"]
+logger_class = _settings["logger_class"]
 proc_name = _settings["proc_name"]
 control_socket_disable = _settings["control_socket_disable"]
 

@@ -29,10 +29,12 @@ import logging
 import sys
 from typing import Any
 
+from gunicorn.glogging import Logger as GunicornGlogging
+
 from kvsvc.address import format_host_port
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.service import Service
-from kvsvc.settings import LOG_LEVELS, load_service_settings
+from kvsvc.settings import LOG_LEVELS, ServiceSettings, load_service_settings
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,20 @@ def log_config(level: str, log_format: str = "json", access_log: bool = False) -
     }
 
 
+class GunicornLogger(GunicornGlogging):
+    """gunicorn's logger, building a request's access line only when the access logger would
+    write it (``--access_log``). With a ``logconfig_dict`` gunicorn takes access logging as on
+    and builds every request's log atoms (its environ, both header sets, a ``strftime``) for a
+    logger that drops them at INFO (:func:`log_config` sets it to WARNING)."""
+
+    def setup(self, cfg: Any) -> None:
+        """gunicorn's setup, then whether access lines are built, judged by the access logger
+        as configured (gunicorn judges it before applying the configuration)."""
+        super().setup(cfg)
+        self._access_log_enabled = (self._compute_access_log_enabled()
+                                    and self.access_log.isEnabledFor(logging.INFO))
+
+
 def gunicorn_settings() -> dict[str, Any]:
     """gunicorn settings from the ``KVSVC_*`` environment (what ``kvsvc serve`` exports).
 
@@ -116,11 +132,28 @@ def gunicorn_settings() -> dict[str, Any]:
         "loglevel": level,
         "logconfig_dict": log_config(level, settings.log_format, settings.access_log),
         "access_log_format": ACCESS_LOG_FORMAT,
+        "logger_class": "kvsvc.server.GunicornLogger",
         "proc_name": "kvsvc",
         # gunicorn >= 25.1 opens a control socket at one fixed per-user path by default; two
         # services on a host would fight over it, and kvsvc needs no runtime control surface.
         "control_socket_disable": True,
     }
+
+
+#: The worker's switch interval (ms) when ``--worker_switch_interval_ms`` is 0: with native
+#: xLLM dispatch, and otherwise (Python's own).
+NATIVE_SWITCH_INTERVAL_MS = 0.5
+DEFAULT_SWITCH_INTERVAL_MS = 5.0
+
+
+def switch_interval_ms(settings: ServiceSettings) -> float:
+    """The worker's interpreter switch interval, ms: ``--worker_switch_interval_ms`` when set,
+    else :data:`NATIVE_SWITCH_INTERVAL_MS` with ``--xllm_dispatch native`` and
+    :data:`DEFAULT_SWITCH_INTERVAL_MS` without."""
+    if settings.worker_switch_interval_ms > 0:
+        return settings.worker_switch_interval_ms
+    return (NATIVE_SWITCH_INTERVAL_MS if settings.xllm_dispatch == "native"
+            else DEFAULT_SWITCH_INTERVAL_MS)
 
 
 def _service(worker: Any) -> Service:
@@ -135,10 +168,10 @@ def post_worker_init(worker: Any) -> None:
         boot and the arbiter stops.
     """
     service = _service(worker)
+    interval_ms = switch_interval_ms(service.settings)
     # Per process, and the arbiter's own value must not change: set in the worker only.
-    sys.setswitchinterval(service.settings.worker_switch_interval_ms / 1000.0)
-    log.info("worker %s: starting service (switch interval %g ms)", worker.pid,
-             service.settings.worker_switch_interval_ms)
+    sys.setswitchinterval(interval_ms / 1000.0)
+    log.info("worker %s: starting service (switch interval %g ms)", worker.pid, interval_ms)
     service.start(timeout_s=STREAM_TIMEOUT_S)
 
 

@@ -112,9 +112,9 @@ DEFAULT_MAX_LOAD_AGE_S = 10.0
 MAX_LOAD_AGE_RANGE_S = (0.0, 3600.0)
 
 #: TTFT policy's work term (``--ttft_work_weight``): default and closed range (D29 in
-#: docs/decisions.md: 3 keeps a conversation on the engine holding its prefix unless another
-#: is faster by more than three times the prefill the move recomputes; 0 is §12 exactly).
-DEFAULT_TTFT_WORK_WEIGHT = 3.0
+#: docs/decisions.md: 6 keeps a conversation on the engine holding its prefix unless another
+#: is faster by more than six times the prefill the move recomputes; 0 is §12 exactly).
+DEFAULT_TTFT_WORK_WEIGHT = 6.0
 #: TTFT's price of a Host-only hit token (``--ttft_host_hit_weight``, D30): the share of a
 #: token's prefill a Host -> Device load saves (PCIe ~2 us against ~50 us of prefill per token
 #: of a 7B model on one H100); range CAR_WEIGHT_RANGE.
@@ -373,12 +373,14 @@ class ServiceSettings(BaseSettings):
     max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30), Setting(
         SECTION_ROUTING, "largest OpenAI request body (413 above)",
         unit="bytes")] = 16 * 1024 * 1024
-    worker_switch_interval_ms: Annotated[float, Field(ge=0.1, le=100), Setting(
+    worker_switch_interval_ms: Annotated[float, Field(ge=0, le=100), Setting(
         SECTION_WORKER, "the worker's interpreter switch interval (Python's "
         "`sys.setswitchinterval`, set after the fork): how long a thread that computes may "
-        "keep a thread that is ready to run waiting. Lower than Python's 5 ms so that a "
-        "baidu_std answer or an HTTP answer waits at most about this long behind one busy "
-        "thread (relayed streams, index builds)", unit="ms")] = 0.5
+        "keep a thread that is ready to run waiting. 0 (default): 0.5 ms with "
+        "`--xllm_dispatch native` (a baidu_std answer waits at most about this long behind "
+        "one busy thread), else Python's 5 ms (every forced switch costs the short HTTP "
+        "requests' CPU: 0.5 ms took about 35% more per request at 128 in flight)",
+        unit="ms")] = 0.0
     worker_threads: Annotated[int, Field(ge=4, le=4096), Setting(
         SECTION_WORKER, "threads of the gunicorn worker: requests served at once. A proxied "
         "request holds a thread until its answer is relayed (a streamed one until its last "

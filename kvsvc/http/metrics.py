@@ -104,6 +104,28 @@ COMPLETENESS_VALUES = tuple(c.value for c in Completeness if c is not Completene
 OVERLAY_EVENTS = ("added", "refreshed", "evicted", "expired", "settled")
 
 
+class Children:
+    """The children of one labelled metric by label values, kept once made: ``labels()``
+    takes the metric's lock and rebuilds its key on every call, and the request path asks
+    for several children per request. Children are never removed (neither does kvsvc remove
+    them from the metric), so a kept one is the metric's own.
+
+    :param metric: a labelled ``Counter`` or ``Histogram``.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._kept: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        """``metric.labels(*values)``."""
+        child = self._kept.get(values)
+        if child is None:
+            child = self._metric.labels(*values)
+            self._kept[values] = child
+        return child
+
+
 class Metrics:
     """The app's metrics registry and its request-path instruments.
 
@@ -175,6 +197,15 @@ class Metrics:
             "Generated tokens of answered requests (the engine's usage), by model.",
             ["model"], buckets=TOKEN_COUNT_BUCKETS, registry=reg)
         reg.register(ServiceCollector(service))
+        #: Kept children of the request path's labelled instruments (:class:`Children`).
+        self.route_seconds_of = Children(self.route_seconds)
+        self.decisions_of = Children(self.decisions)
+        self.proxied_of = Children(self.proxied)
+        self.request_seconds_of = Children(self.request_seconds)
+        self.ttft_seconds_of = Children(self.ttft_seconds)
+        self.inter_token_seconds_of = Children(self.inter_token_seconds)
+        self.prompt_tokens_of = Children(self.prompt_tokens)
+        self.completion_tokens_of = Children(self.completion_tokens)
         service.router.proxy.add_observer(TokenMetrics(self))
 
     def decide(self, router: Router, token_ids: Optional[Sequence[int]],
@@ -198,10 +229,10 @@ class Metrics:
         :param decision: the policy's decision.
         :param seconds: time spent deciding, seconds.
         """
-        self.route_seconds.labels(decision.policy).observe(seconds)
+        self.route_seconds_of(decision.policy).observe(seconds)
         prefill = decision.prefill
-        self.decisions.labels(decision.policy,
-                              prefill.name if prefill is not None else "none").inc()
+        self.decisions_of(decision.policy,
+                          prefill.name if prefill is not None else "none").inc()
         if prefill is None:
             return
         for cand in decision.candidates:
@@ -219,11 +250,11 @@ class Metrics:
         :param started: ``time.monotonic()`` seconds at the request's start.
         :param end: how the relay ended (:class:`~kvsvc.routing.proxy.RelayEnd`).
         """
-        self.proxied.labels(endpoint, status).inc()
-        self.request_seconds.labels(endpoint, end.target).observe(
+        self.proxied_of(endpoint, status).inc()
+        self.request_seconds_of(endpoint, end.target).observe(
             max(0.0, end.ended_at - started))
         if end.first_data_at is not None:
-            self.ttft_seconds.labels(endpoint, end.target).observe(
+            self.ttft_seconds_of(endpoint, end.target).observe(
                 max(0.0, end.first_data_at - started))
 
     def render(self) -> bytes:
@@ -245,15 +276,10 @@ class TokenMetrics:
         self._m = instruments
         self._lock = threading.Lock()
         self._last: dict[int, float] = {}
-        # model -> its inter-token child (labels() takes the metric's lock and builds a key
-        # per call: once per model instead of once per token).
-        self._gaps: dict[str, Any] = {}
 
     def _gap(self, model: str) -> Any:
-        child = self._gaps.get(model)
-        if child is None:
-            child = self._gaps[model] = self._m.inter_token_seconds.labels(model)
-        return child
+        # The kept child (Children): labels() would lock and build a key once per token.
+        return self._m.inter_token_seconds_of(model)
 
     def on_dispatch(self, info: RequestInfo) -> None:
         """Nothing to observe yet."""
@@ -294,9 +320,9 @@ class TokenMetrics:
         model = info.model or "unknown"
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if type(prompt) is int and prompt >= 0:
-            self._m.prompt_tokens.labels(model).observe(prompt)
+            self._m.prompt_tokens_of(model).observe(prompt)
         if type(completion) is int and completion >= 0:
-            self._m.completion_tokens.labels(model).observe(completion)
+            self._m.completion_tokens_of(model).observe(completion)
 
     def on_cancel(self, info: RequestInfo, reason: str) -> None:
         """Forget the attempt."""

@@ -144,8 +144,7 @@ def _count_proxied(response: flask.Response) -> flask.Response:
     endpoint = _PROXIED.get(request.path)
     if endpoint is not None and not flask.g.get(_COUNTED_AT_END):
         status = response.status_code
-        metrics().proxied.labels(endpoint, CLIENT_CLOSED if status == 499 else str(status)
-                                 ).inc()
+        metrics().proxied_of(endpoint, CLIENT_CLOSED if status == 499 else str(status)).inc()
     return response
 
 
@@ -242,10 +241,10 @@ def _client_headers() -> list[tuple[str, str]]:
     """The client's headers, its ``X-Request-Id`` replaced by the request's id
     (:mod:`kvsvc.http.admission`: the client's own when valid, else a new one)."""
     rid = request_id()
-    headers = [(k, v) for k, v in request.headers.items()
-               if rid is None or k.lower() != "x-request-id"]
-    if rid is not None:
-        headers.append((REQUEST_ID_HEADER, rid))
+    if rid is None:
+        return list(request.headers.items())
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() != "x-request-id"]
+    headers.append((REQUEST_ID_HEADER, rid))
     return headers
 
 
@@ -291,7 +290,7 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
         response = flask.Response(reply.body.read_all(), status=reply.status, headers=headers)
         target = reply.target
         # Runs when the WSGI server closes the response, after its last byte was written.
-        response.call_on_close(lambda: instruments.request_seconds.labels(
+        response.call_on_close(lambda: instruments.request_seconds_of(
             endpoint, target).observe(time.monotonic() - started))
         return response
     except BaseException:

@@ -139,7 +139,11 @@ class Generation:
     def tokens(self) -> int:
         """Output tokens this entry carries (token ids over all outputs; an output with text
         but no ids counts as one)."""
-        return sum(len(o.token_ids) or (1 if o.text else 0) for o in self.outputs)
+        outputs = self.outputs
+        if len(outputs) == 1:   # the usual entry: one sequence
+            o = outputs[0]
+            return len(o.token_ids) or (1 if o.text else 0)
+        return sum(len(o.token_ids) or (1 if o.text else 0) for o in outputs)
 
 
 def _int(value: Any) -> int:
@@ -343,15 +347,20 @@ class StreamAssembler:
         self.error: Optional[EngineError] = None
         self._roled: set[int] = set()
         self._offsets: dict[int, int] = {}
+        # A token chunk is these bytes around its choices: the same bytes as the whole
+        # object through orjson (keys in this order), without encoding the fixed part per
+        # token.
+        head = orjson.dumps({"id": spec.answer_id, "object": spec.chunk_object,
+                             "created": spec.created, "model": spec.model})
+        self._head = b"data: " + head[:-1] + b',"choices":'
+        self._tail = b',"usage":null}\n\n' if spec.include_usage else b"}\n\n"
 
     def _chunk(self, choices: list, usage: Any = ...) -> bytes:
+        if usage is ...:
+            return self._head + orjson.dumps(choices) + self._tail
         doc: dict[str, Any] = {"id": self.spec.answer_id, "object": self.spec.chunk_object,
                                "created": self.spec.created, "model": self.spec.model,
-                               "choices": choices}
-        if usage is not ...:
-            doc["usage"] = usage
-        elif self.spec.include_usage:
-            doc["usage"] = None
+                               "choices": choices, "usage": usage}
         return _sse(doc)
 
     def _choice(self, out: GenOutput) -> dict:

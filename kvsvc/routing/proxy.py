@@ -66,17 +66,19 @@ import contextvars
 import logging
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import orjson
 import urllib3
 import urllib3.connection
 import urllib3.connectionpool
 import urllib3.exceptions
+import urllib3.util
 
 from kvsvc.errors import ClientGone, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from kvsvc.routing.in_flight import Dispatch, InFlight
@@ -108,6 +110,9 @@ READ_CHUNK_BYTES = 64 * 1024
 UPSTREAM_ERROR_KINDS = ("refused", "reset", "timeout", "broken_body", "http_5xx")
 #: The request header vLLM and SGLang read to run a request on one DP rank (§15).
 DP_RANK_HEADER = "X-data-parallel-rank"
+_DP_RANK_LOWER = DP_RANK_HEADER.lower()
+#: Upstream pools :class:`Proxy` keeps by name (instances come and go).
+_MAX_POOLS = 1024
 #: What starts an SSE data field (WHATWG HTML "server-sent events": a line ``data:...``).
 _SSE_DATA = b"data:"
 
@@ -214,9 +219,81 @@ _CLIENT_WATCH: contextvars.ContextVar[Optional[ClientWatch]] = contextvars.Conte
     "kvsvc_client_watch", default=None)
 
 
+def _ip_family(host: str) -> Optional[socket.AddressFamily]:
+    """``AF_INET`` / ``AF_INET6`` when ``host`` is an IP literal (brackets allowed), else
+    ``None`` (a name: resolved by urllib3)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except (OSError, ValueError):
+            continue
+        return family
+    return None
+
+
 class _WatchedConnection(urllib3.connection.HTTPConnection):
     """urllib3's connection, whose wait for the response head also watches the client
-    (:class:`ClientWatch`) when one is set for this thread."""
+    (:class:`ClientWatch`) when one is set for this thread, and which connects to an IP
+    literal (every registered instance name, §9) without a resolver call."""
+
+    def _new_conn(self) -> socket.socket:
+        # urllib3's create_connection resolves even an IP literal (getaddrinfo, a syscall per
+        # request to an engine that closes its connections); the errors are urllib3's own.
+        host = self._dns_host.strip("[]")
+        family = _ip_family(host)
+        if family is None or self.source_address:
+            return super()._new_conn()
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            for opt in self.socket_options or ():
+                sock.setsockopt(*opt)
+            timeout = self.timeout
+            if timeout is None or isinstance(timeout, (int, float)):  # else urllib3's "unset"
+                sock.settimeout(timeout)
+            sock.connect((host, self.port))
+        except socket.timeout as exc:
+            sock.close()
+            raise urllib3.exceptions.ConnectTimeoutError(
+                self, f"Connection to {self.host} timed out. (connect timeout={self.timeout})",
+            ) from exc
+        except OSError as exc:
+            sock.close()
+            raise urllib3.exceptions.NewConnectionError(
+                self, f"Failed to establish a new connection: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        sys.audit("http.client.connect", self, self.host, self.port)
+        return sock
+
+    #: The next send() is the request head: keep it for the body's send (see request()).
+    _hold_head = False
+    _held_head: Optional[bytes] = None
+
+    def request(self, method: str, url: str, body: Any = None,  # type: ignore[override]
+                headers: Optional[Mapping[str, str]] = None, **kwargs: Any) -> None:
+        # urllib3 sends the head and then the body (two syscalls, two segments with
+        # TCP_NODELAY); a body of bytes goes out with its head in one send instead.
+        self._hold_head = isinstance(body, bytes) and bool(body) and not kwargs.get("chunked")
+        try:
+            super().request(method, url, body=body, headers=headers, **kwargs)
+        finally:
+            self._hold_head = False
+            self._held_head = None  # only left when the body's send never came (it raised)
+
+    def send(self, data: Any) -> None:
+        if self._hold_head:
+            self._hold_head = False
+            self._held_head = bytes(data)
+            return
+        held = self._held_head
+        if held is not None:
+            self._held_head = None
+            if isinstance(data, bytes):
+                data = held + data
+            else:
+                super().send(held)
+        super().send(data)
 
     def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
         watch = _CLIENT_WATCH.get()
@@ -254,24 +331,38 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
+#: Lowercase names never forwarded upstream / never relayed down (besides those the
+#: ``Connection`` header names).
+_NOT_UP = HOP_BY_HOP | _DROP_UP
+_NOT_DOWN = HOP_BY_HOP | _DROP_DOWN
+
+
 def upstream_headers(headers: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Request headers to forward: hop-by-hop, ``Host``, ``Content-Length`` and the internal
     token removed.
 
     :param headers: the client's headers as (name, value) pairs.
     """
-    named = _connection_tokens(dict(headers))
-    return {k: v for k, v in headers
-            if k.lower() not in HOP_BY_HOP and k.lower() not in _DROP_UP
-            and k.lower() not in named}
+    out: dict[str, str] = {}
+    connection: dict[str, str] = {}
+    for k, v in headers:
+        if k == "Connection" or k == "connection":
+            connection[k] = v  # the last of each spelling, as a dict of the pairs keeps it
+        if k.lower() not in _NOT_UP:
+            out[k] = v
+    named = _connection_tokens(connection) if connection else set()
+    if named:
+        out = {k: v for k, v in out.items() if k.lower() not in named}
+    return out
 
 
 def downstream_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """Response headers to relay: hop-by-hop and ``Content-Length`` removed."""
     named = _connection_tokens(headers)
+    if not named:
+        return [(k, v) for k, v in headers.items() if k.lower() not in _NOT_DOWN]
     return [(k, v) for k, v in headers.items()
-            if k.lower() not in HOP_BY_HOP and k.lower() not in _DROP_DOWN
-            and k.lower() not in named]
+            if k.lower() not in _NOT_DOWN and k.lower() not in named]
 
 
 def _no_error(target: str, kind: str) -> None:
@@ -538,6 +629,9 @@ class Proxy:
                                               "http": _WatchedPool}
         self._timeout = urllib3.Timeout(connect=settings.connect_timeout_s,
                                         read=settings.read_timeout_s)
+        #: ``host:port`` -> its pool in the manager, kept (looking it up builds a pool key,
+        #: ~10 us); bounded: cleared when full.
+        self._pool_of: dict[str, urllib3.connectionpool.HTTPConnectionPool] = {}
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._errors: dict[tuple[str, str], int] = {}
@@ -625,10 +719,11 @@ class Proxy:
             tried.append(target)
             data = body_for(target)
             rank = dp_ranks.get(target)
-            sent = dict(headers)
+            sent: Mapping[str, str] = headers
             if rank is not None:
-                sent = {k: v for k, v in sent.items() if k.lower() != DP_RANK_HEADER.lower()}
-                sent[DP_RANK_HEADER] = str(rank)
+                ranked = {k: v for k, v in headers.items() if k.lower() != _DP_RANK_LOWER}
+                ranked[DP_RANK_HEADER] = str(rank)
+                sent = ranked
             dispatch = (self.in_flight.begin((target, *companions),
                                              None if rank is None else (target, rank))
                         if self.in_flight is not None else None)
@@ -637,7 +732,7 @@ class Proxy:
             if info is not None:
                 notify(self.observer, "on_dispatch", info)
             try:
-                response = self._post(f"http://{target}{path}", data, sent, client)
+                response = self._post(target, path, data, sent, client)
             except ClientGone as exc:
                 if dispatch is not None:
                     dispatch.release()
@@ -720,14 +815,25 @@ class Proxy:
         assert last is not None, "forward() needs at least one target"
         raise type(last)(f"{last.message} (tried {', '.join(tried)})") from last.__cause__
 
-    def _post(self, url: str, data: bytes, headers: Mapping[str, str],
+    def _post(self, target: str, path: str, data: bytes, headers: Mapping[str, str],
               client: Optional[ClientWatch]) -> urllib3.response.BaseHTTPResponse:
-        """One upstream POST up to its response head, the client watched meanwhile."""
+        """One upstream POST of ``path`` to ``target`` (``host:port``) up to its response
+        head, the client watched meanwhile; on ``target``'s pool (what the pool manager's
+        ``urlopen`` does without redirects, minus parsing the URL again per request)."""
+        pool = self._pool_of.get(target)
+        if pool is None or pool.pool is None:  # not yet, or closed
+            url = urllib3.util.parse_url(f"http://{target}")
+            pool = self._pools.connection_from_host(url.host or "", url.port or 80,
+                                                    scheme="http")
+            if len(self._pool_of) >= _MAX_POOLS:
+                self._pool_of = {}  # forgotten, not closed: requests may be using them
+            self._pool_of[target] = pool
         watched = _CLIENT_WATCH.set(client)
         try:
-            return self._pools.urlopen("POST", url, body=data, headers=dict(headers),
-                                       preload_content=False, decode_content=False,
-                                       redirect=False, retries=False, timeout=self._timeout)
+            return pool.urlopen("POST", path, body=data, headers=headers,
+                                preload_content=False, decode_content=False,
+                                redirect=False, retries=False, assert_same_host=False,
+                                timeout=self._timeout)
         finally:
             _CLIENT_WATCH.reset(watched)
 
@@ -735,6 +841,9 @@ class Proxy:
         """Close the pooled connections. Idempotent."""
         # urllib3 2.x's PoolManager.clear() only forgets its pools (no dispose function), so
         # close each pool's kept-alive connections explicitly.
+        kept, self._pool_of = list(self._pool_of.values()), {}
+        for kept_pool in kept:  # one the manager evicted is no longer among its pools
+            kept_pool.close()
         pools = self._pools.pools
         for key in list(pools.keys()):
             pool = pools.get(key)

@@ -45,14 +45,14 @@ predicted when it was dispatched, plus the requests of other senders that P's la
   recent), else ``prefill_ms(P, input_tokens)`` of the request being routed (a queued request
   of unknown size costs a full prefill of this size).
 
-The work term (``--ttft_work_weight`` ``w``, default 3, D29; 0 is §12 exactly): a
+The work term (``--ttft_work_weight`` ``w``, default 6, D29; 0 is §12 exactly): a
 candidate's score is ``predicted_ttft(P) + w * (prefill_ms(P, uncached) - min over candidates
 of the same)``. The predicted TTFT is the request's own; the prefill a colder candidate must
 compute beyond the best-cached one's is also time every request queued behind it there waits
 (the prefix the request would have reused is recomputed, the lane busy meanwhile) and cache
 the cluster gives up, which the request's own TTFT does not count: by default a request
 leaves the engine holding its prefix only when its predicted TTFT elsewhere is lower by more
-than three times the prefill the move recomputes. With the same hit everywhere the term is 0.
+than six times the prefill the move recomputes. With the same hit everywhere the term is 0.
 ``predicted_ttft_ms`` stays the TTFT; ``score`` is what was compared.
 
 Nothing here does I/O; the choice reads the ledger's snapshot (copied under its lock) and the
@@ -198,7 +198,7 @@ class TtftPolicy(CacheAware):
     :param dp_rank_routing: ``--dp_rank_routing``: score (instance, DP rank) pairs of the
         backends that honour a rank (§15), each with its rank's hits, own pending prefills
         and reported queue.
-    :param work_weight: ``--ttft_work_weight`` ``w`` >= 0 (default 3, D29): a candidate's
+    :param work_weight: ``--ttft_work_weight`` ``w`` >= 0 (default 6, D29): a candidate's
         score is its predicted TTFT plus ``w`` times the prefill it adds beyond the
         best-cached candidate's (module docstring); 0: §12's predicted TTFT alone.
 

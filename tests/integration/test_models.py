@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvsvc.http.extensions import EXTENSION
+from kvsvc.clock import VirtualClock
 from kvsvc.routing.models import ModelLister, ModelListerSettings, parse_model_list, union
 from tests.support.upstreams import refused_name, upstreams
 from tests.support.routes import NS, completion, register, running
@@ -135,16 +136,21 @@ def test_lister_keeps_a_failing_instances_last_list_and_warns_once(etcd_server, 
         up.models = ("m",)
         register(app, etcd, up.name)
         registry = app.extensions[EXTENSION].registry
-        lister = ModelLister(registry, ModelListerSettings(refresh_interval_s=0.05,
-                                                           poll_interval_s=0.02))
+        # The refresh rule runs on a virtual clock: a refresh is due only when the test moves
+        # it by refresh_interval_s, never by waiting.
+        clock = VirtualClock()
+        lister = ModelLister(registry, ModelListerSettings(refresh_interval_s=60.0,
+                                                           poll_interval_s=0.02), clock.now)
         lister.start()
         try:
             wait_for(lambda: [m.id for m in lister.models()] == ["m"], what="listed")
             assert lister.models()[0].instances == (up.name,)
             with caplog.at_level(logging.WARNING, logger="kvsvc.routing.models"):
                 up.models_status = 500
-                served = up.models_served
-                wait_for(lambda: up.models_served >= served + 3, what="three failed refreshes")
+                for _ in range(3):
+                    served = up.models_served
+                    clock.advance(60.0)
+                    wait_for(lambda: up.models_served > served, what="a failed refresh")
                 assert [m.id for m in lister.models()] == ["m"]
             warnings = [r.getMessage() for r in caplog.records
                         if r.name == "kvsvc.routing.models" and r.levelno == logging.WARNING]

@@ -392,7 +392,7 @@ def test_make_policy_names_and_ranges(caplog):
     assert (ttft.name, ttft.host_hit_weight, ttft.default_prefill_tokens_per_s,
             ttft.work_weight) == ("TTFT", 0.8, 5000.0, 2.0)
     ttft = make_policy("TTFT")
-    assert (ttft.host_hit_weight, ttft.work_weight) == (0.95, 3.0)   # D30, D29
+    assert (ttft.host_hit_weight, ttft.work_weight) == (0.95, 6.0)   # D30, D29
     # An unknown name is a bug: the settings table admits only these (its ranges and names
     # are checked there once, tests/unit/test_settings.py).
     with pytest.raises(ValueError, match="LEAST_LOAD"):

@@ -52,22 +52,22 @@ def test_cache_hits_are_weighed_in_time_against_the_queue():
     assert {c.name: c.score for c in d.candidates} == {"a:1": 20.0, "b:1": 100.0}
 
 
-def test_the_default_work_term_keeps_a_long_prefix_unless_the_move_saves_three_times_it():
-    """D29: by default a candidate pays 3x the prefill it recomputes beyond the best-cached
+def test_the_default_work_term_keeps_a_long_prefix_unless_the_move_saves_six_times_it():
+    """D29: by default a candidate pays 6x the prefill it recomputes beyond the best-cached
     candidate's; the predicted TTFT shown is still the request's own."""
     policy = TtftPolicy(RequestMetricsLedger())
-    assert policy.work_weight == DEFAULT_TTFT_WORK_WEIGHT == 3.0
+    assert policy.work_weight == DEFAULT_TTFT_WORK_WEIGHT == 6.0
     idle = inst("b:1")
     m = [match("a:1", dev=800), match("b:1")]
-    # a: 3 queued x 100 ms + 20 ms = 320; b: 100 + 3 x (100 - 20) = 340: a keeps the prefix.
-    d = policy.choose(TOKENS, snap(inst("a:1", waiting=3), idle), m, now=NOW)
+    # a: 5 queued x 100 ms + 20 ms = 520; b: 100 + 6 x (100 - 20) = 580: a keeps the prefix.
+    d = policy.choose(TOKENS, snap(inst("a:1", waiting=5), idle), m, now=NOW)
     assert d.prefill.name == "a:1"
-    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 320.0, "b:1": 340.0}
-    assert p_scores(d) == {"a:1": (300.0, 20.0, 320.0), "b:1": (0.0, 100.0, 100.0)}
-    # A queue ahead worth more than the move's threefold recompute still moves it: 4 x 100.
-    d = policy.choose(TOKENS, snap(inst("a:1", waiting=4), idle), m, now=NOW)
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 520.0, "b:1": 580.0}
+    assert p_scores(d) == {"a:1": (500.0, 20.0, 520.0), "b:1": (0.0, 100.0, 100.0)}
+    # A queue ahead worth more than the move's sixfold recompute still moves it: 6 x 100.
+    d = policy.choose(TOKENS, snap(inst("a:1", waiting=6), idle), m, now=NOW)
     assert d.prefill.name == "b:1"
-    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 420.0, "b:1": 340.0}
+    assert {c.name: round(c.score, 6) for c in d.candidates} == {"a:1": 620.0, "b:1": 580.0}
     # Nothing cached anywhere: no work term, the lowest predicted TTFT (the shorter queue).
     d = policy.choose(TOKENS, snap(inst("a:1", waiting=1), idle),
                       [match("a:1"), match("b:1")], now=NOW)

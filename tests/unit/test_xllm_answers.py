@@ -212,3 +212,24 @@ def test_generation_from_the_protobuf_json_form(camel: bool) -> None:
     assert gen.usage == GenUsage(4, 2, 6, 0)
     assert gen.tokens == 2
     assert generation_from_dict({}) == Generation("")
+
+
+def test_token_chunks_are_the_whole_objects_bytes():
+    """A token chunk's fixed part is encoded once per answer; the bytes stay those of the
+    whole chunk object through orjson (every spec shape, odd model names)."""
+    import orjson
+
+    from kvsvc.routing.answers import StreamAssembler, answer_spec
+    for chat in (True, False):
+        for include_usage in (True, False):
+            for model in ("sim", 'q"u\\ote\u2028ü', ""):
+                spec = answer_spec(chat, {"model": model, "stream_options": {
+                    "include_usage": include_usage}}, "sid-1", 1700000000)
+                asm = StreamAssembler(spec)
+                choices = [{"index": 0, "text": "t\n\"é", "logprobs": None,
+                            "finish_reason": None}]
+                doc = {"id": spec.answer_id, "object": spec.chunk_object,
+                       "created": spec.created, "model": spec.model, "choices": choices}
+                if include_usage:
+                    doc["usage"] = None
+                assert asm._chunk(choices) == b"data: " + orjson.dumps(doc) + b"\n\n"
