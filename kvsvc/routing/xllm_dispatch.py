@@ -529,13 +529,15 @@ class GenerationsBody(UpstreamBody):
                 raise self._failed(UpstreamUnreachable(
                     f"upstream {bound.name}: {problem} while generating request "
                     f"{self._pending.service_req_id}"))
-            if gens:
-                return gens
+            # Before the entries: a non-streamed answer's entries may flow without a pause
+            # for as long as the engine generates, and nobody reads them once the client left.
             if self._client is not None and self._client.client_gone():
                 self._client.gone = True
                 self._pending.cancel(CANCEL_CLIENT_GONE)
                 raise ClientGone(f"client closed its connection while {self.target} generated "
                                  f"request {self._pending.service_req_id}")
+            if gens:
+                return gens
             silent = time.monotonic() - self._pending.last_entry_at
             if silent >= self._read_timeout_s:
                 raise self._failed(UpstreamTimeout(

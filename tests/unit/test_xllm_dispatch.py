@@ -24,7 +24,7 @@ from kvsvc.cluster.model import (
     LoadMetrics,
     RegistrySnapshot,
 )
-from kvsvc.errors import BadRequest, UpstreamTimeout, UpstreamUnreachable
+from kvsvc.errors import BadRequest, ClientGone, UpstreamTimeout, UpstreamUnreachable
 from kvsvc.routing.answers import (
     GenOutput,
     GenUsage,
@@ -285,6 +285,39 @@ def test_client_gone_makes_the_next_entry_false() -> None:
     engine.join()
     assert engine.answers and not any(engine.answers)
     assert rec.calls[-1] == ("on_cancel", "client went away")
+    assert in_flight.snapshot().total(P1) == 0
+
+
+class GoneClient:
+    """A client connection (:class:`~kvsvc.routing.proxy.ClientWatch`'s two members) that is
+    there for the first ``checks`` peeks and closed after."""
+
+    def __init__(self, checks: int) -> None:
+        self.checks = checks
+        self.gone = False
+
+    def client_gone(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_non_streamed_client_gone_is_cancelled_while_entries_flow() -> None:
+    """A non-streamed request whose client left while the engine generates is cancelled at
+    the next check (``ClientGone``, ``on_cancel``, nothing left open), not generated to the
+    end. (The check now also runs while entries flow; this scripted engine pauses after its
+    first entry, so the flowing case itself was shown against ``kvsvc up --xllm native``.)"""
+    p = inst(P1)
+    reg = Registry(p)
+    disp, engine, rec, in_flight = dispatcher(
+        lambda q: Engine(q, script=tokens_script(300), gap_s=0.01), reg)
+    client = GoneClient(checks=1)
+    with pytest.raises(ClientGone):   # the non-streamed answer is awaited inside forward
+        disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS,
+                     client=client).body.read_all()
+    engine.join()
+    assert client.gone
+    assert len(engine.answers) < 300 and disp.pending.stats().open == 0
+    assert rec.names()[-1] == "on_cancel"
     assert in_flight.snapshot().total(P1) == 0
 
 
