@@ -34,7 +34,7 @@ from gunicorn.glogging import Logger as GunicornGlogging
 from kvsvc.address import format_host_port
 from kvsvc.http.extensions import EXTENSION
 from kvsvc.service import Service
-from kvsvc.settings import LOG_LEVELS, load_service_settings
+from kvsvc.settings import LOG_LEVELS, ServiceSettings, load_service_settings
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,22 @@ def gunicorn_settings() -> dict[str, Any]:
     }
 
 
+#: The worker's switch interval (ms) when ``--worker_switch_interval_ms`` is 0: with native
+#: xLLM dispatch, and otherwise (Python's own).
+NATIVE_SWITCH_INTERVAL_MS = 0.5
+DEFAULT_SWITCH_INTERVAL_MS = 5.0
+
+
+def switch_interval_ms(settings: ServiceSettings) -> float:
+    """The worker's interpreter switch interval, ms: ``--worker_switch_interval_ms`` when set,
+    else :data:`NATIVE_SWITCH_INTERVAL_MS` with ``--xllm_dispatch native`` and
+    :data:`DEFAULT_SWITCH_INTERVAL_MS` without."""
+    if settings.worker_switch_interval_ms > 0:
+        return settings.worker_switch_interval_ms
+    return (NATIVE_SWITCH_INTERVAL_MS if settings.xllm_dispatch == "native"
+            else DEFAULT_SWITCH_INTERVAL_MS)
+
+
 def _service(worker: Any) -> Service:
     return worker.wsgi.extensions[EXTENSION]
 
@@ -152,10 +168,10 @@ def post_worker_init(worker: Any) -> None:
         boot and the arbiter stops.
     """
     service = _service(worker)
+    interval_ms = switch_interval_ms(service.settings)
     # Per process, and the arbiter's own value must not change: set in the worker only.
-    sys.setswitchinterval(service.settings.worker_switch_interval_ms / 1000.0)
-    log.info("worker %s: starting service (switch interval %g ms)", worker.pid,
-             service.settings.worker_switch_interval_ms)
+    sys.setswitchinterval(interval_ms / 1000.0)
+    log.info("worker %s: starting service (switch interval %g ms)", worker.pid, interval_ms)
     service.start(timeout_s=STREAM_TIMEOUT_S)
 
 

@@ -271,9 +271,10 @@ def _forward(path: str, body: bytes, doc: dict, token_ids: Optional[Sequence[int
         ttft = predicted_ttft_ms(decision, reply.target)
         if ttft is not None:
             headers.append((PREDICTED_TTFT_HEADER, f"{ttft:.1f}"))
-        log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
-                  reply.target, routed.decode or "-", decision.policy, decision.input_tokens,
-                  (time.monotonic() - started) * 1000)
+        if log.isEnabledFor(logging.DEBUG):  # its arguments cost more than the check
+            log.debug("%s %s -> %s/%s (%s, %d tokens) head in %.1f ms", request.method, path,
+                      reply.target, routed.decode or "-", decision.policy,
+                      decision.input_tokens, (time.monotonic() - started) * 1000)
         if doc.get("stream") is True or reply.is_event_stream:
             # The WSGI server closes the relay when the stream ends or the client goes away;
             # that releases the request's in-flight count, then counts and times the answer.

@@ -136,4 +136,22 @@ def test_post_worker_init_sets_the_switch_interval_then_starts(clean_env) -> Non
         assert abs(seen[0] - 0.00025) < 1e-9
     finally:
         sys.setswitchinterval(saved)
-    assert load_service_settings(kv_events_config_file="").worker_switch_interval_ms == 0.5
+    assert load_service_settings(kv_events_config_file="").worker_switch_interval_ms == 0.0
+
+
+def test_switch_interval_unset_is_short_for_native_dispatch_only() -> None:
+    """0 (the default) means 0.5 ms with native xLLM dispatch (baidu_std answers waiting behind
+    a busy thread) and Python's 5 ms otherwise (forced switches cost HTTP requests' CPU); a
+    value given is used as it is."""
+    from types import SimpleNamespace
+
+    from kvsvc.server import switch_interval_ms
+
+    def of(ms: float, dispatch: str) -> float:
+        return switch_interval_ms(SimpleNamespace(worker_switch_interval_ms=ms,  # type: ignore[arg-type]
+                                                  xllm_dispatch=dispatch))
+
+    assert of(0.0, "http") == 5.0
+    assert of(0.0, "native") == 0.5
+    assert of(2.5, "native") == 2.5
+    assert of(0.25, "http") == 0.25
