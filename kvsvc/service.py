@@ -34,15 +34,17 @@ Whoever serves the service starts it after any fork and closes it at exit (gunic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Protocol
 
 from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
 from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
 from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
-from kvsvc.cluster.model import RegistrySettings
+from kvsvc.cluster.model import Instance, RegistrySettings, RegistrySnapshot
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
@@ -62,7 +64,7 @@ from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.router import EMPTY_SNAPSHOT, Router, served_models
 from kvsvc.routing.engine_loss import LostEngines
 from kvsvc.routing.generations import PendingRequests
-from kvsvc.routing.xllm_dispatch import XllmDispatcher
+from kvsvc.routing.xllm_dispatch import BaiduStdHeartbeats, XllmDispatcher
 from kvsvc.rpc.engines import BaiduStdCaller
 from kvsvc.rpc.server import RpcServer, XllmRpcHandler
 
@@ -150,6 +152,16 @@ def pending_limits(settings: ServiceSettings) -> Optional[OverlayLimits]:
     if settings.pending_ttl_ms <= 0:
         return None
     return OverlayLimits(settings.pending_ttl_ms / 1000.0, settings.pending_blocks)
+
+
+def _native_view(snapshot: Callable[[], RegistrySnapshot], native: Callable[[Instance], bool]
+                 ) -> Callable[[], RegistrySnapshot]:
+    """``snapshot`` with only the instances ``native`` accepts."""
+    def view() -> RegistrySnapshot:
+        snap = snapshot()
+        return dataclasses.replace(snap, instances=MappingProxyType(
+            {n: i for n, i in snap.instances.items() if native(i)}))
+    return view
 
 
 def _no_candidates(pd_links: Optional[PdLinks], lost: Optional[LostEngines]
@@ -302,7 +314,13 @@ class Service:
         # xLLM engines whose baidu_std connection closed and whose port refuses: their
         # requests fail at once, not when their lease expires (issue 19).
         self.lost_engines: Optional[LostEngines] = None
-        if settings.xllm_dispatch == "native":
+        # --xllm_dispatch auto: native for the xLLM instances heard heartbeating over
+        # baidu_std here (possible only with the baidu_std port), HTTP for the others.
+        self.baidu_std_heartbeats: Optional[BaiduStdHeartbeats] = (
+            BaiduStdHeartbeats() if settings.xllm_dispatch == "auto"
+            and self.rpc_address is not None else None)
+        native = settings.xllm_dispatch == "native" or self.baidu_std_heartbeats is not None
+        if native:
             registry = self.registry
             snapshot = registry.snapshot if registry is not None else (lambda: EMPTY_SNAPSHOT)
             self.lost_engines = LostEngines(snapshot)
@@ -311,11 +329,17 @@ class Service:
                 self.generations, snapshot,
                 self.router.in_flight, self.router.proxy.observer,
                 settings.upstream_read_timeout_s, lambda: self.rpc_source_address,
-                lost=self.lost_engines)
+                lost=self.lost_engines,
+                native_for=(self.baidu_std_heartbeats.native
+                            if self.baidu_std_heartbeats is not None else None))
         self.pd_links: Optional[PdLinks] = None
-        if settings.xllm_dispatch == "native" and self.registry is not None:
+        if native and self.registry is not None:
             registry = self.registry
-            self.pd_links = PdLinks(registry.snapshot, HttpLinkCaller(
+            # Under auto only the natively dispatched instances are linked (an HTTP one
+            # has no LinkInstance to call).
+            links_view = (_native_view(registry.snapshot, self.baidu_std_heartbeats.native)
+                          if self.baidu_std_heartbeats is not None else registry.snapshot)
+            self.pd_links = PdLinks(links_view, HttpLinkCaller(
                 registration=lambda name: registration_fields(registry.registration(name))),
                 clock=clock.now)
         excluded = _no_candidates(self.pd_links, self.lost_engines)
@@ -331,7 +355,10 @@ class Service:
                                           settings.etcd_namespace)
         self.rpc_server: Optional[RpcServer] = (
             RpcServer(XllmRpcHandler(self.heartbeats, self.registry, self.generations,
-                                     excluded),
+                                     excluded,
+                                     on_heartbeat=(self.baidu_std_heartbeats.heard
+                                                   if self.baidu_std_heartbeats is not None
+                                                   else None)),
                       settings.rpc_host, settings.rpc_port,
                       on_connection_closed=(self.lost_engines.connection_closed
                                             if self.lost_engines is not None else None))

@@ -74,8 +74,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: Accepted ``--log_format`` values.
 LOG_FORMATS = ("json", "text")
 #: ``--xllm_dispatch`` values (§13): ``native`` sends requests for ``backend_type`` "xllm" over
-#: xLLM's API service and writes the answer from Generations; ``http`` relays them over HTTP.
-XLLM_DISPATCH_MODES = ("http", "native")
+#: xLLM's API service and writes the answer from Generations; ``http`` relays them over HTTP;
+#: ``auto`` is ``native`` for an xLLM instance unless this replica takes its heartbeats over
+#: HTTP (its current incarnation), then ``http``.
+XLLM_DISPATCH_MODES = ("auto", "http", "native")
 
 #: Policy names accepted by ``--load_balance_policy`` (xllm-service's names, §11).
 class PolicyName(enum.StrEnum):
@@ -354,11 +356,15 @@ class ServiceSettings(BaseSettings):
         SECTION_ROUTING, "comma-separated model names served (`/v1/models`; others get 404); "
         "empty accepts any", env_file=True)] = ""
     xllm_dispatch: Annotated[str, Setting(
-        SECTION_ROUTING, "how requests reach instances of `backend_type` \"xllm\": `native` "
-        "calls the engine's `xllm.proto.XllmAPIService` and writes the answer from its "
-        "`Generations` (real xLLM engines, §13; needs token ids, i.e. `--tokenizer_path` for "
+        SECTION_ROUTING, "how requests reach instances of `backend_type` \"xllm\": `auto` "
+        "is `native` (an xLLM engine registers in etcd only with `--enable_service_routing`, "
+        "heartbeats over baidu_std and gives its tokens only by `Generations`) except for an "
+        "instance whose heartbeats this replica takes over HTTP (the simulated engine's HTTP "
+        "mode): `http`; with `--rpc_port 0`, `http` for all; "
+        "`native` calls every xLLM instance's `xllm.proto.XllmAPIService` and writes the "
+        "answer from its `Generations` (§13; needs token ids, i.e. `--tokenizer_path` for "
         "text); `http` relays the OpenAI request over HTTP (the simulated engine's HTTP mode); "
-        "vLLM and SGLang are always relayed", choices=XLLM_DISPATCH_MODES)] = "http"
+        "vLLM and SGLang are always relayed", choices=XLLM_DISPATCH_MODES)] = "auto"
     upstream_connect_timeout_s: Annotated[float, Field(gt=0, le=600), Setting(
         SECTION_ROUTING, "TCP connect bound of one upstream attempt", unit="s")] = 2.0
     upstream_read_timeout_s: Annotated[float, Field(gt=0, le=86400), Setting(

@@ -114,6 +114,8 @@ def _heartbeat() -> flask.Response:
         counter.labels(HeartbeatOutcome.STALE_INCARNATION).inc()
         raise
     counter.labels(HeartbeatOutcome.OK).inc()
+    if svc.baidu_std_heartbeats is not None:   # --xllm_dispatch auto: this one is HTTP
+        svc.baidu_std_heartbeats.heard_http(hb.name, hb.incarnation_id)
     return flask.jsonify(ok=True)
 
 

@@ -132,8 +132,9 @@ class Router:
         self._registry = registry
         self._directory = directory
         self._attempt_ids = itertools.count(1)
-        #: Native dispatch to xLLM engines (§13, ``--xllm_dispatch native``), set by the
-        #: service; ``None``: every instance is relayed over HTTP.
+        #: Native dispatch to xLLM engines (§13, ``--xllm_dispatch native`` or ``auto``: the
+        #: instances it :meth:`~kvsvc.routing.xllm_dispatch.XllmDispatcher.handles`), set by
+        #: the service; ``None``: every instance is relayed over HTTP.
         self.xllm: Optional["XllmDispatcher"] = None
         #: Instances that are no candidate besides the policy's own rules -> why (the P/D
         #: instances whose link failed, §13, :class:`~kvsvc.cluster.pd_links.PdLinks`); set by
@@ -260,7 +261,7 @@ class Router:
         if decision.prefill is None:
             raise NoCandidate(decision.reason)
         decode = decision.decode.name if decision.decode is not None else ""
-        if self.xllm is not None and decision.prefill.backend_type == "xllm":
+        if self.xllm is not None and self.xllm.handles(decision.prefill):
             x_request_id = next((v for k, v in client_headers if k.lower() == "x-request-id"),
                                 "")
             return Routed(decision, self.xllm.forward(decision, path, doc, token_ids,

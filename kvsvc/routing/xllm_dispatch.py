@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 import requests
 import requests.adapters
 
-from kvsvc.cluster.model import InstanceState, RegistrySnapshot
+from kvsvc.cluster.model import Instance, InstanceState, RegistrySnapshot
 from kvsvc.errors import (
     BadRequest,
     ClientGone,
@@ -330,6 +330,51 @@ def completion_request(doc: Mapping[str, Any], token_ids: Sequence[int],
         prompt = prompt[0]
     msg["prompt"] = prompt if isinstance(prompt, str) else ""
     return msg
+
+
+class BaiduStdHeartbeats:
+    """How each instance's heartbeats reach this replica (baidu_std or HTTP), by name, with the
+    incarnation they gave: under ``--xllm_dispatch auto`` an xLLM instance is dispatched
+    natively unless its current incarnation's last heartbeat here came over HTTP. An xLLM
+    engine registers in etcd only when started with ``--enable_service_routing``, and then
+    heartbeats only over baidu_std and gives its tokens only by ``Generations``: native is
+    right for every one this replica has not heard over HTTP (a replica that is not master
+    hears no heartbeat at all). The simulated engine's HTTP mode (and ``vllm_sidecar``)
+    heartbeats over HTTP: relayed. Thread-safe; one per service.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._heard: dict[str, tuple[str, bool]] = {}   # name -> (incarnation, baidu_std)
+
+    def heard(self, name: str, incarnation_id: str, baidu_std: bool = True) -> None:
+        """An accepted heartbeat of ``name`` (``incarnation_id`` ``""`` when it gave none)
+        over baidu_std, or over HTTP (``baidu_std`` False); a change is logged once."""
+        entry = (incarnation_id or "", baidu_std)
+        if self._heard.get(name) == entry:
+            return
+        with self._lock:
+            if self._heard.get(name) == entry:
+                return
+            self._heard[name] = entry
+        log.info("xLLM instance %s heartbeats over %s: %s (--xllm_dispatch auto)", name,
+                 "baidu_std" if baidu_std else "HTTP",
+                 "dispatched natively" if baidu_std else "relayed over HTTP")
+
+    def heard_http(self, name: str, incarnation_id: Optional[str]) -> None:
+        """An accepted HTTP heartbeat of ``name``."""
+        self.heard(name, incarnation_id or "", baidu_std=False)
+
+    def native(self, inst: Instance) -> bool:
+        """False only when ``inst``'s current incarnation's last heartbeat here came over HTTP
+        (an incarnation missing on either side matches)."""
+        entry = self._heard.get(inst.name)
+        if entry is None:
+            return True
+        incarnation, baidu_std = entry
+        if incarnation and inst.incarnation_id and incarnation != inst.incarnation_id:
+            return True   # a new process, not heard yet
+        return baidu_std
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,15 +679,20 @@ class XllmDispatcher:
     :param max_attempts: instances tried at most per request.
     :param lost: the engines known dead from their closed baidu_std connection
         (:mod:`kvsvc.routing.engine_loss`); ``None``: only the registry's states count.
+    :param native_for: which xLLM instances are dispatched natively
+        (:meth:`BaiduStdHeartbeats.native` under ``--xllm_dispatch auto``); ``None``: every
+        one (``native``).
     """
 
     def __init__(self, caller: EngineCaller, pending: PendingRequests,
                  snapshot: Callable[[], RegistrySnapshot], in_flight: InFlight,
                  observer: Optional[RequestObserver], read_timeout_s: float,
                  source_addr: Callable[[], str], max_attempts: int = 2,
-                 lost: Optional[LostEngines] = None) -> None:
+                 lost: Optional[LostEngines] = None,
+                 native_for: Optional[Callable[[Instance], bool]] = None) -> None:
         self.caller = caller
         self.lost = lost
+        self.native_for = native_for
         self.pending = pending
         self._snapshot = snapshot
         self.in_flight = in_flight
@@ -653,6 +703,12 @@ class XllmDispatcher:
         self._attempt_ids = itertools.count(1 << 40)  # apart from the proxy's ids
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
+
+    def handles(self, inst: Instance) -> bool:
+        """True when a request for ``inst`` goes natively: ``backend_type`` ``"xllm"`` and
+        ``native_for`` says so (always without one)."""
+        return inst.backend_type == "xllm" and (self.native_for is None
+                                                or self.native_for(inst))
 
     def failures(self) -> dict[str, int]:
         """Engine ``host:port`` -> dispatch calls that failed."""
@@ -690,8 +746,7 @@ class XllmDispatcher:
         source = self._source_addr()
         tried: list[str] = []
         last: Optional[UpstreamError] = None
-        ranking = [i for i in decision.prefill_ranking
-                   if i.backend_type == "xllm"][:self.max_attempts]
+        ranking = [i for i in decision.prefill_ranking if self.handles(i)][:self.max_attempts]
         for inst in ranking:
             target = inst.name
             tried.append(target)

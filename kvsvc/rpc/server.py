@@ -140,12 +140,17 @@ class XllmRpcHandler:
     :param excluded: the instances that are no candidate (a failed P/D link, §13:
         :meth:`~kvsvc.cluster.pd_links.PdLinks.excluded`), left out of the static lists;
         ``None``: none.
+    :param on_heartbeat: called as ``(name, incarnation_id)`` for every accepted Heartbeat
+        (:meth:`kvsvc.routing.xllm_dispatch.BaiduStdHeartbeats.heard`, ``--xllm_dispatch
+        auto``); ``None``: nobody.
     """
 
     def __init__(self, heartbeats: HeartbeatIntake, registry: Optional[Registry],
                  sink: Optional[GenerationSink],
-                 excluded: Optional[Callable[[], Mapping[str, str]]] = None) -> None:
+                 excluded: Optional[Callable[[], Mapping[str, str]]] = None,
+                 on_heartbeat: Optional[Callable[[str, str], None]] = None) -> None:
         self._heartbeats = heartbeats
+        self._on_heartbeat = on_heartbeat
         self._registry = registry
         self._sink = sink
         self._excluded = excluded
@@ -236,7 +241,10 @@ class XllmRpcHandler:
                 float(req.load_metrics.gpu_cache_usage_perc))
         with self._lock:
             self._hb[outcome.value] += 1
-        return messages.Status(ok=outcome is HeartbeatOutcome.OK)
+        ok = outcome is HeartbeatOutcome.OK
+        if ok and self._on_heartbeat is not None:
+            self._on_heartbeat(req.name, req.incarnation_id)
+        return messages.Status(ok=ok)
 
     def _generations(self, req: Any) -> tuple[bytes, Optional[Callable[[], None]]]:
         entries = req.gens

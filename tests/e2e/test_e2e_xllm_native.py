@@ -72,19 +72,20 @@ class NativeEngine:
     baidu_std to the master key's address."""
 
     def __init__(self, etcd_addr: str, kind: RegisteredType = RegisteredType.DEFAULT,
-                 time_scale: float = 20.0, extra: Optional[dict] = None) -> None:
+                 time_scale: float = 20.0, extra: Optional[dict] = None,
+                 native: bool = True, namespace: str = "") -> None:
         port = free_port()
         self.name = f"127.0.0.1:{port}"
         self.engine = SimEngine(self.name, free_port(), free_port(), http_port=port,
-                                serving=ServingConfig(time_scale=time_scale), native=True,
+                                serving=ServingConfig(time_scale=time_scale), native=native,
                                 kv_events=False)
-        assert self.engine.native is not None
-        self.native = self.engine.native
+        self.native = self.engine.native   # type: ignore[assignment]
         self.reg = EtcdRegistration(
             etcd_addr, self.name, 1, lambda: Load(self.engine.waiting_requests(), 0.0),
-            instance_type=kind, heartbeat_interval_s=0.3, profiling=extra,
-            heartbeat=rpc_heartbeat(self.native.client))
-        self.native.set_master(self.reg.master)
+            instance_type=kind, heartbeat_interval_s=0.3, profiling=extra, namespace=namespace,
+            heartbeat=rpc_heartbeat(self.native.client) if self.native is not None else None)
+        if self.native is not None:
+            self.native.set_master(self.reg.master)
 
     def start(self) -> "NativeEngine":
         self.engine.start()
@@ -108,10 +109,12 @@ def _tokenizer_dir(tmp: Path) -> Path:
     return d
 
 
-def _serve(tmp: Path, etcd_addr: str, *extra: str) -> tuple[Server, int]:
+def _serve(tmp: Path, etcd_addr: str, *extra: str, dispatch: str = "native"
+           ) -> tuple[Server, int]:
     rpc_port = free_port()
     server = Server(tmp, free_port(), [
-        "--etcd_addr", etcd_addr, "--model", "sim", "--xllm_dispatch", "native",
+        "--etcd_addr", etcd_addr, "--model", "sim", *(("--xllm_dispatch", dispatch)
+                                                     if dispatch else ()),
         "--rpc_port", str(rpc_port), "--rpc_host", "127.0.0.1",
         "--tokenizer_path", str(_tokenizer_dir(tmp)), "--upstream_read_timeout_s", "6",
         "--load_balance_policy", "RR", *extra])
@@ -438,6 +441,41 @@ def test_engine_killed_the_openai_sdk_raises_and_non_streamed_is_502(tmp_path,
         client.close()
         for proc in procs:
             _kill(proc)
+        server.stop()
+
+
+def test_default_auto_dispatch_is_native_for_baidu_std_heartbeats_http_for_the_others(
+        tmp_path, etcd_server) -> None:
+    """``--xllm_dispatch`` unset (``auto``): the engine that heartbeats over baidu_std (a real
+    xLLM engine with service routing) is served natively, the one that heartbeats over HTTP
+    (the simulated engine's HTTP mode) by the HTTP relay; both answer right."""
+    server, _ = _serve(tmp_path, etcd_server.addr, "--etcd_namespace", "auto", dispatch="")
+    native = http = None
+    try:
+        native = NativeEngine(etcd_server.addr, namespace="auto")
+        http = NativeEngine(etcd_server.addr, native=False, namespace="auto")
+        native.start()
+        http.start()
+        wait_for(lambda: _candidates(server, {native.name, http.name}), BOUND_S, 0.1,
+                 "both engines candidates")
+        assert native.native is not None
+        served: dict[str, str] = {}
+        for _ in range(8):   # RR alternates between the two
+            before = len(native.native.received)
+            doc = server.post("/v1/completions", json={"model": "sim", "prompt": PROMPT,
+                                                       "max_tokens": 3})
+            assert doc.status_code == 200, doc.text
+            assert doc.json()["choices"][0]["text"] == expected(3)
+            target = doc.headers["x-kvsvc-prefill"]
+            served[target] = "native" if len(native.native.received) > before else "http"
+            if len(served) == 2:
+                break
+        assert served == {native.name: "native", http.name: "http"}
+        assert "heartbeats over baidu_std: dispatched natively" in server.log()
+    finally:
+        for engine in (native, http):
+            if engine is not None:
+                engine.close()
         server.stop()
 
 

@@ -45,8 +45,11 @@ REGISTRATIONS = {
 
 @contextmanager
 def service(etcd_addr: str, rpc_port: int) -> Iterator[Service]:
+    # http: the registrations below name no real engine, and native dispatch (also the
+    # default, auto) would link the P/D pairs and leave them out of the static lists.
     settings = load_service_settings(etcd_addr=etcd_addr, host="127.0.0.1", port=free_port(),
-                                     rpc_host="127.0.0.1", rpc_port=rpc_port)
+                                     rpc_host="127.0.0.1", rpc_port=rpc_port,
+                                     xllm_dispatch="http")
     svc = Service(settings, None)
     svc.start(timeout_s=10.0)
     try:

@@ -42,6 +42,7 @@ from kvsvc.routing.policy import Decision
 from kvsvc.routing.request_metrics import RequestMetricsLedger
 from kvsvc.routing.xllm_dispatch import (
     CHAT_METHOD,
+    BaiduStdHeartbeats,
     COMPLETIONS_METHOD,
     NEEDS_TOKENS,
     XllmDispatcher,
@@ -379,6 +380,28 @@ def test_startup_warns_about_native_dispatch_that_cannot_work(monkeypatch) -> No
     quiet = startup_warnings(load_service_settings(etcd_addr="127.0.0.1:2379", rpc_port=0),
                              None)
     assert not any("xllm_dispatch" in line for line in quiet)
+
+
+def test_auto_dispatch_is_native_unless_heard_over_http() -> None:
+    """``--xllm_dispatch auto`` (issue 19 item 6): an xLLM instance is dispatched natively
+    unless its current incarnation's last heartbeat here came over HTTP (an xLLM engine that
+    registers in etcd heartbeats over baidu_std; a replica hears no heartbeat); vLLM/SGLang
+    never."""
+    heard = BaiduStdHeartbeats()
+    p, other = inst(P1, inc="inc-a"), inst(P2)
+    disp, _, _, _ = dispatcher(lambda q: Engine(q), Registry(p, other))
+    disp.native_for = heard.native
+    assert disp.handles(p) and disp.handles(other)          # nothing heard: native
+    heard.heard_http(P1, "inc-a")
+    assert not disp.handles(p) and disp.handles(other)      # HTTP heartbeats: relayed
+    assert disp.handles(dataclasses.replace(p, incarnation_id="inc-b"))   # a new process
+    heard.heard(P1, "inc-a")                                # then baidu_std: native
+    assert disp.handles(p)
+    heard.heard_http(P2, None)                              # no incarnation: its name
+    assert not disp.handles(other)
+    assert not disp.handles(dataclasses.replace(p, backend_type="vllm"))
+    disp.native_for = None                   # --xllm_dispatch native: every xLLM instance
+    assert disp.handles(other)
 
 
 # -- the fields sent (issue 19 items 3, 4) ----------------------------------------------
