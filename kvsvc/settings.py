@@ -59,6 +59,7 @@ from kvsvc.address import (advertised_ipv4, check_bind_host, check_ipv4, format_
                            parse_host_port, parse_http_host_port)
 from kvsvc.config import (
     DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
+    Backend,
     KvEventsConfig,
     check_discovery_needs_etcd,
     load_kv_events_config,
@@ -395,6 +396,16 @@ class ServiceSettings(BaseSettings):
             raise ValueError(UNSUPPORTED_POLICIES[value])
         if value not in POLICY_NAMES:
             raise ValueError(f"must be {' or '.join(POLICY_NAMES)}, got {value!r}")
+        return value
+
+    @field_validator("load_scrape_backends")
+    @classmethod
+    def _scrape_backends(cls, value: str) -> str:
+        # The names discovery.backends takes (§8): a typo would scrape nothing, silently.
+        known = [b.value for b in Backend]
+        for name in (n.strip() for n in value.split(",")):
+            if name and name not in known:
+                raise ValueError(f"each name must be one of {', '.join(known)}, got {name!r}")
         return value
 
     @field_validator("xllm_dispatch")

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 EMPTY_SNAPSHOT = RegistrySnapshot(MappingProxyType({}), False, False, 0)
 
 
+#: The OpenAI paths an xLLM engine takes natively over ``XllmAPIService`` (§13 "Dispatch"):
+#: its two generation methods. Other paths (embeddings) are relayed over its HTTP API.
+NATIVE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
 class RegistryView(Protocol):
     """What the router reads of the instance registry (:class:`kvsvc.cluster.registry.Registry`):
     its snapshots, and the clock that dated their loads (:mod:`kvsvc.clock`)."""
@@ -252,6 +256,8 @@ class Router:
         :param token_ids: the prompt's tokens (``None``: unknown); needed when the P is an
             xLLM engine dispatched natively (:attr:`xllm`, §13), which takes the request over
             ``XllmAPIService`` instead of HTTP.
+            Only generation paths (:data:`NATIVE_PATHS`) go natively: an xLLM engine answers
+            anything else (``/v1/embeddings``) over its HTTP API, which the proxy relays.
         :raises NoCandidate: ``decision`` has no P.
         :raises ClientGone: the client went away before the head (the upstream cancelled).
         :raises BadRequest: native xLLM dispatch without token ids, or the engine refused.
@@ -261,7 +267,8 @@ class Router:
         if decision.prefill is None:
             raise NoCandidate(decision.reason)
         decode = decision.decode.name if decision.decode is not None else ""
-        if self.xllm is not None and self.xllm.handles(decision.prefill):
+        if (self.xllm is not None and path.split("?", 1)[0] in NATIVE_PATHS
+                and self.xllm.handles(decision.prefill)):
             x_request_id = next((v for k, v in client_headers if k.lower() == "x-request-id"),
                                 "")
             return Routed(decision, self.xllm.forward(decision, path, doc, token_ids,

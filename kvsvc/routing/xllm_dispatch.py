@@ -102,6 +102,10 @@ COMPLETIONS_METHOD = "Completions"
 #: The 400 of a request whose prompt kvsvc cannot give as token ids.
 NEEDS_TOKENS = ("prompt: xLLM engines take the prompt as token ids: send token ids, or start "
                 "kvsvc with --tokenizer_path so that text and chat prompts are tokenized")
+#: The 400 of a batch of prompts (a list of texts or of token-id lists): an xLLM request
+#: carries one prompt.
+ONE_PROMPT = ("prompt: xLLM engines take one prompt per request: send each prompt of the batch "
+              "as its own request")
 #: Longest wait between two checks of the generating instance's state, seconds.
 CHECK_INTERVAL_S = 0.25
 #: Bound of the engine's answer to the dispatch call (it answers at once), seconds.
@@ -739,6 +743,10 @@ class XllmDispatcher:
         chat = path.split("?", 1)[0].endswith("/chat/completions")
         check_xllm_fields(doc, chat)
         if token_ids is None:
+            prompt = doc.get("prompt")
+            if (not chat and isinstance(prompt, list) and prompt
+                    and all(isinstance(p, (list, str)) for p in prompt)):
+                raise BadRequest(ONE_PROMPT)
             raise BadRequest(NEEDS_TOKENS)
         streamed = doc.get("stream") is True
         decode_inst = decision.decode

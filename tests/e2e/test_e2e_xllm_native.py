@@ -231,6 +231,25 @@ def test_openai_fields_reach_the_engine_or_are_a_400_naming_them(cluster) -> Non
     assert engine.native.counts["accepted"] == accepted
 
 
+def test_embeddings_are_relayed_and_a_batch_prompt_is_a_400_saying_one_prompt(cluster) -> None:
+    """Only the generation paths go natively (``NATIVE_PATHS``): ``/v1/embeddings`` to an xLLM
+    engine is relayed over its HTTP API, not checked against ChatRequest's fields; a batch
+    of prompts is a 400 naming ``prompt`` that says an xLLM request carries one prompt (not
+    the tokenizer message), and nothing is dispatched."""
+    server, _, engine, _ = cluster
+    r = server.post("/v1/embeddings", json={"model": "sim", "input": "hi there"})
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["embedding"], r.text
+    accepted = engine.native.counts["accepted"]
+    for prompt in ([PROMPT, PROMPT], ["a", "b"]):
+        r = server.post("/v1/completions", json={"model": "sim", "prompt": prompt,
+                                                 "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and "one prompt per request" in err["message"], r.text
+    assert engine.native.counts["accepted"] == accepted
+
+
 def test_text_prompt_without_tokenizer_is_a_clear_400(tmp_path, etcd_server) -> None:
     server = Server(tmp_path, free_port(), [
         "--etcd_addr", etcd_server.addr, "--xllm_dispatch", "native",

@@ -318,6 +318,16 @@ def test_settings_ranges_named(clean_env, kwargs, field):
     assert info.value.field == field
 
 
+def test_load_scrape_backends_take_the_backend_names_only(clean_env):
+    """A misspelt backend would scrape nothing; it is refused naming the flag and the name,
+    as ``discovery.backends`` refuses it (§8)."""
+    with pytest.raises(ConfigError) as info:
+        load_service_settings(load_scrape_backends="vllm,foo")
+    assert info.value.field == "--load_scrape_backends" and "'foo'" in str(info.value)
+    assert load_service_settings(load_scrape_backends=" vllm, sglang ,").load_scrape_backends
+    assert load_service_settings(load_scrape_backends="").load_scrape_backends == ""
+
+
 def test_settings_bad_env_value_named(clean_env):
     """An error names the variable the value came from; a flag that overrides it, the flag."""
     clean_env.setenv("KVSVC_PORT", "http")
