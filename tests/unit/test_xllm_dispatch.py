@@ -98,8 +98,9 @@ class Engine:
 
     def __init__(self, pending: PendingRequests, fail: Mapping[str, Exception] = {},
                  script: Optional[Callable[[str], list[Generation]]] = None,
-                 gap_s: float = 0.0) -> None:
+                 gap_s: float = 0.0, spin_s: float = 0.0) -> None:
         self.pending = pending
+        self.spin_s = spin_s  # a pause per entry without sleeping (the unit tier refuses it)
         self.fail = dict(fail)
         self.script = script
         self.gap_s = gap_s
@@ -123,6 +124,12 @@ class Engine:
                 self.answers.extend(self.pending.deliver([gen]))
                 if self.gap_s:
                     time.sleep(self.gap_s)
+                if self.spin_s:
+                    if self.answers and self.answers[-1] is False:
+                        break   # cancelled: an engine stops generating
+                    until = time.perf_counter() + self.spin_s
+                    while time.perf_counter() < until:
+                        pass
         t = threading.Thread(target=push, daemon=True)
         t.start()
         self.threads.append(t)
@@ -288,6 +295,11 @@ def test_client_gone_makes_the_next_entry_false() -> None:
     assert in_flight.snapshot().total(P1) == 0
 
 
+#: Entries of the flowing engine, one per 0.2 ms: seconds of entries, many check intervals
+#: (0.25 s), fewer unread at any time than a request's queue bound.
+N_FLOWING = 20_000
+
+
 class GoneClient:
     """A client connection (:class:`~kvsvc.routing.proxy.ClientWatch`'s two members) that is
     there for the first ``checks`` peeks and closed after."""
@@ -302,21 +314,21 @@ class GoneClient:
 
 
 def test_non_streamed_client_gone_is_cancelled_while_entries_flow() -> None:
-    """A non-streamed request whose client left while the engine generates is cancelled at
-    the next check (``ClientGone``, ``on_cancel``, nothing left open), not generated to the
-    end. (The check now also runs while entries flow; this scripted engine pauses after its
-    first entry, so the flowing case itself was shown against ``kvsvc up --xllm native``.)"""
+    """The walkthrough's case: entries arrive without a pause (the scripted engine delivers
+    as fast as it can, for seconds) while the client of a non-streamed request has left: the
+    request is cancelled at the next check (``ClientGone``, the engine's next entries
+    answered ``ok: false``, ``on_cancel``), not generated to the end and counted 200."""
     p = inst(P1)
     reg = Registry(p)
     disp, engine, rec, in_flight = dispatcher(
-        lambda q: Engine(q, script=tokens_script(300), gap_s=0.01), reg)
+        lambda q: Engine(q, script=tokens_script(N_FLOWING), spin_s=0.0002), reg)
     client = GoneClient(checks=1)
     with pytest.raises(ClientGone):   # the non-streamed answer is awaited inside forward
         disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS,
                      client=client).body.read_all()
     engine.join()
     assert client.gone
-    assert len(engine.answers) < 300 and disp.pending.stats().open == 0
+    assert False in engine.answers and disp.pending.stats().open == 0
     assert rec.names()[-1] == "on_cancel"
     assert in_flight.snapshot().total(P1) == 0
 
