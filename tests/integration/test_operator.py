@@ -149,7 +149,7 @@ def test_no_candidate_503_carries_retry_after(etcd_server, etcd):
 
 
 def test_token_counts_from_the_usage_of_an_answer():
-    from kvsvc.http.metrics import TokenMetrics
+    from kvsvc.http.metrics import Children, TokenMetrics
     from kvsvc.routing.observer import RequestInfo
     from prometheus_client import CollectorRegistry, Histogram
 
@@ -158,8 +158,11 @@ def test_token_counts_from_the_usage_of_an_answer():
             reg = CollectorRegistry()
             self.registry = reg
             self.inter_token_seconds = Histogram("itl", "", ["model"], registry=reg)
+            self.inter_token_seconds_of = Children(self.inter_token_seconds)
             self.prompt_tokens = Histogram("p", "", ["model"], registry=reg)
             self.completion_tokens = Histogram("c", "", ["model"], registry=reg)
+            self.prompt_tokens_of = Children(self.prompt_tokens)
+            self.completion_tokens_of = Children(self.completion_tokens)
 
     inst = Instruments()
     observer = TokenMetrics(inst)  # type: ignore[arg-type]

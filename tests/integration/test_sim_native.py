@@ -166,7 +166,10 @@ def test_ok_false_cancels_the_request() -> None:
             wait_for(lambda: eng.serving.stats().cancelled == 1, 10, what="the cancel")
             assert eng.native.counts["refused"] == 1
             texts = [o.text for g in refused.of("x1") for o in g.outputs]
-            assert texts[-1].endswith(" t2") and len(texts) == 3
+            # The engine pushes each decode step without waiting for the answer to the last
+            # (as xLLM's response processor does), so one step generated before the refusal
+            # was read may still go out; nothing after it.
+            assert texts[2].endswith(" t2") and len(texts) in (3, 4), texts
     finally:
         refused.close()
 
