@@ -122,6 +122,35 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[k]
 
 
+def cpu_split(pid: Optional[int]) -> Optional[tuple[float, float]]:
+    """(user, system) CPU seconds of process ``pid`` so far, all its threads; ``None`` when
+    unknown (no pid, not Linux)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    # Fields 14 and 15 (utime, stime) of proc(5), counted after the ")" closing the name.
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: Optional[int]) -> Optional[float]:
+    """User + system CPU seconds of process ``pid`` so far, ``None`` when unknown."""
+    split = cpu_split(pid)
+    return None if split is None else split[0] + split[1]
+
+
+def gunicorn_worker_pid(arbiter_pid: int) -> Optional[int]:
+    """The one gunicorn worker's pid (the arbiter's only child), ``None`` when unknown."""
+    try:
+        children = Path(f"/proc/{arbiter_pid}/task/{arbiter_pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if len(children) == 1 else None
+
+
 def token_pool(n: int, seed: int) -> list[int]:
     """``n`` random token ids in ``[0, VOCAB)`` as a list of Python ints (like decoded JSON or
     MessagePack would give)."""

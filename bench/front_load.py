@@ -45,8 +45,7 @@ if __package__ in (None, ""):  # ``python bench/front_load.py``
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
     __package__ = "bench"
 
-from bench._common import percentile  # noqa: E402
-from bench.http_load import _worker_pid  # noqa: E402
+from bench._common import cpu_split, gunicorn_worker_pid, percentile  # noqa: E402
 from kvsvc.testbed.bench_routing import MODEL, BenchOptions, EngineProcesses  # noqa: E402
 from kvsvc.testbed.demo import (  # noqa: E402
     DemoOptions,
@@ -107,23 +106,14 @@ class Cell:
             return None
         return 1e6 * self.cpu_s / self.done
 
+    def p(self, q: float) -> float:
+        """Latency percentile ``q`` (0..100) of the answered requests, ms; NaN when none was
+        answered (the cell is reported as failed, not the run lost)."""
+        return percentile(self.lat_ms, q) if self.lat_ms else float("nan")
+
     @property
     def label(self) -> str:
         return f"{self.target} {self.body} {'stream' if self.stream else 'plain'} c={self.conc}"
-
-
-def cpu_split(pid: Optional[int]) -> Optional[tuple[float, float]]:
-    """(user, system) CPU seconds of process ``pid`` so far, all its threads; ``None`` when
-    unknown (no pid, not Linux)."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    # Fields 14 and 15 (utime, stime) of proc(5), counted after the ")" closing the name.
-    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def short_bodies(n: int, stream: bool, words: Optional[list[str]], seed: int) -> list[bytes]:
@@ -291,7 +281,7 @@ def run(args: argparse.Namespace) -> list[Cell]:
         service.start(60.0, {(n, 0) for n in engines.names})
         service.wait_routable(set(engines.names), 60.0)
         assert service.pid is not None
-        worker = _worker_pid(service.pid)
+        worker = gunicorn_worker_pid(service.pid)
         idle0 = cpu_split(worker)
         time.sleep(args.idle_s)
         idle1 = cpu_split(worker)
@@ -323,8 +313,8 @@ def run(args: argparse.Namespace) -> list[Cell]:
                         cells.append(cell)
                         cpu = cell.cpu_us
                         print(f"  {cell.label:<28} {cell.rps:7.0f} req/s, p50 "
-                              f"{percentile(cell.lat_ms, 0.5):7.2f} ms, p99 "
-                              f"{percentile(cell.lat_ms, 0.99):7.2f} ms, worker CPU "
+                              f"{cell.p(50):7.2f} ms, p99 "
+                              f"{cell.p(99):7.2f} ms, worker CPU "
                               f"{'-' if cpu is None else f'{cpu:.0f}'} us/req "
                               f"({'-' if cell.sys_s is None else f'{1e6 * cell.sys_s / max(1, cell.done):.0f}'} sys), failed "
                               f"{cell.failed} {dict(list(cell.errors.items())[:2]) or ''}",
@@ -357,7 +347,7 @@ def report(cells: Sequence[Cell]) -> str:
             f"| {c.body} | {'stream' if c.stream else 'plain'} | {c.conc} | "
             f"{f'{d.rps:,.0f}' if d else '-'} | {c.rps:,.0f} | "
             f"{f'{c.rps / d.rps:.2f}' if d and d.rps else '-'} | "
-            f"{percentile(c.lat_ms, 0.5):.1f} | {percentile(c.lat_ms, 0.99):.1f} | "
+            f"{c.p(50):.1f} | {c.p(99):.1f} | "
             f"{'-' if cpu is None else f'{cpu:,.0f}'} | {c.rps / TARGET_RPS:.2f} | "
             f"{'-' if cpu is None else f'{cpu / TARGET_CPU_US:.2f}'} | "
             f"{c.failed + (d.failed if d else 0)} |")

@@ -39,6 +39,8 @@ from typing import Optional
 import requests
 
 from ._common import (
+    cpu_seconds,
+    gunicorn_worker_pid,
     ROOT,
     Result,
     StreamServer,
@@ -74,37 +76,16 @@ class WrkRun:
     cpu_s: Optional[float]
 
 
-def _cpu_seconds(pid: Optional[int]) -> Optional[float]:
-    """User + system CPU seconds of process ``pid`` so far, ``None`` when unknown."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # Fields 14 and 15 (utime, stime) of proc(5), counted after the ")" closing the name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _worker_pid(arbiter_pid: int) -> Optional[int]:
-    """The one gunicorn worker's pid (the arbiter's only child), ``None`` when unknown."""
-    try:
-        children = Path(f"/proc/{arbiter_pid}/task/{arbiter_pid}/children").read_text().split()
-    except OSError:
-        return None
-    return int(children[0]) if len(children) == 1 else None
-
-
 def _wrk(url: str, seconds: float, connections: int, script: Optional[str],
          worker: Optional[int]) -> WrkRun:
     """Run wrk against ``url`` for ``seconds``, measuring the worker's CPU time meanwhile."""
     cmd = ["wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
     if script:
         cmd += ["-s", script]
-    cpu0 = _cpu_seconds(worker)
+    cpu0 = cpu_seconds(worker)
     out = subprocess.run(cmd + [url], capture_output=True, text=True,
                          timeout=seconds + 60).stdout
-    cpu1 = _cpu_seconds(worker)
+    cpu1 = cpu_seconds(worker)
     m = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
     if m is None:
         raise RuntimeError(f"unexpected wrk output: {out!r}")
@@ -181,7 +162,7 @@ def bench_http(seconds: int = 10, connections: int = 32) -> Result:
             hits = [m["device_hit_tokens"] for m in answer["matches"]]
             if hits != [QUERY_TOKENS] + [0] * (N_STREAMS - 1):
                 raise AssertionError(f"unexpected HTTP answer {hits}")
-            worker = _worker_pid(proc.pid)
+            worker = gunicorn_worker_pid(proc.pid)
             trivial_url, query_url = base + TRIVIAL_PATH, base + QUERY_PATH
             _wrk(trivial_url, 1, connections, None, None)  # warm-up, both sides
             _wrk(query_url, 1, connections, str(script), None)

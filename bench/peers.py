@@ -147,7 +147,7 @@ def placements(results: dict, trace_name: str = "conversation") -> str:
     runs = [s for s in results.get("trace", []) if "requests" in s]
     trace = load_trace(trace_name)[:meta.get("requests", 0)]
     out: list[str] = []
-    per_run: dict[str, list[Optional[dict]]] = {}
+    per_run: dict[str, list[Optional[int]]] = {}
     for s in runs:
         rows = s["requests"]
         engines = sorted({r["engine"] for r in rows if r.get("engine")})
@@ -163,7 +163,7 @@ def placements(results: dict, trace_name: str = "conversation") -> str:
         cases = {"settled": 0, "in flight": 0}
         load_gap: list[float] = []
         prompt = cached = placed = best_hit = 0
-        info: list[Optional[dict]] = [None] * len(rows)
+        cached_of: list[Optional[int]] = [None] * len(rows)  # per request, in trace order
 
         def tokens(req: Any, k: int) -> int:
             return req.input_length if k >= len(req.hash_ids) else TRACE_BLOCK_TOKENS * k
@@ -193,18 +193,16 @@ def placements(results: dict, trace_name: str = "conversation") -> str:
             def busy(engine: str) -> int:  # requests in prefill or queued there at ``sent``
                 return sum(1 for a, f, _ in spans[engine] if a < sent < f)
 
-            kind = None
             if best > chosen:
                 kind = "settled" if prefix(best_engine, True) > chosen else "in flight"
                 lost[kind] += tokens(req, best) - tokens(req, chosen)
                 cases[kind] += 1
                 load_gap.append(busy(best_engine) - busy(r["engine"]))
-            info[i] = {"engine": r["engine"], "chosen": chosen, "best": best, "kind": kind,
-                       "cached": r["cached_tokens"] or 0, "ttft": (r["first"] - sent) * 1000}
+            cached_of[i] = r["cached_tokens"] or 0
             prefilled = r["first"]
             for h in req.hash_ids:
                 held[r["engine"]][h] = min(held[r["engine"]].get(h, prefilled), prefilled)
-        per_run[s["label"]] = info
+        per_run[s["label"]] = cached_of
         out.append(f"{s['label']}: {len(order)} requests, prompt {prompt} tokens; engines' "
                    f"cached {cached / max(1, prompt):.1%}; this placement with infinite caches "
                    f"{placed / max(1, prompt):.1%}; the longest prefix each time "
@@ -223,13 +221,10 @@ def placements(results: dict, trace_name: str = "conversation") -> str:
             if a >= b:
                 continue
             pa, pb = per_run[a], per_run[b]
-            both = [(x, y) for x, y in zip(pa, pb) if x and y]
-            diff = sum(x["cached"] - y["cached"] for x, y in both)
-            worse = sorted(((x["cached"] - y["cached"], k) for k, (x, y) in enumerate(both)),
-                           reverse=True)
-            out.append(f"{a} minus {b}: cached tokens {diff:+d} over {len(both)} requests; "
-                       f"{sum(1 for d, _ in worse if d > 0)} requests more cached in {a}, "
-                       f"{sum(1 for d, _ in worse if d < 0)} in {b}")
+            both = [(x, y) for x, y in zip(pa, pb) if x is not None and y is not None]
+            out.append(f"{a} minus {b}: cached tokens {sum(x - y for x, y in both):+d} over "
+                       f"{len(both)} requests; {sum(1 for x, y in both if x > y)} requests "
+                       f"more cached in {a}, {sum(1 for x, y in both if x < y)} in {b}")
     return "\n".join(out)
 
 

@@ -238,8 +238,7 @@ class Directory:
                  clock: Clock = MONOTONIC) -> None:
         self._limits = config
         self._pending_limits = pending
-        self._time = clock
-        self._clock = clock.now
+        self._clock = clock
         discovery = config.discovery
         self._approximate_limits = (
             OverlayLimits(float(discovery.approximate_ttl_s), discovery.approximate_blocks)
@@ -258,12 +257,12 @@ class Directory:
         configs = {_stream_id(cfg): cfg for cfg in config.kept_streams()}
         subscribers = ({} if context is None else
                        {sid: self._subscriber(cfg, context) for sid, cfg in configs.items()})
-        self._view = _View.of(configs, subscribers, clock=self._clock)
+        self._view = _View.of(configs, subscribers, clock=self._clock.now)
 
     def _subscriber(self, cfg: StreamConfig, context: zmq.Context) -> StreamSubscriber:
         pending = self._pending_limits.new() if self._pending_limits is not None else None
         return StreamSubscriber(cfg, self._limits, context, gate=self._gate,
-                                live_turns=self._live_turns, pending=pending, clock=self._time)
+                                live_turns=self._live_turns, pending=pending, clock=self._clock)
 
     def _new_view(self, configs: dict[StreamId, StreamConfig],
                   subscribers: dict[StreamId, StreamSubscriber],
@@ -272,7 +271,7 @@ class Directory:
         (caller holds the lock)."""
         if approximate is None:
             approximate = dict(self._view.approximate)
-        return _View.of(configs, subscribers, approximate, self._clock)
+        return _View.of(configs, subscribers, approximate, self._clock.now)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -540,7 +539,7 @@ class Directory:
                      by_geometry: list[list[int]]) -> None:
         """§16: each synchronized stream's pending blocks right after its reusable prefix, in
         ``pending_hit_tokens`` (a new answer: zero-hit answers are shared)."""
-        now = self._clock()
+        now = self._clock.now()
         geometry_of = view.geometry_of
         for i, overlay, block_size in view.pending_slots:
             if not len(overlay):
@@ -568,7 +567,7 @@ class Directory:
         :returns: blocks newly added, over all ranks.
         """
         view = self._current()
-        now = self._clock() if now is None else now
+        now = self._clock.now() if now is None else now
         added = 0
         for rank, prefix_tokens in ranks:
             sid = StreamId(instance_name, rank)
@@ -611,7 +610,7 @@ class Directory:
         :returns: blocks dropped.
         """
         view = self._current()
-        now = self._clock() if now is None else now
+        now = self._clock.now() if now is None else now
         dropped = sum(a.overlay.sweep(now) for a in view.approximate.values())
         return dropped + sum(overlay.sweep(now) for _, overlay, _ in view.pending_slots)
 

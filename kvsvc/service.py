@@ -42,14 +42,14 @@ from typing import Callable, Mapping, Optional, Protocol
 
 from kvsvc.clock import MONOTONIC, Clock
 from kvsvc.cluster.discovery import Discovery
-from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings, scrape_backends
+from kvsvc.cluster.load_scrape import LoadScraper, LoadScrapeSettings
 from kvsvc.cluster.pd_links import HttpLinkCaller, PdLinks, registration_fields
 from kvsvc.cluster.model import Instance, RegistrySettings, RegistrySnapshot
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.cluster.registry import Registry
 from kvsvc.config import KvEventsConfig, check_discovery_needs_etcd
-from kvsvc.settings import ServiceSettings
+from kvsvc.settings import ServiceSettings, scrape_backends
 from kvsvc.directory import Directory, OverlayLimits
 from kvsvc.errors import LifecycleError
 from kvsvc.routing.in_flight import InFlight

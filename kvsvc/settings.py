@@ -187,6 +187,12 @@ class Setting:
     env_file: bool | str = False
 
 
+
+def scrape_backends(value: str) -> frozenset[str]:
+    """``--load_scrape_backends`` -> the set of names (``"vllm, sglang"`` ->
+    ``{"vllm", "sglang"}``; empty: none)."""
+    return frozenset(n.strip() for n in value.split(",") if n.strip())
+
 class ServiceSettings(BaseSettings):
     """The service settings (xllm-service's flag names where it has one), validated before any
     thread starts. The token can come from ``KVSVC_INTERNAL_API_TOKEN`` or from a file
@@ -403,8 +409,8 @@ class ServiceSettings(BaseSettings):
     def _scrape_backends(cls, value: str) -> str:
         # The names discovery.backends takes (§8): a typo would scrape nothing, silently.
         known = [b.value for b in Backend]
-        for name in (n.strip() for n in value.split(",")):
-            if name and name not in known:
+        for name in sorted(scrape_backends(value)):
+            if name not in known:
                 raise ValueError(f"each name must be one of {', '.join(known)}, got {name!r}")
         return value
 

@@ -201,12 +201,6 @@ class LoadScrapeSettings:
     max_body_bytes: int = MAX_BODY_BYTES
 
 
-def scrape_backends(value: str) -> frozenset[str]:
-    """``--load_scrape_backends`` -> the set of names (``"vllm, sglang"`` ->
-    ``{"vllm", "sglang"}``; empty: none)."""
-    return frozenset(n.strip() for n in value.split(",") if n.strip())
-
-
 class LoadScraper(BackgroundThread):
     """Scrapes the load of the registered instances of :attr:`LoadScrapeSettings.backends`
     (module docstring) on the thread ``kvsvc-load-scrape``.

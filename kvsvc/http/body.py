@@ -558,9 +558,7 @@ def check_model_and_stream(doc: dict[str, Any], models: tuple[str, ...]) -> None
     if "stream" in doc and not isinstance(doc["stream"], bool):
         raise BadRequest("stream: must be a boolean")
     for name in OUTPUT_LIMIT_FIELDS:
-        value = doc.get(name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise BadRequest(f"{name}: must be an integer >= 1 or null, got {value!r}"[:200])
+        _check_int(doc, name, 1)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model: must be a non-empty string")

@@ -291,12 +291,7 @@ class TokenMetrics:
 
     def on_token(self, info: RequestInfo) -> None:
         """One gap since the attempt's previous token."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(info.attempt_id)
-            self._last[info.attempt_id] = now
-        if last is not None:
-            self._gap(info.model or "unknown").observe(now - last)
+        self.on_tokens(info, 1)
 
     def on_tokens(self, info: RequestInfo, n: int) -> None:
         """``n`` tokens relayed together: the gap since the previous token, then ``n - 1``

@@ -36,6 +36,7 @@ import time
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
+from kvsvc.address import parse_host_port
 from kvsvc.cluster.model import RegistrySnapshot, instance_identity
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,12 @@ def port_refuses(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """True when a TCP connect to ``name`` (``host:port``) is refused (nothing listens); False
     when it is accepted, times out, or fails otherwise (unknown is not dead), or ``name`` is
     no ``host:port``."""
-    host, sep, port = name.rpartition(":")
-    if not sep or not port.isdigit():
+    try:
+        hp = parse_host_port(name)
+    except ValueError:
         return False
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with socket.create_connection((hp.host, hp.port), timeout=timeout_s):
             return False
     except ConnectionRefusedError:
         return True
@@ -64,8 +66,10 @@ def port_refuses(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 
 def _host(address: str) -> str:
     """The host of ``host:port`` (``""`` when there is no port)."""
-    host, sep, _ = address.rpartition(":")
-    return host.strip("[]") if sep else ""
+    try:
+        return parse_host_port(address).host
+    except ValueError:
+        return ""
 
 
 class LostEngines:

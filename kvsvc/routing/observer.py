@@ -141,6 +141,23 @@ def notify_tokens(observer: Optional[RequestObserver], info: RequestInfo, n: int
         notify(observer, "on_token", info)
 
 
+def notify_heard(observer: Optional[RequestObserver], info: RequestInfo, seen: int,
+                 tokens: int) -> int:
+    """``tokens`` more output tokens of an answer that had ``seen`` so far: the answer's first
+    is FINISH_PREFILL (``on_first_token``), the others GENERATE (:func:`notify_tokens`).
+
+    :returns: the tokens seen now (``seen + tokens``; ``seen`` when ``tokens`` <= 0).
+    """
+    if tokens <= 0:
+        return seen
+    if seen == 0:
+        notify(observer, "on_first_token", info)
+        notify_tokens(observer, info, tokens - 1)
+    else:
+        notify_tokens(observer, info, tokens)
+    return seen + tokens
+
+
 class ObserverChain:
     """Several observers heard in order (e.g. the request-metrics ledger, then an accounting
     of cached tokens); one failing does not stop the others.
@@ -238,14 +255,7 @@ class RelayTracker:
     def _heard(self, tokens: int) -> None:
         """Observer calls for ``tokens`` token events of one chunk (the first of the answer
         is FINISH_PREFILL, the others GENERATE at once)."""
-        if tokens <= 0:
-            return
-        if self.tokens == 0:
-            notify(self.observer, "on_first_token", self.info)
-            notify_tokens(self.observer, self.info, tokens - 1)
-        else:
-            notify_tokens(self.observer, self.info, tokens)
-        self.tokens += tokens
+        self.tokens = notify_heard(self.observer, self.info, self.tokens, tokens)
 
     def _line(self, line: bytes) -> int:
         """1 when ``line`` is a token event, else 0; keeps the last ``usage`` seen."""

@@ -515,7 +515,7 @@ class UpstreamBody:
         """
         try:
             data = b"".join(self)
-            if data and self._is_json and not _parses(data):
+            if data and self._eof_framed and self._is_json and not _parses(data):
                 # Read to EOF, yet no JSON document: cut short by an engine that frames its
                 # body by closing the connection (no Content-Length, not chunked).
                 self._complete = False
@@ -524,6 +524,12 @@ class UpstreamBody:
             return data
         finally:
             self.close()
+
+    @property
+    def _eof_framed(self) -> bool:
+        """True when only the connection's close ends the body (no chunked framing, no
+        ``Content-Length``): urllib3 raises on a body short of either framing itself."""
+        return not self._response.chunked and self._response.length_remaining is None
 
     @property
     def _is_json(self) -> bool:

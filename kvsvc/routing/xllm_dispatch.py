@@ -88,7 +88,7 @@ from kvsvc.routing.observer import (
     RequestInfo,
     RequestObserver,
     notify,
-    notify_tokens,
+    notify_heard,
 )
 from kvsvc.routing.policy import Decision
 from kvsvc.routing.proxy import ClientWatch, RelayEnd, UpstreamBody, UpstreamReply
@@ -480,15 +480,9 @@ class GenerationsBody(UpstreamBody):
 
     def heard(self, tokens: int) -> None:
         """Observer calls for ``tokens`` more output tokens (FINISH_PREFILL for the first,
-        GENERATE for each further one, :func:`~kvsvc.routing.observer.notify_tokens`)."""
-        if self._info is None or tokens <= 0:
-            return
-        if self._tokens == 0:
-            notify(self._observer, "on_first_token", self._info)
-            notify_tokens(self._observer, self._info, tokens - 1)
-        else:
-            notify_tokens(self._observer, self._info, tokens)
-        self._tokens += tokens
+        GENERATE for each further one, :func:`~kvsvc.routing.observer.notify_heard`)."""
+        if self._info is not None:
+            self._tokens = notify_heard(self._observer, self._info, self._tokens, tokens)
 
     def release_turn(self) -> None:
         """Pass the wake-up turn on (:meth:`PendingRequest.release_turn`)."""
@@ -573,10 +567,6 @@ class GenerationsBody(UpstreamBody):
                 gens = self.next_entries()
             except ClientGone:
                 return  # nobody reads on: close() cancels the request
-            except UpstreamError as exc:
-                if self.broken is None:  # the registry failed it (overflow)
-                    self.broken = exc.message
-                raise
             # Every entry queued while the last write went out goes in one write (an engine
             # sends a step's tokens in a burst: one syscall and one chunk instead of several).
             parts = []
@@ -811,10 +801,12 @@ class XllmDispatcher:
             while not asm.done:
                 gens = body.next_entries()
                 body.release_turn()
+                tokens = 0
                 for gen in gens:
-                    body.heard(gen.tokens)
+                    tokens += gen.tokens
                     if asm.feed(gen):
                         break
+                body.heard(tokens)  # once per batch, as the streamed relay does
             body.finished()
             if asm.error is not None:
                 status = http_status_of_engine_error(asm.error.status_code)

@@ -153,6 +153,8 @@ class XllmRpcHandler:
         self._on_heartbeat = on_heartbeat
         self._registry = registry
         self._sink = sink
+        # Looked up once: a sink that defers its wake-ups (kvsvc's) or one that only delivers.
+        self._deliver_deferred = getattr(sink, "deliver_deferred", None)
         self._excluded = excluded
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
@@ -225,9 +227,9 @@ class XllmRpcHandler:
             heard.add(msg.name)
         try:
             out = fn(msg)
-            if type(out) is tuple:   # (answer bytes, what wakes the readers)
-                return Reply(out[0], after=out[1])
-            return Reply(out if type(out) is bytes else messages.serialize(out))
+            if isinstance(out, Reply):   # an answer with what runs after it is sent
+                return out
+            return Reply(messages.serialize(out))
         except Exception as exc:  # noqa: BLE001 - one call's bug is that call's EINTERNAL
             log.exception("rpc %s.%s failed", SERVICE_SHORT_NAME, request.method)
             return Reply(error_code=codec.EINTERNAL, error_text=f"{type(exc).__name__}: {exc}")
@@ -246,7 +248,7 @@ class XllmRpcHandler:
             self._on_heartbeat(req.name, req.incarnation_id)
         return messages.Status(ok=ok)
 
-    def _generations(self, req: Any) -> tuple[bytes, Optional[Callable[[], None]]]:
+    def _generations(self, req: Any) -> Reply:
         entries = req.gens
         n = len(entries)
         answers: list[bool] = []
@@ -254,7 +256,7 @@ class XllmRpcHandler:
         sink = self._sink
         if sink is not None and n:
             try:
-                deferred = getattr(sink, "deliver_deferred", None)
+                deferred = self._deliver_deferred
                 if deferred is not None:
                     # Converted by each request's reader, only for requests kvsvc holds.
                     answers, wake = deferred(entries, generation_from_proto)
@@ -272,7 +274,7 @@ class XllmRpcHandler:
         with self._lock:
             self._entries_ok += good
             self._entries_refused += n - good
-        return status_set_bytes(answers), wake
+        return Reply(status_set_bytes(answers), after=wake)
 
     def _instance_info(self, req: Any) -> Any:
         info = messages.InstanceMetaInfo()

@@ -117,6 +117,13 @@ class UpOptions:
     kv_events: bool = True
     flavor: str = Flavor.XLLM.value
 
+    def sim_flags(self) -> tuple[str, ...]:
+        """The ``kvsvc sim --serve`` flags every engine of this cluster takes from these
+        options (the DP ranks apart): native mode, no KV events, the flavor."""
+        return (("--native",) if self.xllm == "native" else ()) + (
+            () if self.kv_events else ("--kv-events", "off")) + (
+            ("--flavor", self.flavor) if self.flavor != Flavor.XLLM.value else ())
+
     def check(self) -> None:
         """:raises ConfigError: a value out of range (naming the flag)."""
         if self.engines < 1:
@@ -301,9 +308,7 @@ class LocalCluster:
             self._etcd.start(o.ready_timeout_s)
             self.etcd_addr = self._etcd.addr
         deadline = time.monotonic() + o.ready_timeout_s
-        sim_args: tuple[str, ...] = (("--native",) if o.xllm == "native" else ()) + (
-            () if o.kv_events else ("--kv-events", "off")) + (
-            ("--flavor", o.flavor) if o.flavor != Flavor.XLLM.value else ())
+        sim_args = o.sim_flags()
         # One tokenizer for the engines and the router: text prompts hit (issue 20 item 5);
         # a native xLLM engine takes the router's token ids.
         tokenizer = write_tokenizer(self.tmp / "tokenizer")
@@ -424,9 +429,7 @@ class LocalCluster:
                   "Add your own engine to this cluster:",
                   f"  kvsvc sim --serve --etcd {self.etcd_addr} "
                   f"--internal-api-token-file {shlex.quote(str(self.token_file))}"
-                  + (" --native" if o.xllm == "native" else "")
-                  + ("" if o.kv_events else " --kv-events off")
-                  + (f" --flavor {flavor.value}" if flavor is not Flavor.XLLM else "")
+                  + "".join(" " + shlex.quote(f) for f in o.sim_flags())
                   + (f" --dp {o.dp}" if o.dp > 1 else "")]
         return "\n".join(lines)
 

@@ -392,7 +392,6 @@ def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> No
         for line in lines:
             if b" t1" in line:
                 break
-        sid = ""
         os.killpg(proc.pid, signal.SIGKILL)
         rest = b"\n".join(l for l in _drain(lines))
         assert b'"error"' in rest and b"upstream_broken" in rest
@@ -410,6 +409,14 @@ def test_engine_killed_mid_stream_gives_a_visible_error(cluster, tmp_path) -> No
             in metrics
     finally:
         _kill(proc)
+
+
+def _entries_ok(server) -> int:
+    """The Generations entries the server answered ``ok: true`` so far."""
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith('kvsvc_rpc_generation_entries_total{ok="true"}'):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
 
 
 def test_engine_killed_the_openai_sdk_raises_and_non_streamed_is_502(tmp_path,
@@ -445,11 +452,28 @@ def test_engine_killed_the_openai_sdk_raises_and_non_streamed_is_502(tmp_path,
                 assert err.value.body["code"] == "upstream_broken"
                 assert f"instance {name} died" in err.value.message
             else:
-                threading.Timer(1.0, os.killpg, (proc.pid, signal.SIGKILL)).start()
-                with pytest.raises(openai.InternalServerError) as bad:
-                    client.completions.create(model="sim", prompt=PROMPT, max_tokens=5000)
-                assert bad.value.status_code == 502
-                assert f"instance {name} died" in bad.value.message
+                # Killed once its tokens flow (entries answered ok), not after a fixed time.
+                before = _entries_ok(server)
+                raised: list[BaseException] = []
+
+                def call() -> None:
+                    try:
+                        client.completions.create(model="sim", prompt=PROMPT, max_tokens=5000)
+                    except BaseException as exc:  # noqa: BLE001 - judged below
+                        raised.append(exc)
+                caller = threading.Thread(target=call)
+                caller.start()
+                try:
+                    wait_for(lambda: _entries_ok(server) >= before + 2, BOUND_S, 0.05,
+                             "the engine generating the non-streamed request")
+                    os.killpg(proc.pid, signal.SIGKILL)
+                finally:
+                    caller.join(BOUND_S)
+                assert len(raised) == 1 and isinstance(raised[0], openai.InternalServerError), \
+                    raised
+                bad = raised[0]
+                assert bad.status_code == 502
+                assert f"instance {name} died" in bad.message
             _kill(proc)
             wait_for(lambda: not _candidates(server, {name}), BOUND_S, 0.1, "no candidate")
         metrics = server.get("/metrics").text

@@ -16,8 +16,8 @@ from kvsvc.cluster.load_scrape import (
     LoadScrapeSettings,
     ScrapedLoad,
     parse_engine_load,
-    scrape_backends,
 )
+from kvsvc.settings import scrape_backends
 from kvsvc.cluster.model import (
     Instance,
     InstanceState,

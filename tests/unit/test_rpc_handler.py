@@ -4,6 +4,8 @@ methods, undecodable messages and a handler that raises."""
 
 from __future__ import annotations
 
+import threading
+
 from kvsvc.cluster.heartbeat import HeartbeatIntake
 from kvsvc.cluster.rejections import HeartbeatRejections
 from kvsvc.rpc import codec, messages
@@ -144,3 +146,28 @@ def test_deferred_wake_is_left_to_the_caller_only_when_asked():
     assert len(req.take(0)) == 1
     reply = h.handle(Request(2, SERVICE_NAME, "Generations", data))
     assert reply.after is None and len(req.take(0)) == 1
+    # A reader waiting: deferred, the wake-up is the caller's (the reader still waits until
+    # ``after`` runs); not deferred, the reader is woken before ``handle`` returns.
+    for deferred in (True, False):
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(req.take(5.0)))
+        reader.start()
+        try:
+            _spin_until(lambda: req._waiting)
+            reply = h.handle(Request(3, SERVICE_NAME, "Generations", data), defer=deferred)
+            if deferred:
+                assert reply.after is not None and req._waiting and not got
+                reply.after()
+            else:
+                assert reply.after is None
+        finally:
+            reader.join(5.0)
+        assert len(got) == 1 and len(got[0]) == 1
+
+
+def _spin_until(cond, timeout_s: float = 5.0) -> None:
+    """Spin until ``cond()`` (the unit tier refuses ``time.sleep``)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"

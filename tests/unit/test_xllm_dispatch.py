@@ -379,10 +379,15 @@ def test_engine_lost_fails_a_non_streamed_request_at_once_counted_broken() -> No
     reg = Registry(p)
     disp, _, rec, _ = dispatcher(lambda q: Engine(q), reg, timeout_s=30.0)
     disp.lost = LostEngines(reg.snapshot, refuses=lambda name: True)
-    threading.Timer(0.2, disp.lost.connection_closed, ({P1}, "10.0.0.1:40000")).start()
+    closer = threading.Timer(0.2, disp.lost.connection_closed, ({P1}, "10.0.0.1:40000"))
+    closer.start()
     started = time.monotonic()
-    with pytest.raises(UpstreamUnreachable, match=f"{P1} died .* while generating request"):
-        disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS)
+    try:
+        with pytest.raises(UpstreamUnreachable, match=f"{P1} died .* while generating request"):
+            disp.forward(decision(p), "/v1/completions", {"prompt": TOKENS}, TOKENS)
+    finally:
+        closer.cancel()
+        closer.join(5.0)
     assert time.monotonic() - started < 5          # not the 30 s read timeout
     assert rec.names() == ["on_dispatch", "on_cancel"] and "broke" in rec.calls[-1][1]
     assert disp.pending.stats().open == 0

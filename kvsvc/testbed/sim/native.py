@@ -551,25 +551,11 @@ class NativeFront:
         self._start(lambda: self._serve(sid, rid, addr, req), sid[:12] or rid)
 
     def _push(self, addr: str, gen: Generation, cancel: CancelFlag) -> bool:
-        """Send one entry; False (and ``cancel`` set) when it was refused or not delivered."""
+        """Send one entry and wait for its answer; False (and ``cancel`` set) when it was
+        refused or not delivered."""
         if not addr:
-            cancel.set()
-            self._count("push_failed")
-            return False
-        ok = self.pusher.push(addr, gen)
-        if ok is None:
-            log.warning("sim %s: Generations to %s failed: request %s cancelled",
-                        self.name, addr, gen.service_req_id)
-            self._count("push_failed")
-            cancel.set()
-            return False
-        self._count("pushed")
-        if not ok:
-            self._count("refused")
-            cancel.set()
-            log.info("sim %s: request %s answered ok: false: cancelled", self.name,
-                     gen.service_req_id)
-        return ok
+            return self._settle(addr, gen.service_req_id, cancel, None, counted=False)
+        return self._settle(addr, gen.service_req_id, cancel, self.pusher.push(addr, gen))
 
     def _send(self, addr: str, gen: Generation, cancel: CancelFlag) -> bool:
         """Queue one decode step's entry without waiting for its answer (xLLM's step loop does
@@ -578,29 +564,32 @@ class NativeFront:
         if cancel.is_set():
             return False
         if not addr:
-            cancel.set()
-            self._count("push_failed")
-            return False
+            return self._settle(addr, gen.service_req_id, cancel, None, counted=False)
         sid = gen.service_req_id
 
         def answered(ok: Optional[bool]) -> None:
-            if ok is None:
-                if not cancel.is_set():
-                    log.warning("sim %s: Generations to %s failed: request %s cancelled",
-                                self.name, addr, sid)
-                self._count("push_failed")
-                cancel.set()
-                return
-            self._count("pushed")
-            if not ok:
-                self._count("refused")
-                if not cancel.is_set():
-                    log.info("sim %s: request %s answered ok: false: cancelled", self.name,
-                             sid)
-                cancel.set()
-
+            self._settle(addr, sid, cancel, ok)
         self.pusher.send(addr, gen, answered)
         return True
+
+    def _settle(self, addr: str, sid: str, cancel: CancelFlag, ok: Optional[bool],
+                counted: bool = True) -> bool:
+        """One entry's answer: ``None`` (not delivered, or no address when not ``counted``)
+        and ``False`` (refused) cancel the request, logged once; the answer's truth."""
+        if ok is None:
+            if counted and not cancel.is_set():
+                log.warning("sim %s: Generations to %s failed: request %s cancelled",
+                            self.name, addr, sid)
+            self._count("push_failed")
+            cancel.set()
+            return False
+        self._count("pushed")
+        if not ok:
+            self._count("refused")
+            if not cancel.is_set():
+                log.info("sim %s: request %s answered ok: false: cancelled", self.name, sid)
+            cancel.set()
+        return ok
 
     @staticmethod
     def _tokens(first: int, last: int) -> GenOutput:
