@@ -411,7 +411,7 @@ class ServiceSettings(BaseSettings):
         known = [b.value for b in Backend]
         for name in sorted(scrape_backends(value)):
             if name not in known:
-                raise ValueError(f"each name must be one of {', '.join(known)}, got {name!r}")
+                raise ValueError(f"{name!r} is not one of {', '.join(known)}")
         return value
 
     @field_validator("xllm_dispatch")

@@ -26,7 +26,7 @@ routed on their cache hits.
 
 Once ``/ready`` answers 200 listing every engine's streams and every engine is a routing
 candidate (its first load report arrived, §11), it prints ``kvsvc up: ready``, the URLs and
-the curl lines to try, then waits. SIGINT or SIGTERM stops the router, then the engines (a
+the curl lines to try, then waits. SIGINT, SIGTERM or SIGHUP stops the router, then the engines (a
 clean stop revokes their leases while etcd still runs), then etcd, and removes the temporary
 directory (logs, config, etcd data); further signals are ignored while that runs (every stop
 is bounded). Exit codes: 0 after Ctrl-C / SIGTERM, 1 when a part did not start (its log tail
@@ -489,9 +489,11 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None,
                      kv_events=args.kv_events == "on", flavor=args.flavor)
     main = threading.current_thread() is threading.main_thread()
     if main:
-        # SIGTERM as Ctrl-C: either ends the start-up waits or the idle wait alike.
-        signal.signal(signal.SIGINT, _interrupt)
-        signal.signal(signal.SIGTERM, _interrupt)
+        # SIGTERM and SIGHUP (the terminal closed) as Ctrl-C: each ends the start-up waits or
+        # the idle wait alike, and the children are stopped (they run in sessions of their
+        # own, so a hang-up would not reach them).
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
     code = EXIT_OK
     cluster: Optional[LocalCluster] = None
     try:
@@ -517,8 +519,8 @@ def run(args: argparse.Namespace, stop: Optional[threading.Event] = None,
     finally:
         if main:
             # Every stop below is bounded; a second Ctrl-C must not leave children behind.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
         try:
             if cluster is not None:
                 cluster.close()

@@ -143,6 +143,16 @@ def test_completions_and_chat_streamed_and_not_with_text_hits(cluster):
     assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 3
 
 
+def test_embeddings_with_the_sdks_defaults(cluster):
+    """``client.embeddings.create`` as written: the SDK asks for base64 and decodes it; the
+    same vectors as the float form."""
+    client = cluster.client()
+    packed = client.embeddings.create(model="sim", input="Hello!")
+    plain = client.embeddings.create(model="sim", input="Hello!", encoding_format="float")
+    assert len(packed.data) == 1 and packed.data[0].embedding
+    assert packed.data[0].embedding == pytest.approx(plain.data[0].embedding, rel=1e-6)
+
+
 def test_models_and_errors_through_the_sdk(cluster):
     client = cluster.client()
     assert [m.id for m in client.models.list()] == ["sim"]

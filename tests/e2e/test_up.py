@@ -1,6 +1,7 @@
 """``kvsvc up``: a whole local cluster in the foreground; it serves completions through the
-router, answers the KV-cache query with a hit, exits 0 on SIGINT and on SIGTERM with every
-child process and its temporary directory gone, and refuses a router port in use at once."""
+router, answers the KV-cache query with a hit, exits 0 on SIGINT, SIGTERM and SIGHUP (a
+closed terminal) with every child process and its temporary directory gone, and refuses a
+router port in use at once."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _start_up(tmp_path, port: int, *args: str) -> tuple[subprocess.Popen, list[s
     raise AssertionError("kvsvc up not ready:\n" + "".join(lines))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_up_serves_and_stops_cleanly(tmp_path, sig):
     port = free_port_run(1)
     proc, lines = _start_up(tmp_path, port, "--engines", "2")

@@ -36,12 +36,24 @@ def test_vectors_depend_on_the_tokens_only():
                                  byte_tokens)["data"][0]["embedding"]) == 3
 
 
+def test_base64_is_the_float_vector_as_little_endian_float32():
+    """The openai SDK asks for ``encoding_format`` ``base64`` by default and decodes it so."""
+    import base64
+    import struct
+    plain = embeddings_answer({"input": "hello", "dimensions": 8}, "sim",
+                              byte_tokens)["data"][0]["embedding"]
+    packed = embeddings_answer({"input": "hello", "dimensions": 8, "encoding_format": "base64"},
+                               "sim", byte_tokens)["data"][0]["embedding"]
+    got = struct.unpack("<8f", base64.b64decode(packed))
+    assert got == pytest.approx(plain, rel=1e-6)
+
+
 @pytest.mark.parametrize("doc, words", [
     ([], "JSON object"), ({}, "'input'"), ({"input": ""}, "'input[0]'"), ({"input": []}, "'input'"),
     ({"input": ["a", ""]}, "'input[1]'"), ({"input": [[1], [-1]]}, "'input[1]'"),
     ({"input": [True]}, "'input[0]'"), ({"input": "a", "dimensions": 0}, "'dimensions'"),
     ({"input": "a", "dimensions": True}, "'dimensions'"),
-    ({"input": "a", "encoding_format": "base64"}, "'encoding_format'")])
+    ({"input": "a", "encoding_format": "int8"}, "'encoding_format'")])
 def test_bad_bodies_are_refused_naming_the_field(doc, words):
     with pytest.raises(SimBadRequest) as info:
         embeddings_answer(doc, "sim", byte_tokens)

@@ -17,6 +17,7 @@ and calls :func:`embeddings_answer`.
 
 from __future__ import annotations
 
+import base64
 import math
 import struct
 from typing import Any, Callable, Sequence
@@ -91,11 +92,16 @@ def embeddings_answer(doc: Any, model: str, encode: Callable[[str], list[int]]) 
     if (not isinstance(dims, int) or isinstance(dims, bool)
             or not 1 <= dims <= MAX_DIMENSIONS):
         raise SimBadRequest(f"'dimensions' must be an integer in 1-{MAX_DIMENSIONS}")
-    if doc.get("encoding_format", "float") != "float":
-        raise SimBadRequest("'encoding_format': only \"float\" is supported")
+    encoding = doc.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise SimBadRequest("'encoding_format' must be \"float\" or \"base64\"")
     inputs = input_tokens(doc.get("input"), encode)
     n = sum(len(t) for t in inputs)
+    # base64: little-endian float32 bytes, what OpenAI's SDK asks for by default and decodes.
+    form: Callable[[list[float]], Any] = (
+        (lambda v: base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii"))
+        if encoding == "base64" else (lambda v: v))
     return {"object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": embed(t, dims)}
+            "data": [{"object": "embedding", "index": i, "embedding": form(embed(t, dims))}
                      for i, t in enumerate(inputs)],
             "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
